@@ -1,0 +1,1 @@
+"""Generated gRPC stubs; do not edit (scripts/gen_protos.py)."""

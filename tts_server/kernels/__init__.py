@@ -1,0 +1,1 @@
+"""Decode engines behind one contract: the PyTorch reference and the CUDA megakernel."""
