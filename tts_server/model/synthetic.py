@@ -117,7 +117,7 @@ def codec_config(size: str):
         encoder = dict(hidden_size=32, num_filters=4, num_residual_layers=1, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                        intermediate_size=64, codebook_dim=32, num_quantizers=16,
-                       upsample_groups=32)
+                       upsample_groups=32, vector_quantization_hidden_dimension=32)
     decoder.update(rope_theta=10000, rms_norm_eps=1e-5, layer_scale_initial_scale=0.01,
                    num_quantizers=16, upsample_rates=(8, 5, 4, 3), upsampling_ratios=(2, 2))
     return Qwen3TTSTokenizerV2Config(encoder_config=encoder, decoder_config=decoder,

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny synthetic models (built once per session) and GPU skipping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_custom():
+    """qwen-tts Qwen3TTSModel, CustomVoice-shaped, tiny dims, seeded random weights, fp32."""
+    from tts_server.model.synthetic import SYNTHETIC_NAMES, build_synthetic
+
+    return build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"])
+
+
+@pytest.fixture(scope="session")
+def tiny_base():
+    """qwen-tts Qwen3TTSModel, Base-shaped (voice cloning), tiny dims, seeded random weights."""
+    from tts_server.model.synthetic import SYNTHETIC_NAMES, build_synthetic
+
+    return build_synthetic(SYNTHETIC_NAMES["synthetic-tiny-base"])
+
+
+@pytest.fixture(scope="session")
+def reference_audio():
+    """3 s of 24 kHz speech-like test audio (harmonics with a moving pitch plus noise)."""
+    import numpy as np
+
+    sr = 24000
+    t = np.arange(3 * sr) / sr
+    f0 = 120 + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    wav = sum(np.sin(k * phase) / k for k in range(1, 8))
+    wav = 0.3 * wav / np.abs(wav).max() + 0.01 * np.random.default_rng(0).standard_normal(t.size)
+    return wav.astype(np.float32), sr

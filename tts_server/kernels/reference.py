@@ -1,0 +1,136 @@
+"""The PyTorch reference decode engine: plain torch over `DecodeWeights`, exact to qwen-tts.
+
+Streams in a `step` are batched through the code predictor and the talker (one weight read
+per pass for all of them); sampling runs per stream with its own seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model.lm import KVCache, lm_forward
+from ..model.sampler import draw, repetition_penalty_, talker_mask_
+from ..model.weights import DecodeWeights
+from .api import FrameResult, Prompt, SamplingConfig
+
+
+@dataclass
+class _SlotState:
+    sampling: SamplingConfig
+    generator: torch.Generator
+    trailing: torch.Tensor  # [N, H]
+    pad_embed: torch.Tensor  # [H]
+    seen: torch.Tensor  # [V] bool: code-0 ids drawn so far (repetition penalty)
+    position: int = 0  # next talker position
+    code0: int = 0  # pending code 0 of the frame being built
+    past_hidden: torch.Tensor | None = None  # [H] talker hidden that produced code0
+    num_sampled: int = 0  # code-0 samples drawn
+    text_step: int = 0  # index into trailing
+
+
+class TorchEngine:
+    """DecodeEngine over plain PyTorch (CPU or CUDA, any float dtype)."""
+
+    name = "torch"
+
+    def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096):
+        self.w = weights
+        self.max_streams = max_streams
+        self.max_positions = max_positions
+        ref = weights.codec_head
+        self.device, self.dtype = ref.device, ref.dtype
+        self.cache = KVCache(weights.talker.config, max_streams, max_positions, self.dtype, self.device)
+        self.cp_cache = KVCache(weights.predictor.config, max_streams, weights.ids.num_code_groups,
+                                self.dtype, self.device)
+        self.slots: dict[int, _SlotState] = {}
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+        if not 0 <= slot < self.max_streams:
+            raise ValueError(f"slot {slot} out of range")
+        length = prompt.embeds.shape[0]
+        if length >= self.max_positions:
+            raise ValueError(f"prompt of {length} positions exceeds {self.max_positions}")
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        st = _SlotState(sampling=sampling, generator=gen,
+                        trailing=prompt.trailing.to(self.device, self.dtype),
+                        pad_embed=prompt.pad_embed.to(self.device, self.dtype),
+                        seen=torch.zeros(self.w.ids.vocab_size, dtype=torch.bool, device=self.device))
+        x = prompt.embeds.to(self.device, self.dtype)[None]
+        positions = torch.arange(length, device=self.device)[None]
+        slots = torch.tensor([slot], device=self.device)
+        hidden = lm_forward(self.w.talker, x, self.cache, slots, positions)[0, -1]
+        st.position = length
+        st.past_hidden = hidden
+        st.code0 = self._sample_code0(st, F.linear(hidden, self.w.codec_head))
+        self.slots[slot] = st
+
+    def release(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+
+    def _sample_code0(self, st: _SlotState, logits: torch.Tensor) -> int:
+        ids, s = self.w.ids, st.sampling
+        logits = logits.float().clone()
+        repetition_penalty_(logits, st.seen, s.repetition_penalty)
+        talker_mask_(logits, st.num_sampled, ids.eos, ids.suppress_start, ids.min_new_tokens)
+        code = draw(logits, s.do_sample, s.temperature, s.top_k, s.top_p, st.generator)
+        st.num_sampled += 1
+        st.seen[code] = True
+        return code
+
+    def _predict_codes(self, states: list[_SlotState]) -> torch.Tensor:
+        """Codes 1..15 for each stream's pending code 0 -> [B, 15] long."""
+        w = self.w
+        b = len(states)
+        rows = torch.arange(b, device=self.device)
+        code0 = torch.tensor([s.code0 for s in states], device=self.device)
+        x = torch.stack((torch.stack([s.past_hidden for s in states]),
+                         F.embedding(code0, w.codec_embedding)), dim=1)  # [B, 2, H]
+        codes = torch.empty(b, w.ids.num_code_groups - 1, dtype=torch.long, device=self.device)
+        for k in range(w.ids.num_code_groups - 1):
+            if w.predictor_in_proj is not None:
+                x = F.linear(x, *w.predictor_in_proj)
+            start = 0 if k == 0 else k + 1
+            positions = torch.arange(start, start + x.shape[1], device=self.device)[None].expand(b, -1)
+            hidden = lm_forward(w.predictor, x, self.cp_cache, rows, positions)[:, -1]
+            logits = F.linear(hidden, w.predictor_heads[k])
+            for i, st in enumerate(states):
+                s = st.sampling
+                codes[i, k] = draw(logits[i], s.subtalker_do_sample, s.subtalker_temperature,
+                                   s.subtalker_top_k, s.subtalker_top_p, st.generator)
+            x = F.embedding(codes[:, k], w.predictor_embeddings[k])[:, None]
+        return codes
+
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int]) -> list[FrameResult]:
+        w = self.w
+        states = [self.slots[s] for s in slots]
+        rest = self._predict_codes(states)  # [B, 15]
+        code0 = torch.tensor([s.code0 for s in states], device=self.device)
+        x = F.embedding(code0, w.codec_embedding)
+        for k in range(rest.shape[1]):
+            x = x + F.embedding(rest[:, k], w.predictor_embeddings[k])
+        text = [st.trailing[st.text_step] if st.text_step < st.trailing.shape[0] else st.pad_embed
+                for st in states]
+        x = (x + torch.stack(text))[:, None]  # [B, 1, H]
+        positions = torch.tensor([[st.position] for st in states], device=self.device)
+        if int(positions.max()) >= self.max_positions:
+            raise RuntimeError("talker context is full")
+        slot_t = torch.tensor(list(slots), device=self.device)
+        hidden = lm_forward(w.talker, x, self.cache, slot_t, positions)[:, 0]  # [B, H]
+        logits = F.linear(hidden, w.codec_head)
+        rest_np = rest.cpu().numpy()
+        results = []
+        for i, (slot, st) in enumerate(zip(slots, states)):
+            frame = np.concatenate(([st.code0], rest_np[i])).astype(np.int64)
+            st.position += 1
+            st.text_step += 1
+            st.past_hidden = hidden[i]
+            st.code0 = self._sample_code0(st, logits[i])
+            results.append(FrameResult(slot=slot, codes=frame, next_is_eos=st.code0 == w.ids.eos))
+        return results

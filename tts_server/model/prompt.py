@@ -1,0 +1,113 @@
+"""Prefill embeddings for one request, built exactly as qwen-tts `generate` builds them.
+
+Layout (0.6B models): role block P(<|im_start|> assistant \\n); codec prefix
+[think|nothink, think_bos, (lang), think_eos, (speaker), pad, bos] summed with tts_pad.../tts_bos;
+then the text part, in streaming-text or non-streaming mode, or the ICL block for voice clones.
+P(x) = text_projection(text_embedding(x)); C(c) = the talker's codec embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.api import Prompt
+
+
+@dataclass
+class VoiceClone:
+    """Speaker information for a Base model (from qwen-tts create_voice_clone_prompt)."""
+
+    speaker_embedding: torch.Tensor  # [H] x-vector
+    ref_codes: torch.Tensor | None = None  # [R, 16] reference frames (ICL mode), else None
+    ref_ids: torch.Tensor | None = None  # [1, n] tokenized "<|im_start|>assistant\n{ref}<|im_end|>\n"
+
+
+class PromptBuilder:
+    """Builds `Prompt`s from token ids with the model's own embedding tables."""
+
+    def __init__(self, model):
+        self.model = model  # qwen-tts Qwen3TTSForConditionalGeneration
+        self.talker = model.talker
+        self.cfg = model.config
+        self.tcfg = model.config.talker_config
+
+    def _text(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [1, n] -> [1, n, H]."""
+        return self.talker.text_projection(self.talker.get_text_embeddings()(ids))
+
+    def _codec(self, ids: list[int]) -> torch.Tensor:
+        """codec ids -> [1, n, H]."""
+        t = torch.tensor([ids], device=self.talker.device, dtype=torch.long)
+        return self.talker.get_input_embeddings()(t)
+
+    def language_id(self, language: str, speaker: str | None) -> int | None:
+        lang = language.lower()
+        lang_id = None if lang == "auto" else self.tcfg.codec_language_id[lang]
+        if lang in ("chinese", "auto") and speaker:
+            dialect = self.tcfg.spk_is_dialect[speaker.lower()]
+            if dialect is not False:
+                lang_id = self.tcfg.codec_language_id[dialect]
+        return lang_id
+
+    @torch.inference_mode()
+    def build(self, input_ids: torch.Tensor, language: str = "auto", speaker: str | None = None,
+              clone: VoiceClone | None = None, non_streaming: bool = False) -> Prompt:
+        """input_ids [1, T]: "<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"."""
+        c = self.tcfg
+        dev = self.talker.device
+        input_ids = input_ids.to(dev)
+        bos, eos, pad = self._text(torch.tensor(
+            [[self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id, self.cfg.tts_pad_token_id]],
+            device=dev)).chunk(3, dim=1)  # 3 x [1, 1, H]
+        if clone is not None:
+            speaker_embed = clone.speaker_embedding.to(dev, pad.dtype).view(1, 1, -1)
+        elif speaker:
+            speaker_embed = self._codec([c.spk_id[speaker.lower()]])
+        else:
+            speaker_embed = None
+        lang_id = self.language_id(language, None if clone is not None else speaker)
+        prefix = ([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id] if lang_id is None
+                  else [c.codec_think_id, c.codec_think_bos_id, lang_id, c.codec_think_eos_id])
+        parts = [self._codec(prefix)]
+        if speaker_embed is not None:
+            parts.append(speaker_embed)
+        parts.append(self._codec([c.codec_pad_id, c.codec_bos_id]))
+        codec = torch.cat(parts, dim=1)  # [1, n, H]
+        role = self._text(input_ids[:, :3])
+        head = torch.cat((pad.expand(-1, codec.shape[1] - 2, -1), bos), dim=1) + codec[:, :-1]
+        embeds = torch.cat((role, head), dim=1)
+        text_ids = input_ids[:, 3:-5]
+        if clone is not None and clone.ref_codes is not None:
+            icl, trailing = self._icl(text_ids, clone, pad, eos, non_streaming)
+            embeds = torch.cat((embeds, icl), dim=1)
+        elif non_streaming:
+            text = torch.cat((self._text(text_ids), eos), dim=1)
+            text = text + self._codec([c.codec_pad_id] * text.shape[1])
+            embeds = torch.cat((embeds, text, pad + self._codec([c.codec_bos_id])), dim=1)
+            trailing = pad
+        else:
+            embeds = torch.cat((embeds, self._text(input_ids[:, 3:4]) + codec[:, -1:]), dim=1)
+            trailing = torch.cat((self._text(input_ids[:, 4:-5]), eos), dim=1)
+        return Prompt(embeds=embeds[0], trailing=trailing[0], pad_embed=pad[0, 0])
+
+    def _icl(self, text_ids, clone: VoiceClone, pad, eos, non_streaming: bool):
+        """The in-context block: reference text + target text over bos + reference frames."""
+        c = self.tcfg
+        ref_text_ids = clone.ref_ids.to(text_ids.device)[:, 3:-2]
+        text = torch.cat((self._text(torch.cat((ref_text_ids, text_ids), dim=-1)), eos), dim=1)
+        codes = clone.ref_codes.to(text_ids.device)  # [R, 16]
+        frames = self.talker.get_input_embeddings()(codes[:, :1])  # [R, 1, H]
+        cp_tables = self.talker.code_predictor.get_input_embeddings()
+        rest = [cp_tables[i - 1](codes[:, i:i + 1]) for i in range(1, c.num_code_groups)]
+        frames = torch.cat([frames] + rest, dim=1).sum(1).unsqueeze(0)  # [1, R, H]
+        codec = torch.cat((self._codec([c.codec_bos_id]), frames), dim=1)
+        n_text, n_codec = text.shape[1], codec.shape[1]
+        if non_streaming:
+            block = text + self._codec([c.codec_pad_id] * n_text)
+            return torch.cat((block, codec + pad), dim=1), pad
+        if n_text > n_codec:
+            return text[:, :n_codec] + codec, text[:, n_codec:]
+        text = torch.cat([text] + [pad] * (n_codec - n_text), dim=1)
+        return text + codec, pad
