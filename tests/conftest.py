@@ -55,3 +55,32 @@ def reference_audio():
     wav = sum(np.sin(k * phase) / k for k in range(1, 8))
     wav = 0.3 * wav / np.abs(wav).max() + 0.01 * np.random.default_rng(0).standard_normal(t.size)
     return wav.astype(np.float32), sr
+
+
+@pytest.fixture(scope="session")
+def tiny_app(tiny_custom):
+    """Engine worker + model info for synthetic-tiny (CustomVoice), shared by server tests."""
+    from tts_server.app import build_app
+    from tts_server.config import ServerConfig
+    from tts_server.model.loader import LoadedModel
+
+    import torch
+
+    cfg = ServerConfig(model="synthetic-tiny", engine="torch", max_streams=4, port=0)
+    loaded = LoadedModel("synthetic-tiny", tiny_custom, True, torch.device("cpu"), torch.float32)
+    app = build_app(cfg, loaded)
+    yield app
+    app.worker.stop(10)
+
+
+@pytest.fixture
+async def tiny_server(tiny_app):
+    """A real grpc.aio server on 127.0.0.1:<free port> serving the tiny model; yields its address."""
+    from tts_server.config import ServerConfig
+    from tts_server.rpc.server import TTSServer
+
+    cfg = ServerConfig(model="synthetic-tiny", engine="torch", max_streams=4, port=0)
+    server = TTSServer(tiny_app.worker, tiny_app.info, cfg, owns_worker=False)
+    await server.start()
+    yield f"127.0.0.1:{server.port}"
+    await server.stop(grace=1.0)

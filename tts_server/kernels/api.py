@@ -24,21 +24,9 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from ..api import SamplingConfig
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Per-stream sampling settings (qwen-tts generate's names and defaults)."""
-
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    subtalker_do_sample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    seed: int = 0
+__all__ = ["DecodeEngine", "FrameResult", "Prompt", "SamplingConfig"]
 
 
 @dataclass

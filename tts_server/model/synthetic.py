@@ -124,14 +124,29 @@ def codec_config(size: str):
                                      encoder_valid_num_quantizers=16)
 
 
+@torch.no_grad()
 def randomize_codebooks(codec_model: torch.nn.Module, generator: torch.Generator) -> None:
     """Give every RVQ codebook random entries (qwen-tts initialises them to zero, which makes
     every code decode to the same waveform)."""
-    for name, buf in codec_model.named_buffers():
+    tensors = list(codec_model.named_parameters()) + list(codec_model.named_buffers())
+    for name, buf in tensors:
         if name.endswith("embedding_sum"):
             buf.copy_(torch.randn(buf.shape, generator=generator))
         elif name.endswith("cluster_usage"):
             buf.fill_(1.0)
+
+
+@torch.no_grad()
+def set_output_level(codec_model: torch.nn.Module, generator: torch.Generator,
+                     target_rms: float = 0.1) -> None:
+    """Scale the decoder's last conv so random codes decode to audible noise of about
+    `target_rms` (with the default init the waveform is ~1e-6, i.e. silence)."""
+    decoder = codec_model.decoder
+    codes = torch.randint(0, decoder.config.codebook_size, (1, decoder.config.num_quantizers, 16),
+                          generator=generator)
+    rms = decoder(codes).pow(2).mean().sqrt().item()
+    last = decoder.decoder[-1].conv
+    last.weight.mul_(target_rms / max(rms, 1e-12))
 
 
 def build_synthetic(spec: SyntheticSpec, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -152,6 +167,7 @@ def build_synthetic(spec: SyntheticSpec, dtype: torch.dtype = torch.float32, dev
         codec = Qwen3TTSTokenizerV2Model(codec_config(spec.size))
         gen = torch.Generator().manual_seed(spec.seed + 1)
         randomize_codebooks(codec, gen)
+        set_output_level(codec, gen)
     finally:
         torch.random.set_rng_state(rng_state)
     model = model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,21 @@
+"""Audio payload helpers: chunk bytes <-> numpy, WAV writing (soundfile)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .pb.tts.v1 import tts_pb2
+
+
+def chunk_samples(chunk: tts_pb2.AudioChunk) -> np.ndarray:
+    """An AudioChunk's audio as float32 samples in [-1, 1]."""
+    if chunk.encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
+        return np.frombuffer(chunk.audio, dtype="<f4").astype(np.float32)
+    return np.frombuffer(chunk.audio, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def write_wav(path: str, samples: np.ndarray, sample_rate: int) -> None:
+    """Write mono float32 samples as a 16-bit PCM WAV file."""
+    import soundfile
+
+    soundfile.write(path, samples, sample_rate, subtype="PCM_16", format="WAV")

@@ -1,0 +1,113 @@
+"""Async client for TextToSpeechService over the generated grpc.aio stub."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+
+from .audio import chunk_samples
+from .pb.tts.v1 import tts_pb2, tts_pb2_grpc
+
+
+def build_request(text: str, *, voice: str = "", language: str = "", sample_rate_hz: int = 0,
+                  encoding: int = tts_pb2.AUDIO_ENCODING_PCM_S16LE, seed: int | None = None,
+                  greedy: bool = False, max_duration_s: float = 0.0, request_id: str = "",
+                  reference_audio: bytes | None = None, reference_text: str = "",
+                  **sampling) -> tts_pb2.SynthesizeRequest:
+    """A SynthesizeRequest; `sampling` takes SamplingParams fields (temperature, top_k, ...)."""
+    req = tts_pb2.SynthesizeRequest(text=text, voice=voice, language=language, encoding=encoding,
+                                    sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s,
+                                    request_id=request_id)
+    if seed is not None or greedy or sampling:
+        req.sampling.greedy = greedy
+        if seed is not None:
+            req.sampling.seed = seed
+        for name, value in sampling.items():
+            if value is not None:
+                setattr(req.sampling, name, value)
+    if reference_audio:
+        req.reference.audio = reference_audio
+        req.reference.transcript = reference_text
+    return req
+
+
+@dataclass
+class SynthesisResult:
+    """A whole utterance gathered from the stream, with client-side timings."""
+
+    samples: np.ndarray
+    sample_rate: int
+    summary: tts_pb2.SynthesisSummary
+    ttfc_s: float  # client-side: call start to the first audio bytes
+    wall_s: float
+    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk since start
+
+    @property
+    def audio_s(self) -> float:
+        return self.samples.shape[0] / self.sample_rate if self.sample_rate else 0.0
+
+    @property
+    def rtf(self) -> float:
+        return self.wall_s / self.audio_s if self.audio_s else float("inf")
+
+
+class TTSClient:
+    """`async with TTSClient("127.0.0.1:50051") as c: async for msg in c.stream(req): ...`"""
+
+    def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: tuple[tuple[str, str], ...] = (), options=None):
+        self.address = address
+        self.metadata = metadata
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                        else grpc.aio.insecure_channel(address, options=options))
+        self.stub = tts_pb2_grpc.TextToSpeechServiceStub(self.channel)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def stream(self, request: tts_pb2.SynthesizeRequest, timeout: float | None = None):
+        """The raw response stream (a grpc.aio call: iterate it, or `.cancel()` it)."""
+        return self.stub.Synthesize(request, timeout=timeout, metadata=self.metadata)
+
+    async def chunks(self, request, timeout: float | None = None) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        call = self.stream(request, timeout)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def synthesize(self, request, timeout: float | None = None) -> SynthesisResult:
+        t0 = time.perf_counter()
+        parts, times, rate, summary, ttfc = [], [], 0, None, 0.0
+        async for msg in self.chunks(request, timeout):
+            if msg.HasField("audio"):
+                now = time.perf_counter() - t0
+                if not parts:
+                    ttfc = now
+                times.append(now)
+                rate = msg.audio.sample_rate_hz
+                parts.append(chunk_samples(msg.audio))
+            else:
+                summary = msg.summary
+        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return SynthesisResult(samples, rate or request.sample_rate_hz or 24000, summary, ttfc,
+                               time.perf_counter() - t0, times)
+
+    async def list_voices(self, timeout: float = 10.0) -> tts_pb2.ListVoicesResponse:
+        return await self.stub.ListVoices(tts_pb2.ListVoicesRequest(), timeout=timeout,
+                                          metadata=self.metadata)
+
+    async def model_info(self, timeout: float = 10.0) -> tts_pb2.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(tts_pb2.GetModelInfoRequest(), timeout=timeout,
+                                            metadata=self.metadata)

@@ -1,0 +1,112 @@
+"""Torch-free contract between the gRPC layer and the engine worker.
+
+The rpc package converts wire messages into `SynthesisRequest`s and streams back the
+`AudioChunk`s and the final `StreamEnd` that the worker produces.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class InvalidRequest(ValueError):
+    """A request the server cannot serve as asked; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class Overloaded(RuntimeError):
+    """No stream slot or queue place is free."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining and takes no new work."""
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    MAX_LENGTH = "max_length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Per-stream sampling settings (qwen-tts generate's names and defaults)."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_do_sample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ReferenceAudio:
+    """Decoded reference speech for voice cloning (Base models)."""
+
+    samples: np.ndarray  # [n] float32 mono
+    sample_rate: int
+    transcript: str  # empty: x-vector-only cloning; else in-context (ICL) cloning
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    request_id: str
+    text: str
+    voice: str | None  # CustomVoice speaker (lower case), None for Base models
+    language: str  # a model language name or "auto"
+    sampling: SamplingConfig
+    max_frames: int  # runaway guard: at most this many 80 ms frames
+    output_sample_rate: int
+    reference: ReferenceAudio | None = None
+
+
+@dataclass
+class AudioChunk:
+    samples: np.ndarray  # [n] float32 in [-1, 1] at the request's output_sample_rate
+    sample_offset: int  # index of samples[0] in the utterance, at the output rate
+    num_frames: int  # codec frames this chunk completes
+    sequence_number: int
+
+
+@dataclass
+class StreamEnd:
+    finish_reason: FinishReason
+    num_frames: int
+    num_samples: int  # at the output rate
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loaded model offers; the rpc layer validates requests against it."""
+
+    name: str
+    model_type: str  # custom_voice | base | voice_design
+    model_size: str
+    is_synthetic: bool
+    warning: str
+    engine: str
+    device: str
+    dtype: str
+    sample_rate: int
+    frame_rate: float
+    voices: tuple[str, ...]
+    default_voice: str | None
+    languages: tuple[str, ...]  # accepted names besides "auto"
+    voice_languages: dict = field(default_factory=dict)  # voice -> languages (may be empty)
+
+    @property
+    def requires_reference(self) -> bool:
+        return self.model_type == "base"

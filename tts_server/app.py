@@ -1,0 +1,77 @@
+"""Wiring: model -> decode engine + streaming codec -> worker -> ModelInfo."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .api import ModelInfo
+from .config import ServerConfig
+from .engine.worker import Worker
+from .model.loader import LoadedModel, load_model
+from .model.weights import decode_weights
+
+log = logging.getLogger(__name__)
+
+FRAME_RATE = 12.5  # codec frames per second (1920 samples at 24 kHz)
+
+
+def megakernel_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from .kernels import megakernel
+
+        return megakernel.is_available()
+    except Exception as e:  # noqa: BLE001 - fall back to torch, but say why
+        log.warning("megakernel engine unavailable: %s", e)
+        return False
+
+
+def create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
+    if name == "auto":
+        name = "megakernel" if loaded.device.type == "cuda" and megakernel_available() else "torch"
+    weights = decode_weights(loaded.model)
+    if name == "torch":
+        from .kernels.reference import TorchEngine
+
+        return TorchEngine(weights, config.max_streams, config.max_positions)
+    if name == "megakernel":
+        if loaded.device.type != "cuda":
+            raise RuntimeError("--engine megakernel needs a CUDA device")
+        from .kernels.megakernel import MegakernelEngine
+
+        return MegakernelEngine(weights, config.max_streams, config.max_positions)
+    raise ValueError(f"unknown engine {name!r}; choose auto, torch or megakernel")
+
+
+@dataclass
+class App:
+    loaded: LoadedModel
+    worker: Worker
+    info: ModelInfo
+
+
+def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
+    from .codec.streaming import StreamingCodecDecoder
+
+    loaded = loaded or load_model(config.model, config.device, config.dtype)
+    engine = create_engine(config.engine, loaded, config)
+    codec = StreamingCodecDecoder(loaded.model.speech_tokenizer.model.decoder)
+    voices = tuple(loaded.speakers)
+    default_voice = None
+    if voices:
+        default_voice = (config.default_voice or voices[0]).lower()
+        if default_voice not in voices:
+            raise ValueError(f"--default-voice {config.default_voice!r} is not one of {voices}")
+    info = ModelInfo(
+        name=config.model, model_type=loaded.model_type, model_size=loaded.model.tts_model_size,
+        is_synthetic=loaded.is_synthetic, warning=loaded.warning, engine=engine.name,
+        device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+        sample_rate=codec.sample_rate, frame_rate=FRAME_RATE, voices=voices,
+        default_voice=default_voice, languages=tuple(loaded.languages))
+    worker = Worker(loaded, engine, codec, config)
+    worker.start()
+    return App(loaded, worker, info)

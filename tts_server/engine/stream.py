@@ -1,0 +1,71 @@
+"""One stream's two halves: the asyncio-side handle and the engine-thread state."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..api import AudioChunk, StreamEnd, SynthesisRequest
+
+
+class StreamHandle:
+    """What the gRPC handler holds: an async iterator of `AudioChunk`s ending in a `StreamEnd`.
+    `cancel()` (idempotent, any thread) makes the engine drop the stream at its next step."""
+
+    def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop, wake):
+        self.request = request
+        self.submitted_at = time.monotonic()
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._wake = wake
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._wake()
+
+    def post(self, event: AudioChunk | StreamEnd) -> None:
+        """Engine thread -> event loop. Drops the event if the loop has closed."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, StreamEnd):
+                return
+
+
+@dataclass
+class ActiveStream:
+    """Engine-thread state of an admitted stream."""
+
+    handle: StreamHandle
+    slot: int
+    codec_state: object
+    resample: object  # codec.pcm.StreamResampler
+    max_frames: int
+    pending: list = field(default_factory=list)  # [16] code arrays not yet decoded
+    num_frames: int = 0
+    num_samples: int = 0  # emitted, at the output rate
+    num_chunks: int = 0
+
+    def take_codes(self) -> np.ndarray:
+        codes = np.stack(self.pending)  # [T, 16]
+        self.pending.clear()
+        return codes

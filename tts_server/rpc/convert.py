@@ -1,0 +1,162 @@
+"""Wire messages <-> the torch-free api types, with validation that names the bad field."""
+
+from __future__ import annotations
+
+import io
+import math
+import secrets
+import uuid
+
+import numpy as np
+
+from tts_client.pb.tts.v1 import tts_pb2
+
+from ..api import (AudioChunk, InvalidRequest, ModelInfo, ReferenceAudio, SamplingConfig,
+                   StreamEnd, SynthesisRequest)
+from ..config import ServerConfig
+
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
+MIN_REFERENCE_S, MAX_REFERENCE_S = 0.5, 30.0
+# Language tags (BCP-47 primary subtag) -> model language names.
+LANGUAGE_TAGS = {
+    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ja": "japanese",
+    "fr": "french", "ko": "korean", "ru": "russian", "it": "italian", "pt": "portuguese",
+}
+FINISH_REASONS = {"eos": tts_pb2.FINISH_REASON_EOS, "max_length": tts_pb2.FINISH_REASON_MAX_LENGTH,
+                  "cancelled": tts_pb2.FINISH_REASON_CANCELLED}
+
+
+def default_max_duration_s(text: str) -> float:
+    """Runaway guard when the request sets none: about 3x a slow speaking rate.
+    CJK characters (one syllable each) count 0.3 s, other characters 0.1 s, plus 2 s."""
+    wide = sum(1 for ch in text if ord(ch) >= 0x2E80)
+    return 2.0 + 0.3 * wide + 0.1 * (len(text) - wide)
+
+
+def _language(value: str, info: ModelInfo) -> str:
+    lang = value.strip().lower().replace("_", "-")
+    if lang in ("", "auto"):
+        return "auto"
+    if lang in info.languages:
+        return lang
+    name = LANGUAGE_TAGS.get(lang.split("-")[0])
+    if name in info.languages:
+        return name
+    raise InvalidRequest("language", f"unsupported language {value!r}; use 'auto' or one of "
+                                     f"{', '.join(info.languages)} (or a BCP-47 tag such as 'en')")
+
+
+def _sampling(msg: tts_pb2.SamplingParams, has: bool) -> SamplingConfig:
+    d = SamplingConfig()
+    if not has:
+        return SamplingConfig(seed=secrets.randbits(63))
+
+    def pick(name, default):
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    temperature, top_k, top_p = pick("temperature", d.temperature), pick("top_k", d.top_k), pick("top_p", d.top_p)
+    rep = pick("repetition_penalty", d.repetition_penalty)
+    st, sk, sp = (pick("subtalker_temperature", d.subtalker_temperature),
+                  pick("subtalker_top_k", d.subtalker_top_k), pick("subtalker_top_p", d.subtalker_top_p))
+    for name, value in (("temperature", temperature), ("subtalker_temperature", st)):
+        if not (math.isfinite(value) and 0.0 < value <= 100.0):
+            raise InvalidRequest(f"sampling.{name}", f"must be in (0, 100], got {value}")
+    for name, value in (("top_k", top_k), ("subtalker_top_k", sk)):
+        if value < 0:
+            raise InvalidRequest(f"sampling.{name}", f"must be >= 0 (0 disables), got {value}")
+    for name, value in (("top_p", top_p), ("subtalker_top_p", sp)):
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise InvalidRequest(f"sampling.{name}", f"must be in (0, 1], got {value}")
+    if not (math.isfinite(rep) and 0.0 < rep <= 10.0):
+        raise InvalidRequest("sampling.repetition_penalty", f"must be in (0, 10], got {rep}")
+    seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
+    return SamplingConfig(do_sample=not msg.greedy, temperature=temperature, top_k=top_k,
+                          top_p=top_p, repetition_penalty=rep, subtalker_do_sample=not msg.greedy,
+                          subtalker_temperature=st, subtalker_top_k=sk, subtalker_top_p=sp,
+                          seed=seed & (2**63 - 1))
+
+
+def _reference(msg: tts_pb2.VoiceCloneReference) -> ReferenceAudio:
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(msg.audio), dtype="float32", always_2d=True)
+    except Exception as e:  # noqa: BLE001 - libsndfile's reason goes back to the client
+        raise InvalidRequest("reference.audio", f"not a readable WAV/FLAC/OGG file ({e})") from None
+    samples = samples.mean(axis=1)
+    seconds = samples.shape[0] / rate
+    if not MIN_REFERENCE_S <= seconds <= MAX_REFERENCE_S:
+        raise InvalidRequest("reference.audio", f"{seconds:.2f} s long; must be "
+                                                f"{MIN_REFERENCE_S}-{MAX_REFERENCE_S} s")
+    if not np.isfinite(samples).all():
+        raise InvalidRequest("reference.audio", "contains NaN or infinite samples")
+    return ReferenceAudio(samples=np.ascontiguousarray(samples), sample_rate=int(rate),
+                          transcript=msg.transcript.strip())
+
+
+def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfig) -> SynthesisRequest:
+    """Validate a SynthesizeRequest; raises InvalidRequest naming the first bad field."""
+    text = msg.text.strip()
+    if not text:
+        raise InvalidRequest("text", "must not be empty or whitespace only")
+    if len(text) > cfg.max_text_chars:
+        raise InvalidRequest("text", f"{len(text)} characters exceeds the limit of {cfg.max_text_chars}")
+    if "\x00" in text:
+        raise InvalidRequest("text", "contains a NUL character")
+    reference = _reference(msg.reference) if msg.HasField("reference") and msg.reference.audio else None
+    if info.requires_reference:
+        if msg.voice:
+            raise InvalidRequest("voice", "this Base model clones voices from `reference`; leave voice empty")
+        if reference is None:
+            raise InvalidRequest("reference", "this Base model needs reference audio to clone a voice")
+        voice = None
+    else:
+        if reference is not None:
+            raise InvalidRequest("reference", f"a {info.model_type} model does not clone voices; "
+                                              "use `voice`")
+        voice = (msg.voice.strip().lower() or info.default_voice)
+        if voice not in info.voices:
+            raise InvalidRequest("voice", f"unknown voice {msg.voice!r}; available: {', '.join(info.voices)}")
+    language = _language(msg.language, info)
+    if msg.encoding not in (tts_pb2.AUDIO_ENCODING_UNSPECIFIED, tts_pb2.AUDIO_ENCODING_PCM_S16LE,
+                            tts_pb2.AUDIO_ENCODING_FLOAT32_LE):
+        raise InvalidRequest("encoding", f"unsupported encoding {msg.encoding}")
+    rate = msg.sample_rate_hz or info.sample_rate
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise InvalidRequest("sample_rate_hz", f"{msg.sample_rate_hz} Hz is outside "
+                                               f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} (0 = native)")
+    max_s = msg.max_duration_s
+    if not math.isfinite(max_s) or max_s < 0 or max_s > cfg.max_duration_s:
+        raise InvalidRequest("max_duration_s", f"must be in [0, {cfg.max_duration_s}] (0 = from the "
+                                               f"text length), got {max_s}")
+    max_s = max_s or min(default_max_duration_s(text), cfg.max_duration_s)
+    return SynthesisRequest(
+        request_id=msg.request_id or uuid.uuid4().hex[:16], text=text, voice=voice,
+        language=language, sampling=_sampling(msg.sampling, msg.HasField("sampling")),
+        max_frames=max(1, math.floor(max_s * info.frame_rate + 1e-3)), output_sample_rate=rate,
+        reference=reference)
+
+
+def encoding_of(msg: tts_pb2.SynthesizeRequest) -> int:
+    return msg.encoding or tts_pb2.AUDIO_ENCODING_PCM_S16LE
+
+
+def chunk_message(chunk: AudioChunk, rate: int, encoding: int) -> tts_pb2.SynthesizeResponse:
+    if encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
+        data = chunk.samples.astype("<f4").tobytes()
+    else:
+        data = (np.clip(chunk.samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    return tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
+        audio=data, sample_rate_hz=rate, encoding=encoding, sequence_number=chunk.sequence_number,
+        sample_offset=chunk.sample_offset, num_samples=int(chunk.samples.shape[0]),
+        num_frames=chunk.num_frames))
+
+
+def summary_message(end: StreamEnd, request_id: str, rate: int, ttfc_ms: float, wall_ms: float,
+                    num_chunks: int) -> tts_pb2.SynthesizeResponse:
+    audio_s = end.num_samples / rate
+    return tts_pb2.SynthesizeResponse(summary=tts_pb2.SynthesisSummary(
+        finish_reason=FINISH_REASONS.get(end.finish_reason.value, tts_pb2.FINISH_REASON_UNSPECIFIED),
+        num_frames=end.num_frames, audio_seconds=audio_s, time_to_first_chunk_ms=ttfc_ms,
+        wall_ms=wall_ms, real_time_factor=(wall_ms / 1000.0 / audio_s) if audio_s > 0 else 0.0,
+        request_id=request_id, num_chunks=num_chunks))
