@@ -177,7 +177,7 @@ async def test_health_reflection_and_info(tiny_server):
         voices = await client.list_voices()
     assert info.is_synthetic and "noise" in info.warning and info.model == "synthetic-tiny"
     assert info.native_sample_rate_hz == 24000 and info.frame_rate_hz == 12.5
-    assert [v.name for v in voices.voices] == ["vivian", "ryan", "aiden", "eric"]
+    assert [v.name for v in voices.voices] == ["aiden", "eric", "ryan", "vivian"]
     assert [v.is_default for v in voices.voices] == [True, False, False, False]
     assert not voices.requires_reference
 

@@ -38,7 +38,7 @@ class LoadedModel:
 
     @property
     def speakers(self) -> list[str]:
-        return [s.lower() for s in self.model.config.talker_config.spk_id]
+        return sorted(s.lower() for s in self.model.config.talker_config.spk_id)
 
     @property
     def languages(self) -> list[str]:

@@ -191,9 +191,20 @@ def save_release_layout(tts, path) -> None:
     import json
     from pathlib import Path
 
+    import inspect
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tts.model.save_pretrained(str(path))
+    # transformers serialises the speaker-encoder sub-config with generic PretrainedConfig keys
+    # its __init__ does not accept; the released config.json holds only its own fields.
+    config_file = path / "config.json"
+    cfg = json.loads(config_file.read_text())
+    se_cls = type(tts.model.config.speaker_encoder_config)
+    allowed = set(inspect.signature(se_cls.__init__).parameters) - {"self"}
+    cfg["speaker_encoder_config"] = {k: v for k, v in cfg["speaker_encoder_config"].items()
+                                     if k in allowed}
+    config_file.write_text(json.dumps(cfg, indent=2))
     tts.processor.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps(tts.model.generate_config, indent=2))
     st = tts.model.speech_tokenizer
