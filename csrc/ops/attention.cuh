@@ -1,0 +1,182 @@
+// Phase "attention" of one layer: per-head q/k RMSNorm, rotate-half RoPE, KV append, GQA
+// attention with split-K over key chunks (flash-decoding style) and a last-arriver merge.
+#pragma once
+#include "common.cuh"
+
+namespace qmk {
+
+struct AttnLayer {
+  const qmk_bf16* qkv;      // scratch [T][QKV]: raw q | k | v linear outputs (bf16)
+  qmk_bf16* kc;             // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
+  qmk_bf16* vc;             // this layer's V cache [NKV][ld_pos][HD]
+  int ld_pos;               // positions per head in the cache
+  const qmk_bf16* q_norm;   // [HD]
+  const qmk_bf16* k_norm;   // [HD]
+  const float* inv_freq;    // [HD/2]
+  float eps;
+  qmk_bf16* out;            // [T][QD] attention output (bf16, as sdpa returns it)
+  float* part;              // [NH * MAX_T][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
+  uint32_t* head_cnt;       // [NKV] split-K arrival counters (monotonic within a launch)
+};
+
+struct AttnSmem {
+  float y[3 * QMK_MAX_T][QMK_HD];               // normed rows before RoPE: 2T q rows, T k rows
+  float q[2 * QMK_MAX_T][QMK_HD];               // q after RoPE, row = t * 2 + j
+  float merge[QMK_WARPS][2 * QMK_MAX_T][QMK_HD + 2];  // per-warp online-softmax states
+  int last;
+};
+
+// Key chunks per kv head: enough items to spread long contexts over the grid.
+__device__ __forceinline__ int attn_chunks(int ctx, int T) {
+  if (T > 1) return 1;  // the 2-token CP pass (ctx 2): both new keys must sit in one chunk
+  int n = (ctx + 31) / 32;
+  const int cap = min((int)gridDim.x / QMK_NKV, QMK_MAX_CHUNKS);
+  return max(1, min(n, cap));
+}
+
+// T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1.
+template <int T>
+__device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
+  const int ctx = p0 + T;
+  const int nchunks = attn_chunks(ctx, T);
+  const int chunk = (ctx + nchunks - 1) / nchunks;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float scale = 0.08838834764831845f;  // head_dim ** -0.5
+  constexpr int NQ = 2 * T;                  // (token, q head) pairs per kv head
+
+  for (int item = blockIdx.x; item < QMK_NKV * nchunks; item += gridDim.x) {
+    const int h = item % QMK_NKV, c = item / QMK_NKV;
+    const int c0 = c * chunk, c1 = min(ctx, c0 + chunk);
+    const bool owner = (c == nchunks - 1);  // holds the new positions: appends K/V
+    const int nrows = NQ + (owner ? T : 0);
+
+    // 1) per-head RMSNorm of the q rows (and the new k rows): fp32, cast, times weight.
+    if (warp < nrows) {
+      const bool isq = warp < NQ;
+      const int t = isq ? warp / 2 : warp - NQ;
+      const qmk_bf16* src = a.qkv + t * QMK_QKV + (isq ? (2 * h + (warp & 1)) * QMK_HD : QMK_QD + h * QMK_HD);
+      const uint2 raw = ld_u2_cg(src + lane * 4);
+      const float x[4] = {lo_bf(raw.x), hi_bf(raw.x), lo_bf(raw.y), hi_bf(raw.y)};
+      const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+      const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + a.eps);
+      const qmk_bf16* nw = isq ? a.q_norm : a.k_norm;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sm.y[warp][lane * 4 + i] = rbf(bf2f(nw[lane * 4 + i]) * rbf(x[i] * rinv));
+    }
+    __syncthreads();
+
+    // 2) rotate-half RoPE (cos/sin in fp32, cast to bf16; every product rounded as in bf16 torch).
+    for (int idx = threadIdx.x; idx < nrows * QMK_HD; idx += NT) {
+      const int row = idx / QMK_HD, d = idx % QMK_HD;
+      const int t = row < NQ ? row / 2 : row - NQ;
+      const int pos = p0 + t;
+      const float ang = (float)pos * a.inv_freq[d & (QMK_HD / 2 - 1)];
+      const float cs = rbf(cosf(ang)), sn = rbf(sinf(ang));
+      const float yv = sm.y[row][d];
+      const float rot = d < QMK_HD / 2 ? -sm.y[row][d + QMK_HD / 2] : sm.y[row][d - QMK_HD / 2];
+      const float r = rbf(rbf(yv * cs) + rbf(rot * sn));
+      if (row < NQ) {
+        sm.q[row][d] = r;
+      } else {
+        const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + d;
+        a.kc[off] = f2bf(r);
+        a.vc[off] = f2bf(ld_bf_cg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
+      }
+    }
+    __syncthreads();
+
+    // 3) each warp walks keys c0+warp, c0+warp+16, ...; lanes hold 4 dims; online softmax.
+    float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
+#pragma unroll
+    for (int r = 0; r < NQ; ++r) {
+      m[r] = neg_inf();
+      l[r] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) { qv[r][i] = sm.q[r][lane * 4 + i]; acc[r][i] = 0.f; }
+    }
+    const qmk_bf16* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+    const qmk_bf16* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+#pragma unroll 2
+    for (int j = c0 + warp; j < c1; j += NW) {
+      const uint2 kr = ld_u2_cg(kbase + (size_t)j * QMK_HD);
+      const uint2 vr = ld_u2_cg(vbase + (size_t)j * QMK_HD);
+      const float kf[4] = {lo_bf(kr.x), hi_bf(kr.x), lo_bf(kr.y), hi_bf(kr.y)};
+      const float vf[4] = {lo_bf(vr.x), hi_bf(vr.x), lo_bf(vr.y), hi_bf(vr.y)};
+#pragma unroll
+      for (int r = 0; r < NQ; ++r) {
+        float s = qv[r][0] * kf[0];
+        s = fmaf(qv[r][1], kf[1], s);
+        s = fmaf(qv[r][2], kf[2], s);
+        s = fmaf(qv[r][3], kf[3], s);
+        s = warp_sum(s) * scale;
+        if (j <= p0 + r / 2) {  // causal: token t sees keys <= its position
+          const float mn = fmaxf(m[r], s);
+          const float corr = expf(m[r] - mn);
+          const float p = expf(s - mn);
+          l[r] = l[r] * corr + p;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][i] = fmaf(acc[r][i], corr, p * vf[i]);
+          m[r] = mn;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < NQ; ++r) {
+      if (lane == 0) { sm.merge[warp][r][0] = m[r]; sm.merge[warp][r][1] = l[r]; }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sm.merge[warp][r][2 + lane * 4 + i] = acc[r][i];
+    }
+    __syncthreads();
+
+    // 4) merge the 16 warps; one chunk: write the output, else a partial for the last arriver.
+    for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
+      const int r = idx / QMK_HD, d = idx % QMK_HD;
+      float mx = neg_inf();
+      for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm.merge[w][r][0]);
+      float L = 0.f, A = 0.f;
+      for (int w = 0; w < NW; ++w) {
+        const float e = sm.merge[w][r][0] == neg_inf() ? 0.f : expf(sm.merge[w][r][0] - mx);
+        L = fmaf(sm.merge[w][r][1], e, L);
+        A = fmaf(sm.merge[w][r][2 + d], e, A);
+      }
+      const int t = r / 2, head = 2 * h + (r & 1);
+      if (nchunks == 1) {
+        a.out[t * QMK_QD + head * QMK_HD + d] = f2bf(A / L);
+      } else {
+        float* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
+        if (d == 0) { __stcg(pp, mx); __stcg(pp + 1, L); }
+        __stcg(pp + 2 + d, A);
+      }
+    }
+    if (nchunks > 1) {
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const uint32_t old = atomicAdd(a.head_cnt + h, 1u);
+        sm.last = ((old + 1) % (uint32_t)nchunks) == 0;
+      }
+      __syncthreads();
+      if (sm.last) {
+        __threadfence();
+        for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
+          const int r = idx / QMK_HD, d = idx % QMK_HD;
+          const int t = r / 2, head = 2 * h + (r & 1);
+          const float* pp = a.part + (size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS * (QMK_HD + 2);
+          float mx = neg_inf();
+          for (int cc = 0; cc < nchunks; ++cc) mx = fmaxf(mx, __ldcg(pp + cc * (QMK_HD + 2)));
+          float L = 0.f, A = 0.f;
+          for (int cc = 0; cc < nchunks; ++cc) {
+            const float* q = pp + cc * (QMK_HD + 2);
+            const float e = expf(__ldcg(q) - mx);
+            L = fmaf(__ldcg(q + 1), e, L);
+            A = fmaf(__ldcg(q + 2 + d), e, A);
+          }
+          a.out[t * QMK_QD + head * QMK_HD + d] = f2bf(A / L);
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace qmk

@@ -1,0 +1,133 @@
+// Shared device helpers: bf16 rounding, loads, block reductions and the per-instance grid barrier.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../layout.h"
+
+namespace qmk {
+
+constexpr int NT = QMK_THREADS;
+constexpr int NW = QMK_WARPS;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Round an fp32 value to bf16 and back: marks every point where qwen-tts (bf16) rounds.
+__device__ __forceinline__ float rbf(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float bf2f(qmk_bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ qmk_bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ float lo_bf(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_bf(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Weights are read-only for the whole launch and streamed once: 16-byte, no L1 allocation.
+__device__ __forceinline__ uint4 ld_weight(const qmk_bf16* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// Buffers written by other blocks in this launch are read through L2 only (L1 is not coherent).
+__device__ __forceinline__ float ld_bf_cg(const qmk_bf16* p) {
+  return __uint_as_float(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(p))) << 16);
+}
+__device__ __forceinline__ uint2 ld_u2_cg(const void* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Deterministic block sum of one value per thread (fixed tree order). red: smem [NW].
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float s = l < NW ? red[l] : 0.f;
+  s = warp_sum(s);
+  return s;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float s = l < NW ? red[l] : neg_inf();
+  return warp_max(s);
+}
+
+// Rows [lo, hi) of n owned by block b of g: contiguous, balanced.
+__device__ __forceinline__ void rows_of(int b, int g, int n, int& lo, int& cnt) {
+  lo = (int)(((long long)n * b) / g);
+  cnt = (int)(((long long)n * (b + 1)) / g) - lo;
+}
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Grid barrier over this engine instance's sync words. The counter only grows inside a launch
+// (barrier n completes at n * gridDim.x arrivals) and the host zeroes it before every launch, so no
+// generation from an earlier launch can leak in. The wait is bounded: past timeout_ns the block
+// records QMK_ERR_TIMEOUT and every block leaves the kernel instead of hanging.
+struct Grid {
+  uint32_t* sync;
+  uint64_t timeout_ns;
+  uint32_t epoch;
+
+  __device__ bool sync_all(int* s_flag) {
+    __syncthreads();
+    epoch += 1;
+    if (threadIdx.x == 0) {
+      const uint32_t target = epoch * gridDim.x;
+      volatile uint32_t* err = sync + QMK_SYNC_ERR;
+      __threadfence();
+      red_release_add(sync + QMK_SYNC_BAR, 1u);
+      int ok = 1;
+      uint32_t spins = 0;
+      uint64_t t0 = 0;
+      while (ld_acquire(sync + QMK_SYNC_BAR) < target) {
+        if ((++spins & 255u) == 0) {
+          if (*err != 0) { ok = 0; break; }
+          const uint64_t now = globaltimer();
+          if (t0 == 0) {
+            t0 = now;
+          } else if (now - t0 > timeout_ns) {
+            atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
+            ok = 0;
+            break;
+          }
+        }
+      }
+      __threadfence();
+      *s_flag = ok;
+    }
+    __syncthreads();
+    return *s_flag != 0;
+  }
+};
+
+}  // namespace qmk

@@ -1,0 +1,189 @@
+// On-GPU sampling with qwen-tts's (Hugging Face) rules, done by one block over logits in smem:
+// greedy argmax (ties -> lowest index, as torch.argmax) or temperature -> top-k -> top-p ->
+// categorical draw. The draw is Gumbel-max with a counter-based hash RNG keyed by
+// (seed, counter, stream, token id): reproducible and identical in every block that runs it.
+#pragma once
+#include "common.cuh"
+
+namespace qmk {
+
+struct SampleParams {
+  int do_sample;
+  float temperature;
+  int top_k;
+  float top_p;
+};
+
+struct SampleSmem {
+  float l[QMK_VT];          // working logits
+  uint8_t removed[QMK_VT];  // top-p removals
+  uint32_t hist[256];
+  float fred[NW];
+  int ired[NW];
+  int bin, rank, result;
+};
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1) for token `idx` of draw (counter, stream).
+__device__ __forceinline__ float uniform01(uint64_t seed, uint32_t counter, uint32_t stream, uint32_t idx) {
+  const uint64_t key = ((uint64_t)counter << 16) | ((uint64_t)(stream & 15u) << 12) | (idx & 4095u);
+  const uint64_t h = splitmix64(splitmix64(seed) ^ key);
+  return ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+// Order-preserving float <-> uint32 key.
+__device__ __forceinline__ uint32_t fkey(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float fkey_inv(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Index of the largest l[i]; ties -> lowest index. Same result in every thread.
+__device__ int block_argmax(const float* l, int V, SampleSmem& sm) {
+  float bv = neg_inf();
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float v = l[i];
+    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+  }
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) { sm.fred[w] = bv; sm.ired[w] = bi; }
+  __syncthreads();
+  if (w == 0) {
+    bv = lane < NW ? sm.fred[lane] : neg_inf();
+    bi = lane < NW ? sm.ired[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) sm.result = bi == 0x7fffffff ? 0 : bi;
+  }
+  __syncthreads();
+  return sm.result;
+}
+
+// Value of the k-th largest l[i] (counting multiplicity): radix select over 4 bytes of the key.
+__device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
+  uint32_t prefix = 0, mask = 0;
+  int kk = k;
+  const int lane = threadIdx.x & 31;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += NT) {
+      const uint32_t key = fkey(l[i]);
+      if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      uint32_t c[8], tot = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { c[i] = sm.hist[255 - lane * 8 - i]; tot += c[i]; }
+      uint32_t incl = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const uint32_t hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)kk);
+      if (lane == __ffs(hit) - 1) {
+        uint32_t cum = incl - tot;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (cum + c[i] >= (uint32_t)kk) {
+            sm.bin = 255 - lane * 8 - i;
+            sm.rank = kk - (int)cum;
+            break;
+          }
+          cum += c[i];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= (uint32_t)sm.bin << shift;
+    mask |= 255u << shift;
+    kk = sm.rank;
+    __syncthreads();
+  }
+  return fkey_inv(prefix);
+}
+
+// Draw one token from processed logits l[0..V) (smem; overwritten). Same result in every thread.
+__device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t seed, uint32_t counter,
+                            uint32_t stream, SampleSmem& sm) {
+  if (!p.do_sample) return block_argmax(l, V, sm);
+  if (p.temperature != 1.0f)
+    for (int i = threadIdx.x; i < V; i += NT) l[i] = l[i] / p.temperature;
+  __syncthreads();
+  if (p.top_k > 0 && p.top_k < V) {
+    const float kth = kth_largest(l, V, p.top_k, sm);
+    for (int i = threadIdx.x; i < V; i += NT)
+      if (l[i] < kth) l[i] = neg_inf();
+    __syncthreads();
+  }
+  if (p.top_p < 1.0f) {
+    // HF: sort ascending, cumulative softmax, drop tokens with cum <= 1 - top_p (never the top).
+    float mx = neg_inf();
+    for (int i = threadIdx.x; i < V; i += NT) mx = fmaxf(mx, l[i]);
+    mx = block_max(mx, sm.fred);
+    float z = 0.f;
+    for (int i = threadIdx.x; i < V; i += NT) z += expf(l[i] - mx);
+    z = block_sum(z, sm.fred);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = w; i < V; i += NW) {
+      const float li = l[i];
+      bool rm = false;
+      if (li != neg_inf()) {
+        float cum = 0.f;
+        for (int j = lane; j < V; j += 32) {
+          const float lj = l[j];
+          if (lj < li || (lj == li && j <= i)) cum += expf(lj - mx);
+        }
+        cum = warp_sum(cum) / z;
+        rm = cum <= 1.0f - p.top_p && li != mx;
+      }
+      if (lane == 0) sm.removed[i] = rm;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += NT)
+      if (sm.removed[i]) l[i] = neg_inf();
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < V; i += NT) {
+    if (l[i] != neg_inf()) l[i] += -logf(-logf(uniform01(seed, counter, stream, (uint32_t)i)));
+  }
+  __syncthreads();
+  return block_argmax(l, V, sm);
+}
+
+// Talker logits processors in HF order: repetition penalty over the code-0 history, EOS masked
+// for the first min_new samples, ids [sup_start, V) except EOS suppressed. src: global fp32.
+__device__ void talker_process(float* l, const float* src, const uint8_t* seen, float penalty,
+                               int n_sampled, int min_new, int eos, int sup_start, int V) {
+  for (int i = threadIdx.x; i < V; i += NT) {
+    float v = __ldcg(src + i);
+    if (seen[i] && penalty != 1.0f) v = v < 0.f ? v * penalty : v / penalty;
+    if ((i >= sup_start && i != eos) || (i == eos && n_sampled < min_new)) v = neg_inf();
+    l[i] = v;
+  }
+  __syncthreads();
+}
+
+}  // namespace qmk

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Megakernel evidence in one call on a CUDA machine: build, compute-sanitizer (memcheck + racecheck
+# on one frame), correctness (teacher forced + greedy parity + sampling) and the benchmark.
+# Logs and kernel_results.json land in $OUT; a short table is printed last.
+#   STAGES="build sanitize check bench" (default: all)   FRAMES=200   GREEDY_FRAMES=40
+# Wheels for qwen-tts and transformers 4.57.3 (the GPU image has 5.x) may be carried in .whl/.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build sanitize check bench"}
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
+
+for stage in $STAGES; do
+  case $stage in
+    build)
+      make -C csrc 2>&1 | tee "$OUT/build.log" | tail -5
+      ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool $tool --kernel-regex kns=qmk_ \
+          $PY scripts/bench_kernel.py --sanitize-frame >"$OUT/$tool.log" 2>&1
+        echo "$tool rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize frame ok' "$OUT/$tool.log" | tr '\n' ' ')"
+      done
+      ;;
+    check | bench)
+      ;;
+  esac
+done
+
+ARGS=()
+[[ " $STAGES " == *" check "* ]] && ARGS+=(--check --frames "${FRAMES:-200}" --greedy-frames "${GREEDY_FRAMES:-40}")
+[[ " $STAGES " == *" bench "* ]] && ARGS+=(--bench)
+if [ ${#ARGS[@]} -gt 0 ]; then
+  $PY scripts/bench_kernel.py "${ARGS[@]}" --out "$OUT" 2>&1 | tee "$OUT/run.log" | tail -40
+fi

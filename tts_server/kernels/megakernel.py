@@ -1,0 +1,253 @@
+"""The `megakernel` decode engine: one persistent CUDA launch per frame (csrc/).
+
+The kernel library is a plain C ABI (`csrc/libqwen_megakernel.so`, built with `make -C csrc`)
+loaded with ctypes; it takes raw device pointers of torch tensors and launches on torch's
+current stream, so it does not depend on the torch C++ ABI. Prefill is batched PyTorch
+(`model.lm.lm_forward`) writing straight into the kernel's KV layout; the prefill's code-0
+draw runs on the GPU with the same sampling code as the frame kernel.
+
+All per-stream state (KV rows, positions, pending code 0, code-0 history, text track,
+sampling settings) lives in device arrays indexed by slot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model.weights import DecodeWeights, LMConfig
+from .api import FrameResult, Prompt, SamplingConfig
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+LIB_NAME = "libqwen_megakernel.so"
+ABI_VERSION = 1
+
+# csrc/layout.h
+H, NH, NKV, HD, I = 1024, 16, 8, 128, 3072
+TALKER_LAYERS, CP_LAYERS = 28, 5
+VT, VC, GROUPS, CP_POS, MAX_T, MAX_CHUNKS = 3072, 2048, 16, 16, 2, 32
+SYNC_WORDS, SYNC_ERR = 128, 32
+OUT_WORDS = 18
+FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT = 1, 2, 4
+ERRORS = {1: "grid barrier timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
+
+
+class QmkState(ctypes.Structure):
+    """Mirror of csrc/layout.h QmkState (checked against qmk_state_size())."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing", "past_hidden",
+        "trailing", "pad_embed", "seen", "samp", "out", "x", "qkv", "attn", "act", "logits",
+        "part", "cp_k", "cp_v", "sync", "dump")] + [
+        ("max_pos", ctypes.c_int32), ("max_trailing", ctypes.c_int32), ("num_slots", ctypes.c_int32),
+        ("eos", ctypes.c_int32), ("suppress_start", ctypes.c_int32), ("min_new_tokens", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("pad0", ctypes.c_int32), ("timeout_ns", ctypes.c_uint64)]
+
+
+def sampling_bytes(s: SamplingConfig) -> bytes:
+    """csrc/layout.h QmkSampling (48 bytes)."""
+    return struct.pack("<iifffiiffiQ", int(s.do_sample), int(s.top_k), s.temperature, s.top_p,
+                       s.repetition_penalty, int(s.subtalker_do_sample), int(s.subtalker_top_k),
+                       s.subtalker_temperature, s.subtalker_top_p, 0, s.seed & (2**64 - 1))
+
+
+def build_library(force: bool = False) -> Path:
+    """Build csrc/libqwen_megakernel.so with nvcc (make -C csrc) if it is missing."""
+    lib = CSRC / LIB_NAME
+    if force or not lib.exists():
+        subprocess.run(["make", "-C", str(CSRC)], check=True, capture_output=True)
+    return lib
+
+
+def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    path = Path(path or os.environ.get("QMK_LIB", CSRC / LIB_NAME))
+    lib = ctypes.CDLL(str(path))
+    lib.qmk_frame.argtypes = [ctypes.POINTER(QmkState), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_void_p]
+    lib.qmk_sample_talker.argtypes = [ctypes.POINTER(QmkState), ctypes.c_int, ctypes.c_void_p]
+    lib.qmk_grid_size.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    lib.qmk_error_string.restype = ctypes.c_char_p
+    lib.qmk_state_size.restype = ctypes.c_size_t
+    lib.qmk_model_size.restype = ctypes.c_size_t
+    lib.qmk_sampling_size.restype = ctypes.c_size_t
+    if lib.qmk_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI {lib.qmk_abi_version()} != {ABI_VERSION}")
+    if lib.qmk_state_size() != ctypes.sizeof(QmkState) or lib.qmk_sampling_size() != 48:
+        raise RuntimeError(f"{path}: QmkState/QmkSampling layout differs from megakernel.py")
+    return lib
+
+
+def inv_freq(cfg: LMConfig) -> torch.Tensor:
+    """theta^(-2j/d) in fp32, computed on the CPU exactly as the qwen-tts rotary modules do."""
+    d = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
+def check_shapes(w: DecodeWeights) -> None:
+    for cfg, layers in ((w.talker.config, TALKER_LAYERS), (w.predictor.config, CP_LAYERS)):
+        got = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+               cfg.intermediate_size)
+        if got != (layers, H, NH, NKV, HD, I):
+            raise ValueError(f"megakernel is built for the 0.6B shapes, got {got}")
+    if w.predictor_in_proj is not None:
+        raise ValueError("megakernel: predictor input projection (1.7B) not supported")
+    if w.ids.vocab_size != VT or w.ids.predictor_vocab_size != VC or w.ids.num_code_groups != GROUPS:
+        raise ValueError("megakernel: vocabulary sizes differ from csrc/layout.h")
+    if w.codec_head.dtype != torch.bfloat16 or w.codec_head.device.type != "cuda":
+        raise ValueError("megakernel needs bf16 weights on a CUDA device")
+
+
+def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
+    """csrc/layout.h QmkModel as an int64 device tensor of pointers."""
+    ptrs: list[int] = []
+
+    def p(t: torch.Tensor) -> int:
+        t = t.contiguous()
+        keep.append(t)
+        return t.data_ptr()
+
+    for lm in (w.talker, w.predictor):
+        for lw in lm.layers:
+            ptrs += [p(lw.input_norm), p(lw.q_proj), p(lw.k_proj), p(lw.v_proj), p(lw.q_norm),
+                     p(lw.k_norm), p(lw.o_proj), p(lw.post_norm), p(lw.gate_proj), p(lw.up_proj),
+                     p(lw.down_proj)]
+    dev = w.codec_head.device
+    ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), p(w.codec_head)]
+    ptrs += [p(e) for e in w.predictor_embeddings] + [p(h) for h in w.predictor_heads]
+    ptrs += [p(inv_freq(w.talker.config).to(dev)), p(inv_freq(w.predictor.config).to(dev))]
+    return torch.tensor(ptrs, dtype=torch.int64, device=dev)
+
+
+class MegakernelEngine:
+    """DecodeEngine over the CUDA megakernel (bf16 weights on one GPU, batch 1 per launch)."""
+
+    name = "megakernel"
+
+    def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
+                 max_trailing: int = 1024, timeout_s: float = 2.0, lib_path: str | None = None,
+                 dump_logits: bool = False):
+        check_shapes(weights)
+        self.w = weights
+        self.max_streams, self.max_positions, self.max_trailing = max_streams, max_positions, max_trailing
+        self.lib = load_library(lib_path)
+        dev = self.device = weights.codec_head.device
+        blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
+        err = self.lib.qmk_grid_size(dev.index or 0, ctypes.byref(blocks), ctypes.byref(sms))
+        if err:
+            raise RuntimeError(f"megakernel grid: {self.lib.qmk_error_string(err).decode()}")
+        self.blocks, self.sms = blocks.value, sms.value
+        self._keep: list = []
+        self.model_dev = model_table(weights, self._keep)
+        if self.model_dev.numel() * 8 != self.lib.qmk_model_size():
+            raise RuntimeError("QmkModel layout differs from megakernel.py")
+        bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
+        s = max_streams
+        kv_shape = (s, TALKER_LAYERS, NKV, max_positions, HD)
+        self.kv_k, self.kv_v = torch.zeros(kv_shape, **bf), torch.zeros(kv_shape, **bf)
+        self.pos, self.code0 = torch.zeros(s, **i32), torch.zeros(s, **i32)
+        self.n_sampled, self.text_step = torch.zeros(s, **i32), torch.zeros(s, **i32)
+        self.n_trailing = torch.zeros(s, **i32)
+        self.past_hidden = torch.zeros(s, H, **bf)
+        self.trailing = torch.zeros(s, max_trailing, H, **bf)
+        self.pad_embed = torch.zeros(s, H, **bf)
+        self.seen = torch.zeros(s, VT, dtype=torch.uint8, device=dev)
+        self.samp = torch.zeros(s, 48, dtype=torch.uint8, device=dev)
+        self.out = torch.zeros(s, OUT_WORDS, **i32)
+        self.x = torch.zeros(MAX_T, H, **bf)
+        self.qkv = torch.zeros(MAX_T, 4096, **bf)
+        self.attn = torch.zeros(MAX_T, NH * HD, **bf)
+        self.act = torch.zeros(MAX_T, I, **bf)
+        self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
+        self.part = torch.zeros(NH * MAX_T, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
+        cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
+        self.cp_k, self.cp_v = torch.zeros(cp_shape, **bf), torch.zeros(cp_shape, **bf)
+        self.sync = torch.zeros(SYNC_WORDS, **i32)
+        self.dump = torch.zeros(GROUPS, VT, dtype=torch.float32, device=dev) if dump_logits else None
+        ids = weights.ids
+        st = QmkState()
+        for name in ("kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing",
+                     "past_hidden", "trailing", "pad_embed", "seen", "samp", "out", "x", "qkv",
+                     "attn", "act", "logits", "part", "cp_k", "cp_v", "sync"):
+            setattr(st, name, getattr(self, name).data_ptr())
+        st.dump = self.dump.data_ptr() if self.dump is not None else None
+        st.max_pos, st.max_trailing, st.num_slots = max_positions, max_trailing, s
+        st.eos, st.suppress_start, st.min_new_tokens = ids.eos, ids.suppress_start, ids.min_new_tokens
+        st.eps = weights.talker.config.rms_norm_eps
+        st.timeout_ns = int(timeout_s * 1e9)
+        self.state = st
+        self.active: dict[int, int] = {}  # slot -> next talker position (host mirror)
+        # lm_forward's cache interface over the kernel's KV arrays (same layout).
+        self._cache = SimpleNamespace(k=self.kv_k, v=self.kv_v, max_positions=max_positions)
+
+    # -- launches -------------------------------------------------------------------------
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"megakernel {what}: {self.lib.qmk_error_string(err).decode()}")
+
+    def launch(self, slot: int, flags: int = 0) -> None:
+        """Queue one frame for `slot` on the current stream (no host sync)."""
+        self._check(self.lib.qmk_frame(ctypes.byref(self.state), self.model_dev.data_ptr(), slot, flags,
+                                       self.blocks, self._stream()), "launch")
+
+    def kernel_error(self) -> int:
+        return int(self.sync[SYNC_ERR].item())
+
+    # -- DecodeEngine ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+        from ..model.lm import lm_forward
+
+        if not 0 <= slot < self.max_streams:
+            raise ValueError(f"slot {slot} out of range")
+        length = prompt.embeds.shape[0]
+        n_tr = prompt.trailing.shape[0]
+        if length >= self.max_positions:
+            raise ValueError(f"prompt of {length} positions exceeds {self.max_positions}")
+        if n_tr > self.max_trailing:
+            raise ValueError(f"{n_tr} pending text vectors exceed {self.max_trailing}")
+        x = prompt.embeds.to(self.device, torch.bfloat16)[None]
+        positions = torch.arange(length, device=self.device)[None]
+        slots = torch.tensor([slot], device=self.device)
+        hidden = lm_forward(self.w.talker, x, self._cache, slots, positions)[0, -1]
+        self.past_hidden[slot] = hidden
+        self.logits.copy_(F.linear(hidden, self.w.codec_head).float())
+        self.trailing[slot, :n_tr] = prompt.trailing.to(self.device, torch.bfloat16)
+        self.pad_embed[slot] = prompt.pad_embed.to(self.device, torch.bfloat16)
+        self.seen[slot].zero_()
+        self.samp[slot] = torch.frombuffer(bytearray(sampling_bytes(sampling)), dtype=torch.uint8).to(self.device)
+        ints = torch.tensor([length, 0, 0, n_tr], dtype=torch.int32).to(self.device)
+        self.pos[slot], self.n_sampled[slot], self.text_step[slot], self.n_trailing[slot] = ints
+        self._check(self.lib.qmk_sample_talker(ctypes.byref(self.state), slot, self._stream()), "sample")
+        self.active[slot] = length
+
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int]) -> list[FrameResult]:
+        results = []
+        for slot in slots:
+            if slot not in self.active:
+                raise ValueError(f"slot {slot} is not prefilled")
+            if self.active[slot] >= self.max_positions:
+                raise RuntimeError("talker context is full")
+            self.launch(slot)
+            row = torch.cat((self.out[slot], self.sync[SYNC_ERR:SYNC_ERR + 1])).cpu().numpy()
+            if row[-1]:
+                raise RuntimeError(f"megakernel: {ERRORS.get(int(row[-1]), int(row[-1]))}")
+            self.active[slot] += 1
+            results.append(FrameResult(slot=slot, codes=row[:GROUPS].astype(np.int64),
+                                       next_is_eos=bool(row[17])))
+        return results
+
+    def release(self, slot: int) -> None:
+        self.active.pop(slot, None)
