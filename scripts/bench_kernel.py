@@ -341,7 +341,7 @@ def sanitize_frame() -> None:
     from tts_server.kernels.megakernel import MegakernelEngine
 
     w = random_weights()
-    eng = MegakernelEngine(w, max_streams=1, max_positions=128)
+    eng = MegakernelEngine(w, max_streams=1, max_positions=128, timeout_s=120.0)
     eng.prefill(0, make_prompt(1, length=20), SamplingConfig(seed=1))
     r = eng.step([0])[0]
     torch.cuda.synchronize()

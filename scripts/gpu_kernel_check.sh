@@ -19,26 +19,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 
-for stage in $STAGES; do
-  case $stage in
-    build)
-      make -C csrc 2>&1 | tee "$OUT/build.log" | tail -5
-      ;;
-    sanitize)
-      for tool in memcheck racecheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool $tool --kernel-regex kns=qmk_ \
-          $PY scripts/bench_kernel.py --sanitize-frame >"$OUT/$tool.log" 2>&1
-        echo "$tool rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize frame ok' "$OUT/$tool.log" | tr '\n' ' ')"
-      done
-      ;;
-    check | bench)
-      ;;
-  esac
-done
+[[ " $STAGES " == *" build "* ]] && make -C csrc 2>&1 | tee "$OUT/build.log" | tail -5
 
 ARGS=()
 [[ " $STAGES " == *" check "* ]] && ARGS+=(--check --frames "${FRAMES:-200}" --greedy-frames "${GREEDY_FRAMES:-40}")
 [[ " $STAGES " == *" bench "* ]] && ARGS+=(--bench)
 if [ ${#ARGS[@]} -gt 0 ]; then
-  $PY scripts/bench_kernel.py "${ARGS[@]}" --out "$OUT" 2>&1 | tee "$OUT/run.log" | tail -40
+  timeout "${RUN_TIMEOUT:-330}" $PY scripts/bench_kernel.py "${ARGS[@]}" --out "$OUT" >"$OUT/run.log" 2>&1
+  echo "bench_kernel rc=$?"
 fi
+
+if [[ " $STAGES " == *" sanitize "* ]]; then
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SAN_TIMEOUT:-110}" compute-sanitizer --tool $tool \
+      --kernel-regex kns=qmk_ $PY scripts/bench_kernel.py --sanitize-frame >"$OUT/$tool.log" 2>&1
+    echo "$tool rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize frame ok' "$OUT/$tool.log" | tr '\n' ' ')"
+  done
+fi
+tail -40 "$OUT/run.log" 2>/dev/null
