@@ -23,8 +23,8 @@
 #define QMK_CP_POS 16         // code-predictor positions per frame (2 + 14)
 #define QMK_MAX_T 2           // tokens per pass (the first CP pass covers 2 positions)
 
-// Launch geometry: one 512-thread block per SM, persistent and cooperative.
-#define QMK_THREADS 512
+// Launch geometry: one 256-thread block per SM, persistent and cooperative.
+#define QMK_THREADS 256
 #define QMK_WARPS (QMK_THREADS / 32)
 #define QMK_MIN_BLOCKS 64     // smem scratch is sized for grids of >= 64 blocks
 #define QMK_MAX_CHUNKS 32     // talker attention split-K chunks per kv head
@@ -33,6 +33,10 @@
 #define QMK_FLAG_TALKER_ONLY 1   // skip the code predictor (codes 1..15 = 0): benchmarking
 #define QMK_FLAG_CP_ONLY 2       // skip the talker step: benchmarking
 #define QMK_FLAG_NO_COMMIT 4     // leave the slot's state (position, code 0, history) unchanged
+#define QMK_FLAG_BARRIER_BENCH 8 // only run QMK_BARRIER_BENCH_N grid barriers: benchmarking
+#define QMK_FLAG_NO_PREFETCH 16  // no L2 prefetch of the next phase's weights: benchmarking
+#define QMK_FLAG_BF16_EXACT 32   // round activations to bf16 exactly where qwen-tts in bf16 does
+#define QMK_BARRIER_BENCH_N 1000
 
 // error codes written to sync[QMK_SYNC_ERR]
 #define QMK_ERR_TIMEOUT 1
@@ -106,17 +110,18 @@ typedef struct {
   int32_t* n_sampled;      // [slots] code-0 samples drawn so far
   int32_t* text_step;      // [slots] index into trailing
   int32_t* n_trailing;     // [slots]
-  qmk_bf16* past_hidden;   // [slots][H] talker final-normed hidden that produced code0
+  float* past_hidden;      // [slots][H] talker final-normed hidden that produced code0
   qmk_bf16* trailing;      // [slots][max_trailing][H] pending text-track vectors
   qmk_bf16* pad_embed;     // [slots][H]
   uint8_t* seen;           // [slots][VT] code-0 ids drawn (repetition penalty)
   const QmkSampling* samp; // [slots]
   int32_t* out;            // [slots][QMK_OUT_WORDS]: 16 codes, next code 0, next_is_eos
   // instance scratch
-  qmk_bf16* x;             // [MAX_T][H] residual stream
-  qmk_bf16* qkv;           // [MAX_T][QKV]
-  qmk_bf16* attn;          // [MAX_T][QD]
-  qmk_bf16* act;           // [MAX_T][I]
+  // activations are fp32 (bf16-exact values under QMK_FLAG_BF16_EXACT)
+  float* x;                // [MAX_T][H] residual stream
+  float* qkv;              // [MAX_T][QKV]
+  float* attn;             // [MAX_T][QD]
+  float* act;              // [MAX_T][I]
   float* logits;           // [VT]
   float* part;             // [NH][MAX_CHUNKS][HD + 2] split-K attention partials
   qmk_bf16* cp_k;          // [CP_LAYERS][NKV][CP_POS][HD]

@@ -139,15 +139,17 @@ def talker_processed(logits: torch.Tensor, seen: set[int], n_sampled: int, ids: 
 
 class Fp32Reference:
     """The same math in fp32 (lm.lm_forward over fp32 copies of the bf16 weights), teacher forced
-    with the kernel's codes: returns each pass's logits."""
+    with the kernel's codes: returns each pass's logits. dtype=bfloat16 gives the qwen-tts bf16
+    computation (rounding where the bf16 model rounds) for the bf16-vs-fp32 comparison."""
 
-    def __init__(self, w: DecodeWeights, max_positions: int):
+    def __init__(self, w: DecodeWeights, max_positions: int, dtype: torch.dtype = torch.float32):
         from tts_server.model.lm import KVCache
 
-        self.w = to_fp32(w)
+        self.w = to_fp32(w) if dtype == torch.float32 else w
+        self.dtype = dtype
         dev = w.codec_head.device
-        self.cache = KVCache(self.w.talker.config, 1, max_positions, torch.float32, dev)
-        self.cp_cache = KVCache(self.w.predictor.config, 1, 16, torch.float32, dev)
+        self.cache = KVCache(self.w.talker.config, 1, max_positions, dtype, dev)
+        self.cp_cache = KVCache(self.w.predictor.config, 1, 16, dtype, dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.dev = dev
 
@@ -157,9 +159,10 @@ class Fp32Reference:
 
         n = prompt.embeds.shape[0]
         pos = torch.arange(n, device=self.dev)[None]
-        self.past = lm_forward(self.w.talker, prompt.embeds.float()[None], self.cache, self.slot, pos)[0, -1]
+        x = prompt.embeds.to(self.dtype)[None]
+        self.past = lm_forward(self.w.talker, x, self.cache, self.slot, pos)[0, -1]
         self.pos = n
-        return F.linear(self.past, self.w.codec_head)
+        return F.linear(self.past, self.w.codec_head).float()
 
     @torch.inference_mode()
     def frame(self, codes, text: torch.Tensor):
@@ -176,25 +179,31 @@ class Fp32Reference:
             h = lm_forward(w.predictor, x, self.cp_cache, self.slot, pos)[0, -1]
             cp.append(F.linear(h, w.predictor_heads[k]))
             x = w.predictor_embeddings[k][codes[k + 1]][None, None]
-        e = w.codec_embedding[codes[0]] + sum(w.predictor_embeddings[k][codes[k + 1]] for k in range(15))
-        e = (e + text.float())[None, None]
+        rows = [w.codec_embedding[codes[0]]] + [w.predictor_embeddings[k][codes[k + 1]] for k in range(15)]
+        e = (torch.stack(rows).sum(0) + text.to(self.dtype))[None, None]  # qwen-tts: cat(...).sum(1) + text
         pos = torch.tensor([[self.pos]], device=self.dev)
         self.past = lm_forward(w.talker, e, self.cache, self.slot, pos)[0, 0]
         self.pos += 1
-        return torch.stack(cp), F.linear(self.past, w.codec_head)
+        return torch.stack(cp).float(), F.linear(self.past, w.codec_head).float()
 
 
-def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = False) -> dict:
-    """Kernel frames (sampling, seeded) vs the fp32 reference fed the kernel's codes."""
+def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = False,
+                   precision: str = "fp32", bf16_torch: bool = False) -> dict:
+    """Kernel frames (sampling, seeded) vs the fp32 reference fed the kernel's codes. With
+    bf16_torch, the qwen-tts bf16 computation is measured against the same fp32 reference too."""
     from tts_server.kernels.megakernel import MegakernelEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = make_prompt(seed, n_trailing=8)
-    eng = MegakernelEngine(w, max_streams=1, max_positions=frames + 64, dump_logits=True)
+    eng = MegakernelEngine(w, max_streams=1, max_positions=frames + 64, dump_logits=True, precision=precision)
     ref = Fp32Reference(w, frames + 64)
+    r16 = Fp32Reference(w, frames + 64, torch.bfloat16) if bf16_torch else None
+    t16_err = []
     s = SamplingConfig(do_sample=not greedy, subtalker_do_sample=not greedy, seed=seed)
     eng.prefill(0, prompt, s)
     ref.prefill(prompt)
+    if r16 is not None:
+        r16.prefill(prompt)
     seen = {int(eng.code0[0])}
     cp_err, cp_top1, t_err, t_top1 = [], [], [], []
     for f in range(frames):
@@ -202,6 +211,9 @@ def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = 
         kl = eng.dump.clone()
         text = prompt.trailing[f] if f < prompt.trailing.shape[0] else prompt.pad_embed
         rcp, rt = ref.frame(res.codes, text)
+        if r16 is not None:
+            bcp, bt = r16.frame(res.codes, text)
+            t16_err += ((bcp - rcp).norm(dim=1) / rcp.norm(dim=1)).tolist() + [float((bt - rt).norm() / rt.norm())]
         kcp = kl[:15, :2048]
         cp_err += ((kcp - rcp).norm(dim=1) / rcp.norm(dim=1)).tolist()
         cp_top1 += (kcp.argmax(1) == rcp.argmax(1)).tolist()
@@ -216,25 +228,32 @@ def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = 
         if res.next_is_eos:
             break
     allerr = np.array(cp_err + t_err)
-    return dict(frames=len(t_err), steps=len(allerr), rel_err_median=float(np.median(allerr)),
+    extra = {}
+    if t16_err:
+        e = np.array(t16_err)
+        extra = dict(torch_bf16_rel_err_median=float(np.median(e)), torch_bf16_rel_err_max=float(e.max()))
+    return dict(precision=precision, frames=len(t_err), **extra, steps=len(allerr), rel_err_median=float(np.median(allerr)),
                 rel_err_p99=float(np.quantile(allerr, 0.99)), rel_err_max=float(allerr.max()),
                 cp_rel_err_max=float(max(cp_err)), talker_rel_err_max=float(max(t_err)),
                 top1=float(np.mean(cp_top1 + t_top1)), cp_top1=float(np.mean(cp_top1)),
                 talker_top1=float(np.mean(t_top1)))
 
 
-def greedy_e2e(w: DecodeWeights, prompts: int, frames: int) -> dict:
-    """Greedy codes of the megakernel vs the bf16 PyTorch reference engine (TorchEngine)."""
+def greedy_e2e(w: DecodeWeights, prompts: int, frames: int, precision: str = "fp32") -> dict:
+    """Greedy codes of the megakernel vs the PyTorch reference engine (TorchEngine) run over fp32
+    copies of the weights (precision fp32) or over the bf16 weights (precision bf16)."""
     from tts_server.kernels.megakernel import MegakernelEngine
     from tts_server.kernels.reference import TorchEngine
 
+    torch.backends.cuda.matmul.allow_tf32 = False
+    wref = to_fp32(w) if precision == "fp32" else w
     s = SamplingConfig(do_sample=False, subtalker_do_sample=False)
     out = []
     for p in range(prompts):
         prompt = make_prompt(100 + p, n_trailing=10)
         runs = []
-        for eng in (MegakernelEngine(w, max_streams=1, max_positions=frames + 64),
-                    TorchEngine(w, max_streams=1, max_positions=frames + 64)):
+        for eng in (MegakernelEngine(w, max_streams=1, max_positions=frames + 64, precision=precision),
+                    TorchEngine(wref, max_streams=1, max_positions=frames + 64)):
             eng.prefill(0, prompt, s)
             codes = []
             for _ in range(frames):
@@ -249,7 +268,8 @@ def greedy_e2e(w: DecodeWeights, prompts: int, frames: int) -> dict:
         same = (a[:n] == b[:n]).all(1)
         first_diff = int(np.argmin(same)) if not same.all() else n
         out.append(dict(prompt=p, frames=n, identical_frames=first_diff, all_identical=bool(same.all())))
-    return dict(prompts=out)
+    del wref
+    return dict(precision=precision, prompts=out)
 
 
 def sampling_repro(w: DecodeWeights, frames: int = 8) -> dict:
@@ -307,6 +327,7 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
     res = dict(copy_gbps=copy_gbps())
     eng = mk.MegakernelEngine(w, max_streams=1, max_positions=max(contexts) + 64)
     res["blocks"] = eng.blocks
+    res["barrier_us"] = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
     s = SamplingConfig(seed=3)
     for ctx in contexts:
         eng.prefill(0, make_prompt(5, length=ctx), s)
@@ -314,11 +335,17 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
         talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
         cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
         frame = time_us(lambda: eng.launch(0, nc))
+        frame_nopf = time_us(lambda: eng.launch(0, nc | mk.FLAG_NO_PREFETCH), iters=20)
+        greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
+        eng.prefill(0, make_prompt(5, length=ctx), greedy)
+        frame_greedy = time_us(lambda: eng.launch(0, nc), iters=20)
+        eng.prefill(0, make_prompt(5, length=ctx), s)
         if eng.kernel_error():
             raise RuntimeError(f"kernel error {eng.kernel_error()}")
         gbs = (TALKER_BYTES + ctx * KV_BYTES_PER_POS) / (talker * 1e-6) / 1e9
         res[f"ctx{ctx}"] = dict(talker_us=talker, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
-                                cp_pass_us=cp, cp_gbps=CP_PASS_BYTES / (cp * 1e-6) / 1e9, frame_us=frame)
+                                cp_pass_us=cp, cp_gbps=CP_PASS_BYTES / (cp * 1e-6) / 1e9, frame_us=frame,
+                                frame_no_prefetch_us=frame_nopf, frame_greedy_us=frame_greedy)
     del eng
     ref = TorchEngine(w, max_streams=1, max_positions=256)
     ref.prefill(0, make_prompt(5, length=100), s)
@@ -366,26 +393,35 @@ def table(r: dict) -> str:
     b = r.get("bench")
     if b:
         lines.append(f"| device-to-device copy | {b['copy_gbps']:.0f} GB/s |")
+        lines.append(f"| grid barrier ({b['blocks']} blocks) | {b['barrier_us']:.2f} µs |")
         for ctx in (100, 1000):
             c = b[f"ctx{ctx}"]
             lines += [f"| talker step, ctx {ctx} | {c['talker_us']:.1f} µs, {c['talker_gbps']:.0f} GB/s "
                       f"({100 * c['talker_frac_copy']:.0f}% of copy) |",
                       f"| code-predictor pass, ctx {ctx} | {c['cp_pass_us']:.1f} µs ({c['cp_gbps']:.0f} GB/s) |",
-                      f"| whole frame, ctx {ctx} | {c['frame_us']:.1f} µs |"]
+                      f"| whole frame, ctx {ctx} | {c['frame_us']:.1f} µs (greedy {c['frame_greedy_us']:.1f}, "
+                      f"no L2 prefetch {c['frame_no_prefetch_us']:.1f}) |"]
         lines += [f"| PyTorch reference frame, ctx 100 | {b['torch_frame_us_ctx100']:.0f} µs |",
                   f"| ratio torch / megakernel, ctx 100 | {b['ratio_ctx100']:.1f}x |"]
-    t = r.get("teacher_forced")
-    if t:
-        lines += [f"| teacher-forced steps ({t['frames']} frames) | {t['steps']} |",
+    for key in ("teacher_forced", "teacher_forced_bf16"):
+        t = r.get(key)
+        if not t:
+            continue
+        lines += [f"| {t['precision']} mode: teacher-forced steps ({t['frames']} frames) | {t['steps']} |",
                   f"| logits rel err median / p99 / max | {t['rel_err_median']:.2e} / {t['rel_err_p99']:.2e} / "
                   f"{t['rel_err_max']:.2e} |",
                   f"| top-1 agreement (CP / talker) | {100 * t['top1']:.2f}% ({100 * t['cp_top1']:.2f}% / "
                   f"{100 * t['talker_top1']:.2f}%) |"]
-    g = r.get("greedy")
-    if g:
+        if "torch_bf16_rel_err_max" in t:
+            lines.append(f"| qwen-tts bf16 torch vs fp32: rel err median / max | {t['torch_bf16_rel_err_median']:.2e} / "
+                         f"{t['torch_bf16_rel_err_max']:.2e} |")
+    for key in ("greedy", "greedy_bf16"):
+        g = r.get(key)
+        if not g:
+            continue
         for p in g["prompts"]:
-            lines.append(f"| greedy vs TorchEngine bf16, prompt {p['prompt']} | {p['identical_frames']}/{p['frames']} "
-                         "frames identical |")
+            lines.append(f"| {g['precision']} mode greedy vs TorchEngine {g['precision']}, prompt {p['prompt']} | "
+                         f"{p['identical_frames']}/{p['frames']} frames identical |")
     sr = r.get("sampling")
     if sr:
         lines.append(f"| sampling checks | {sr} |")
@@ -412,7 +448,10 @@ def main() -> None:
     stages = []
     if a.check:
         stages += [("teacher_forced", lambda: teacher_forced(w, a.frames)),
+                   ("teacher_forced_bf16", lambda: teacher_forced(w, a.frames // 4, precision="bf16",
+                                                                  bf16_torch=True)),
                    ("greedy", lambda: greedy_e2e(w, 3, a.greedy_frames)),
+                   ("greedy_bf16", lambda: greedy_e2e(w, 3, a.greedy_frames, precision="bf16")),
                    ("sampling", lambda: sampling_repro(w))]
     if a.bench:
         stages.append(("bench", lambda: bench(w)))

@@ -6,7 +6,7 @@
 namespace qmk {
 
 struct AttnLayer {
-  const qmk_bf16* qkv;      // scratch [T][QKV]: raw q | k | v linear outputs (bf16)
+  const float* qkv;         // scratch [T][QKV]: raw q | k | v linear outputs
   qmk_bf16* kc;             // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
   qmk_bf16* vc;             // this layer's V cache [NKV][ld_pos][HD]
   int ld_pos;               // positions per head in the cache
@@ -14,9 +14,10 @@ struct AttnLayer {
   const qmk_bf16* k_norm;   // [HD]
   const float* inv_freq;    // [HD/2]
   float eps;
-  qmk_bf16* out;            // [T][QD] attention output (bf16, as sdpa returns it)
+  float* out;               // [T][QD] attention output
   float* part;              // [NH * MAX_T][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
   uint32_t* head_cnt;       // [NKV] split-K arrival counters (monotonic within a launch)
+  bool exact;               // bf16-exact rounding points
 };
 
 struct AttnSmem {
@@ -54,14 +55,14 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
     if (warp < nrows) {
       const bool isq = warp < NQ;
       const int t = isq ? warp / 2 : warp - NQ;
-      const qmk_bf16* src = a.qkv + t * QMK_QKV + (isq ? (2 * h + (warp & 1)) * QMK_HD : QMK_QD + h * QMK_HD);
-      const uint2 raw = ld_u2_cg(src + lane * 4);
-      const float x[4] = {lo_bf(raw.x), hi_bf(raw.x), lo_bf(raw.y), hi_bf(raw.y)};
+      const float* src = a.qkv + t * QMK_QKV + (isq ? (2 * h + (warp & 1)) * QMK_HD : QMK_QD + h * QMK_HD);
+      const float4 raw = __ldcg(reinterpret_cast<const float4*>(src + lane * 4));
+      const float x[4] = {raw.x, raw.y, raw.z, raw.w};
       const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
       const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + a.eps);
       const qmk_bf16* nw = isq ? a.q_norm : a.k_norm;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sm.y[warp][lane * 4 + i] = rbf(bf2f(nw[lane * 4 + i]) * rbf(x[i] * rinv));
+      for (int i = 0; i < 4; ++i) sm.y[warp][lane * 4 + i] = rnd(bf2f(nw[lane * 4 + i]) * rnd(x[i] * rinv, a.exact), a.exact);
     }
     __syncthreads();
 
@@ -71,16 +72,16 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
       const int t = row < NQ ? row / 2 : row - NQ;
       const int pos = p0 + t;
       const float ang = (float)pos * a.inv_freq[d & (QMK_HD / 2 - 1)];
-      const float cs = rbf(cosf(ang)), sn = rbf(sinf(ang));
+      const float cs = rnd(cosf(ang), a.exact), sn = rnd(sinf(ang), a.exact);
       const float yv = sm.y[row][d];
       const float rot = d < QMK_HD / 2 ? -sm.y[row][d + QMK_HD / 2] : sm.y[row][d - QMK_HD / 2];
-      const float r = rbf(rbf(yv * cs) + rbf(rot * sn));
+      const float r = rnd(rnd(yv * cs, a.exact) + rnd(rot * sn, a.exact), a.exact);
       if (row < NQ) {
         sm.q[row][d] = r;
       } else {
         const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + d;
         a.kc[off] = f2bf(r);
-        a.vc[off] = f2bf(ld_bf_cg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
+        a.vc[off] = f2bf(__ldcg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
       }
     }
     __syncthreads();
@@ -141,7 +142,7 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
       }
       const int t = r / 2, head = 2 * h + (r & 1);
       if (nchunks == 1) {
-        a.out[t * QMK_QD + head * QMK_HD + d] = f2bf(A / L);
+        __stcg(a.out + t * QMK_QD + head * QMK_HD + d, rnd(A / L, a.exact));
       } else {
         float* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
         if (d == 0) { __stcg(pp, mx); __stcg(pp + 1, L); }
@@ -171,7 +172,7 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
             L = fmaf(__ldcg(q + 1), e, L);
             A = fmaf(__ldcg(q + 2 + d), e, A);
           }
-          a.out[t * QMK_QD + head * QMK_HD + d] = f2bf(A / L);
+          __stcg(a.out + t * QMK_QD + head * QMK_HD + d, rnd(A / L, a.exact));
         }
       }
     }

@@ -14,6 +14,8 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 
 // Round an fp32 value to bf16 and back: marks every point where qwen-tts (bf16) rounds.
 __device__ __forceinline__ float rbf(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+// Rounding point of the bf16 model: applied only in bf16-exact mode.
+__device__ __forceinline__ float rnd(float x, bool exact) { return exact ? rbf(x) : x; }
 __device__ __forceinline__ float bf2f(qmk_bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ qmk_bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
 __device__ __forceinline__ float lo_bf(uint32_t v) { return __uint_as_float(v << 16); }
@@ -34,7 +36,7 @@ __device__ __forceinline__ float ld_bf_cg(const qmk_bf16* p) {
 __device__ __forceinline__ uint2 ld_u2_cg(const void* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

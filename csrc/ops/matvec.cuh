@@ -4,7 +4,7 @@
 
 namespace qmk {
 
-constexpr int MV_INFLIGHT = 4;  // 16-byte weight loads in flight per lane before the first FMA
+constexpr int MV_INFLIGHT = 16;  // 16-byte weight loads in flight per lane before the first FMA
 
 // 8 bf16 weights (one uint4) dot 8 fp32 activations.
 __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
@@ -23,7 +23,7 @@ __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
 
 // out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows.
 //   rowptr(r): pointer to local row r (r in [0, nrows)), K contiguous bf16 values
-//   xs: smem fp32 [T][K]; red: smem fp32 [nrows * K/256 * T]; out_s: smem fp32 [nrows * T]
+//   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); red: smem fp32 [nrows * K/256 * T]; out_s: smem fp32 [nrows * T]
 // A unit is one row x 256 columns (32 lanes x 16 bytes); warps stride over units so the block's
 // 16 warps read 8 KB of consecutive weights per step. Partial dots are summed per row in a fixed
 // order, so results are bitwise reproducible. Ends with __syncthreads().
@@ -48,7 +48,7 @@ __device__ __forceinline__ void block_matvec(RowPtr rowptr, int nrows, const flo
         const float* xp = xs + (u % S) * 256 + lane * 8;
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-          const float s = warp_sum(dot8(w[i], xp + t * K));
+          const float s = warp_sum(dot8(w[i], xp + t * QMK_I));
           if (lane == 0) red[u * T + t] = s;
         }
       }
@@ -65,11 +65,13 @@ __device__ __forceinline__ void block_matvec(RowPtr rowptr, int nrows, const flo
   __syncthreads();
 }
 
-// Prefetch bytes [0, n) of a weight slice into L2 (spread over the block's threads).
-__device__ __forceinline__ void block_prefetch(const qmk_bf16* p, int nelem) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const int bytes = nelem * 2;
-  for (int off = threadIdx.x * 128; off < bytes; off += NT * 128) prefetch_l2(c + off);
+// Ask L2 for rows [0, nrows) of rowptr (rowlen bf16 each): the next phase's weights stream from
+// HBM while this phase computes and waits at its barrier.
+template <class RowPtr>
+__device__ __forceinline__ void block_prefetch_rows(RowPtr rowptr, int nrows, int rowlen) {
+  const int lines = rowlen * 2 / 128;
+  for (int i = threadIdx.x; i < nrows * lines; i += NT)
+    prefetch_l2(reinterpret_cast<const char*>(rowptr(i / lines)) + (i % lines) * 128);
 }
 
 }  // namespace qmk

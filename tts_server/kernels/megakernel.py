@@ -37,7 +37,9 @@ TALKER_LAYERS, CP_LAYERS = 28, 5
 VT, VC, GROUPS, CP_POS, MAX_T, MAX_CHUNKS = 3072, 2048, 16, 16, 2, 32
 SYNC_WORDS, SYNC_ERR = 128, 32
 OUT_WORDS = 18
-FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT = 1, 2, 4
+FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT, FLAG_BARRIER_BENCH, FLAG_NO_PREFETCH = 1, 2, 4, 8, 16
+FLAG_BF16_EXACT = 32
+BARRIER_BENCH_N = 1000
 ERRORS = {1: "grid barrier timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
 
 
@@ -127,15 +129,57 @@ def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
     return torch.tensor(ptrs, dtype=torch.int64, device=dev)
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def prefill_fp32(w, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Talker prefill with fp32 activations over bf16 weights (upcast one layer at a time).
+    x [L, H] fp32; k_cache / v_cache [layers, NKV, max_pos, HD] bf16 (one slot). Returns the
+    final-normed hidden states [L, H] fp32."""
+    cfg = w.config
+    n = x.shape[0]
+    freqs = torch.arange(n, device=x.device).float()[:, None] * inv_freq(cfg).to(x.device)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [L, 1, HD]
+    eps = cfg.rms_norm_eps
+    for i, lw in enumerate(w.layers):
+        h = _rms(x, lw.input_norm, eps)
+        q = _rope(_rms((h @ lw.q_proj.float().T).view(n, NH, HD), lw.q_norm, eps), cos, sin)
+        k = _rope(_rms((h @ lw.k_proj.float().T).view(n, NKV, HD), lw.k_norm, eps), cos, sin)
+        v = (h @ lw.v_proj.float().T).view(n, NKV, HD)
+        k_cache[i, :, :n] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[i, :, :n] = v.transpose(0, 1).to(v_cache.dtype)
+        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             is_causal=True, scale=HD ** -0.5, enable_gqa=True)
+        x = x + att[0].transpose(0, 1).reshape(n, NH * HD) @ lw.o_proj.float().T
+        h = _rms(x, lw.post_norm, eps)
+        x = x + (F.silu(h @ lw.gate_proj.float().T) * (h @ lw.up_proj.float().T)) @ lw.down_proj.float().T
+    return _rms(x, w.final_norm, eps)
+
+
 class MegakernelEngine:
-    """DecodeEngine over the CUDA megakernel (bf16 weights on one GPU, batch 1 per launch)."""
+    """DecodeEngine over the CUDA megakernel (bf16 weights on one GPU, batch 1 per launch).
+
+    precision="fp32": bf16 weights, fp32 activations and accumulation (KV cache in bf16); the
+    closest to an fp32 run. precision="bf16": activations rounded to bf16 exactly where qwen-tts
+    running in bf16 rounds them (token parity with the bf16 PyTorch engine)."""
 
     name = "megakernel"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  max_trailing: int = 1024, timeout_s: float = 2.0, lib_path: str | None = None,
-                 dump_logits: bool = False):
+                 dump_logits: bool = False, precision: str = "fp32"):
         check_shapes(weights)
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
+        self.precision = precision
+        self.base_flags = FLAG_BF16_EXACT if precision == "bf16" else 0
         self.w = weights
         self.max_streams, self.max_positions, self.max_trailing = max_streams, max_positions, max_trailing
         self.lib = load_library(lib_path)
@@ -150,22 +194,23 @@ class MegakernelEngine:
         if self.model_dev.numel() * 8 != self.lib.qmk_model_size():
             raise RuntimeError("QmkModel layout differs from megakernel.py")
         bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
         s = max_streams
         kv_shape = (s, TALKER_LAYERS, NKV, max_positions, HD)
         self.kv_k, self.kv_v = torch.zeros(kv_shape, **bf), torch.zeros(kv_shape, **bf)
         self.pos, self.code0 = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_sampled, self.text_step = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_trailing = torch.zeros(s, **i32)
-        self.past_hidden = torch.zeros(s, H, **bf)
+        self.past_hidden = torch.zeros(s, H, **f32)
         self.trailing = torch.zeros(s, max_trailing, H, **bf)
         self.pad_embed = torch.zeros(s, H, **bf)
         self.seen = torch.zeros(s, VT, dtype=torch.uint8, device=dev)
         self.samp = torch.zeros(s, 48, dtype=torch.uint8, device=dev)
         self.out = torch.zeros(s, OUT_WORDS, **i32)
-        self.x = torch.zeros(MAX_T, H, **bf)
-        self.qkv = torch.zeros(MAX_T, 4096, **bf)
-        self.attn = torch.zeros(MAX_T, NH * HD, **bf)
-        self.act = torch.zeros(MAX_T, I, **bf)
+        self.x = torch.zeros(MAX_T, H, **f32)
+        self.qkv = torch.zeros(MAX_T, 4096, **f32)
+        self.attn = torch.zeros(MAX_T, NH * HD, **f32)
+        self.act = torch.zeros(MAX_T, I, **f32)
         self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
         self.part = torch.zeros(NH * MAX_T, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
         cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
@@ -198,8 +243,8 @@ class MegakernelEngine:
 
     def launch(self, slot: int, flags: int = 0) -> None:
         """Queue one frame for `slot` on the current stream (no host sync)."""
-        self._check(self.lib.qmk_frame(ctypes.byref(self.state), self.model_dev.data_ptr(), slot, flags,
-                                       self.blocks, self._stream()), "launch")
+        self._check(self.lib.qmk_frame(ctypes.byref(self.state), self.model_dev.data_ptr(), slot,
+                                       flags | self.base_flags, self.blocks, self._stream()), "launch")
 
     def kernel_error(self) -> int:
         return int(self.sync[SYNC_ERR].item())
@@ -217,12 +262,18 @@ class MegakernelEngine:
             raise ValueError(f"prompt of {length} positions exceeds {self.max_positions}")
         if n_tr > self.max_trailing:
             raise ValueError(f"{n_tr} pending text vectors exceed {self.max_trailing}")
-        x = prompt.embeds.to(self.device, torch.bfloat16)[None]
-        positions = torch.arange(length, device=self.device)[None]
-        slots = torch.tensor([slot], device=self.device)
-        hidden = lm_forward(self.w.talker, x, self._cache, slots, positions)[0, -1]
-        self.past_hidden[slot] = hidden
-        self.logits.copy_(F.linear(hidden, self.w.codec_head).float())
+        if self.precision == "bf16":  # qwen-tts in bf16, written into the kernel's KV rows
+            x = prompt.embeds.to(self.device, torch.bfloat16)[None]
+            positions = torch.arange(length, device=self.device)[None]
+            slots = torch.tensor([slot], device=self.device)
+            hidden = lm_forward(self.w.talker, x, self._cache, slots, positions)[0, -1]
+            logits = F.linear(hidden, self.w.codec_head).float()
+        else:
+            x = prompt.embeds.to(self.device, torch.float32)
+            hidden = prefill_fp32(self.w.talker, x, self.kv_k[slot], self.kv_v[slot])[-1]
+            logits = hidden @ self.w.codec_head.float().T
+        self.past_hidden[slot] = hidden.float()
+        self.logits.copy_(logits)
         self.trailing[slot, :n_tr] = prompt.trailing.to(self.device, torch.bfloat16)
         self.pad_embed[slot] = prompt.pad_embed.to(self.device, torch.bfloat16)
         self.seen[slot].zero_()
