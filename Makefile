@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check clean
+.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,16 @@ serve: setup
 
 test: setup check-protos lint-protos kernel-check
 	$(BIN)/python -m pytest
+
+# The example voice agent (STT -> LLM -> this TTS), browser page at http://localhost:7860/client.
+# Needs a running server (make serve) and STT/LLM keys: see pipecat_service/README.md.
+AGENT_STAMP := $(VENV)/.agent-stamp
+$(AGENT_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[agent]"
+	touch $(AGENT_STAMP)
+
+agent: $(AGENT_STAMP)
+	$(BIN)/python -m pipecat_service.agent -t webrtc $(AGENT_ARGS)
 
 # Regenerate the checked-in stubs with the pinned grpcio-tools (protobuf-6 gencode).
 protos: setup
