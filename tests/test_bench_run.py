@@ -1,0 +1,66 @@
+"""tts-bench end to end: a short run against the loopback tiny server (the JSON names other tools
+rely on), and a self-started server with the qwen-tts baseline, reaped afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tts_client import bench
+
+RECORD_KEYS = {"ttfc_ms", "rtf", "audio_s", "underruns", "status", "server_ttfc_ms", "finish_reason"}
+LEVEL_KEYS = {"ttfc_ms_p50", "ttfc_ms_p95", "ttfc_ms_p99", "rtf_p50", "underrun_rate", "audio_s_per_s",
+              "frames_per_s", "codec_tokens_per_s", "errors"}
+
+
+async def test_short_run_against_loopback_server(tiny_server, tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--address", tiny_server, "--concurrency", "1,2", "--requests", "3", "--warmup", "1",
+            "--max-duration", "0.48", "--json", str(out), "--plot", str(png), "--no-progress"]
+    # the server lives on this test's event loop; the CLI runs its own loop in a thread
+    assert await asyncio.to_thread(bench.main, argv) == 0
+    result = json.loads(out.read_text())
+    records, levels = result["records"], result["levels"]
+    assert len(records) == 6 and all(RECORD_KEYS <= r.keys() for r in records)
+    assert all(r["status"] == "OK" and r["system"] == "grpc" for r in records)
+    for r in records:
+        assert 0 < r["ttfc_ms"] <= r["wall_ms"] and r["server_ttfc_ms"] > 0
+        assert r["audio_s"] == pytest.approx(r["num_frames"] * 0.08) and r["num_frames"] <= 6
+        assert r["rtf"] == pytest.approx(r["wall_ms"] / 1000 / r["audio_s"])
+        assert r["finish_reason"] in ("eos", "max_length") and r["underruns"] >= 0
+    assert [(x["system"], x["concurrency"]) for x in levels] == [("grpc", 1), ("grpc", 2)]
+    assert all(LEVEL_KEYS <= x.keys() and x["num_ok"] == 3 for x in levels)
+    assert levels[0]["ttfc_ms_p50"] <= levels[0]["ttfc_ms_p95"] <= levels[0]["ttfc_ms_p99"]
+    assert result["server"]["model"] == "synthetic-tiny" and result["voice"]
+    text = capsys.readouterr().out
+    assert "TTFC p50" in text and "summary: " in text and result["summary"] in text
+    if png.exists():  # matplotlib is optional
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_self_started_server_with_baseline(tmp_path, monkeypatch):
+    started = []
+
+    class Spy(bench.ServerProcess):
+        def __init__(self, *args):
+            super().__init__(*args)
+            started.append(self)
+
+    monkeypatch.setattr(bench, "ServerProcess", Spy)
+    out = tmp_path / "bench.json"
+    argv = ["--model", "synthetic-tiny", "--engine", "torch", "--concurrency", "1", "--requests", "2",
+            "--warmup", "0", "--max-duration", "0.24", "--baseline", "qwen-tts",
+            "--baseline-requests", "1", "--json", str(out), "--no-progress"]
+    assert bench.main(argv) == 0
+    assert len(started) == 1 and started[0].proc.poll() is not None  # stopped and reaped
+    result = json.loads(out.read_text())
+    base = [r for r in result["records"] if r["system"] == "qwen-tts"]
+    assert len(base) == 1 and base[0]["status"] == "OK" and base[0]["index"] == 0
+    assert base[0]["ttfc_ms"] == pytest.approx(base[0]["wall_ms"])  # not streaming
+    assert base[0]["num_frames"] <= 3 and base[0]["underruns"] == 0
+    (cmp,) = result["comparisons"]
+    assert cmp["concurrency"] == 1 and cmp["num_requests"] == 1 and cmp["ttfc_p50_ratio"] > 0
+    assert "vs qwen-tts c=1" in result["summary"]

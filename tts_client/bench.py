@@ -1,0 +1,346 @@
+"""`tts-bench`: time to first chunk, real-time factor and playback underruns measured through the
+gRPC client under concurrency, beside the unmodified qwen-tts generate path in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from .client import TTSClient, build_request
+from .pb.tts.v1 import tts_pb2
+from .stats import RequestRecord, format_table, summarize, summary_line
+from .workloads import BUILTIN, load_text_file, schedule
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+SERVING = b"\x08\x01"  # HealthCheckResponse{status: SERVING} in protobuf wire format
+
+
+class Progress:
+    """A dependency-free progress bar on stderr (one line per finished stage when not a tty)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.done, self.errors = total, label, 0, 0
+        self.enabled, self.is_tty, self.t0 = enabled, sys.stderr.isatty(), time.perf_counter()
+        self.update(None)
+
+    def update(self, ok: bool | None = True) -> None:
+        """Counts a finished request (`ok` None only redraws)."""
+        self.done += ok is not None
+        self.errors += ok is False
+        if self.enabled and (self.is_tty or self.done == self.total):
+            filled = int(30 * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r{self.label:<14}[{'#' * filled}{'.' * (30 - filled)}] {self.done}/"
+                             f"{self.total} errors {self.errors} {time.perf_counter() - self.t0:5.1f}s"
+                             + ("\n" if self.done == self.total else ""))
+            sys.stderr.flush()
+
+
+class ServerProcess:
+    """`tts-server` as a subprocess on a free loopback port; stop() always reaps it."""
+
+    def __init__(self, model: str, engine: str, max_streams: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        exe = os.path.join(os.path.dirname(sys.executable), "tts-server")
+        cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tts_server"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--model", model, "--engine", engine,
+                "--max-streams", str(max_streams)]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tts-bench-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        """Polls the health service ("") until SERVING; raises if the server exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            check = channel.unary_unary(HEALTH_CHECK)  # raw bytes in and out
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tts-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if await check(b"", timeout=2.0) == SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise TimeoutError(f"tts-server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-num_lines:])
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains), SIGKILL after 30 s; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+async def run_one(client: TTSClient, item, level: int, voice: str, frame_rate: float,
+                  timeout: float, preroll_s: float, t_level: float) -> RequestRecord:
+    u = item.utterance
+    rec = RequestRecord("grpc", level, item.index, u.text_id, u.language, len(u.text),
+                        item.max_duration_s(frame_rate))
+    req = build_request(u.text, voice=voice, language=u.language, seed=item.seed,
+                        max_duration_s=rec.max_duration_s, request_id=f"bench-c{level}-{item.index}")
+    arrivals, durations, summary = [], [], None
+    t0 = time.perf_counter()
+    try:
+        async for msg in client.chunks(req, timeout):
+            if msg.HasField("audio"):
+                arrivals.append(time.perf_counter() - t0)
+                durations.append(msg.audio.num_samples / msg.audio.sample_rate_hz)
+                rec.num_frames += msg.audio.num_frames
+            else:
+                summary = msg.summary
+    except grpc.aio.AioRpcError as e:
+        rec.status, rec.error = e.code().name, e.details() or ""
+    t1 = time.perf_counter()
+    rec.start_s, rec.end_s = t0 - t_level, t1 - t_level
+    rec.add_trace(arrivals, durations, t1 - t0, preroll_s)
+    if summary is not None:
+        rec.server_ttfc_ms, rec.server_rtf = summary.time_to_first_chunk_ms, summary.real_time_factor
+        name = tts_pb2.FinishReason.Name(summary.finish_reason)
+        rec.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+    elif rec.status == "OK":
+        rec.status, rec.error = "NO_SUMMARY", "stream ended without a summary"
+    return rec
+
+
+async def run_level(address: str, items, level: int, a, voice: str, frame_rate: float,
+                    progress: Progress | None) -> list[RequestRecord]:
+    """Closed loop: `level` clients, each on its own channel, send the next request as soon as
+    their previous one ends, until `items` are used up."""
+    clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(min(level, len(items)))]
+    try:
+        await asyncio.gather(*(asyncio.wait_for(c.channel.channel_ready(), 30) for c in clients))
+        pending, records, t_level = iter(items), [], time.perf_counter()
+
+        async def worker(client):
+            for item in pending:
+                rec = await run_one(client, item, level, voice, frame_rate, a.timeout,
+                                    a.preroll_ms / 1000, t_level)
+                records.append(rec)
+                if progress:
+                    progress.update(rec.status == "OK")
+
+        await asyncio.gather(*(worker(c) for c in clients))
+        return sorted(records, key=lambda r: r.index)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def run_grpc(address: str, items, a, server: ServerProcess | None):
+    """Waits for the server, warms it up, then sweeps the concurrency levels."""
+    if server:
+        await server.wait_serving(a.startup_timeout)
+    async with TTSClient(address) as client:
+        info = await client.model_info()
+        voices = await client.list_voices()
+    voice = a.voice or next((v.name for v in voices.voices if v.is_default), "")
+    frame_rate = info.frame_rate_hz or 12.5
+    levels = [int(x) for x in a.concurrency.split(",") if x]
+    if not server and max(levels) > info.max_concurrent_streams:
+        print(f"note: the server allows {info.max_concurrent_streams} concurrent streams; requests "
+              "beyond that are rejected (RESOURCE_EXHAUSTED) and counted as errors", file=sys.stderr)
+    if a.warmup:
+        await run_level(address, items[:a.warmup], 1, a, voice, frame_rate,
+                        Progress(min(a.warmup, len(items)), "warm-up", a.progress))
+    records = []
+    for level in levels:
+        records += await run_level(address, items, level, a, voice, frame_rate,
+                                   Progress(len(items), f"grpc c={level}", a.progress))
+    return info, voice, records
+
+
+def run_baseline(items, a, info, voice: str) -> list[RequestRecord]:
+    """Runs `python -m tts_server.baseline` on the same requests and reads its JSON lines."""
+    items = items[:a.baseline_requests or len(items)]
+    sizes = [int(x) for x in a.baseline_concurrency.split(",") if x]
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for it in items:
+            f.write(json.dumps(dict(index=it.index, text=it.utterance.text, voice=voice, seed=it.seed,
+                                    language=it.utterance.language, max_frames=it.max_frames)) + "\n")
+    cmd = [sys.executable, "-m", "tts_server.baseline", "--model", a.baseline_model or info.model,
+           "--device", info.device or "auto", "--dtype", info.dtype or "auto", "--voice", voice,
+           "--requests", f.name, "--batch-sizes", ",".join(map(str, sizes)),
+           "--warmup", str(min(a.warmup, 1)), "--json-lines"]
+    by_index, frame_rate = {it.index: it for it in items}, info.frame_rate_hz or 12.5
+    progress = Progress(len(items) * len(sizes), "qwen-tts", a.progress)
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    records = []
+    try:
+        for line in proc.stdout:
+            r = json.loads(line)
+            item, is_ok = by_index[r["index"]], r["status"] == "OK"
+            u = item.utterance
+            rec = RequestRecord("qwen-tts", r["concurrency"], item.index, u.text_id, u.language, len(u.text),
+                                item.max_duration_s(frame_rate), status=r["status"], error=r["error"],
+                                start_s=r["start_s"], end_s=r["end_s"], num_frames=r["num_frames"],
+                                finish_reason=r["finish_reason"])
+            wall_s = r["wall_ms"] / 1000  # the whole utterance arrives at once
+            rec.add_trace([wall_s] if is_ok else [], [r["audio_s"]] if is_ok else [], wall_s)
+            records.append(rec)
+            progress.update(is_ok)
+        if proc.wait() != 0:
+            err.seek(0)
+            raise RuntimeError(f"baseline exited with {proc.returncode}:\n{''.join(err.readlines()[-15:])}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+        os.unlink(f.name)
+    return records
+
+
+def report(a, info, voice: str, items, records: list[RequestRecord], load_start: float) -> dict:
+    """Aggregates per (system, level), compares with the baseline on the same requests, prints."""
+    levels, comparisons = summarize(records)
+    ok = [r for r in records if r.status == "OK"]
+    capped = sum(r.finish_reason == "max_length" for r in ok)
+    notes = [f"method: closed loop, c clients on separate channels; {len(items)} requests per level (same "
+             f"texts and seeds at every level), {a.warmup} warm-up; TTFC = client send -> first audio "
+             f"bytes; RTF = client wall / audio s; underrun = a player started {a.preroll_ms:.0f} ms after "
+             "the first chunk runs dry; qwen-tts is non-streaming, so its TTFC is the whole utterance",
+             f"caps: max_duration_s = min(spoken length, {a.max_duration:g} s) per request, sent explicitly "
+             f"and used as max_new_tokens for qwen-tts; {capped}/{len(ok)} requests ran to the cap"]
+    host = dict(cpu_count=os.cpu_count(), load_avg_1m_start=load_start, load_avg_1m_end=os.getloadavg()[0])
+    if max(load_start, host["load_avg_1m_end"]) > (os.cpu_count() or 1):
+        notes.append(f"host load average {load_start:.1f} -> {host['load_avg_1m_end']:.1f} on "
+                     f"{os.cpu_count()} cores: other processes competed for the CPU, so timings are noisy")
+    if info.is_synthetic:
+        notes.append("synthetic random weights rarely emit EOS, so both sides usually run to the cap; "
+                     "the audio is noise, only the speed is real")
+    label = (f"{time.strftime('%Y-%m-%d')} {info.model} {info.engine}/{info.device}/{info.dtype} "
+             f"cap {a.max_duration:g}s")
+    line = summary_line(label, levels, comparisons)
+    print(format_table(levels))
+    for c in comparisons:
+        print(f"qwen-tts/server at c={c['concurrency']} on the same {c['num_requests']} requests: TTFC p50 "
+              f"{c['ttfc_p50_ratio'] or 0:.1f}x, RTF p50 {c['rtf_p50_ratio'] or 0:.1f}x, "
+              f"throughput {c['throughput_ratio'] or 0:.1f}x in the server's favour")
+    print("\n".join("note: " + n for n in notes))
+    print("summary: " + line)
+    return dict(schema="tts-bench/1", created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                config=vars(a), host=host, voice=voice, notes=notes,
+                server=MessageToDict(info, preserving_proto_field_name=True), records=[asdict(r) for r in records], levels=levels,
+                comparisons=comparisons, summary=line)
+
+
+def plot(result: dict, path: str) -> None:
+    """TTFC and RTF (p50 and p95) vs concurrency, one line per system; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print(f"note: matplotlib is not installed; no plot written to {path}", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, marker in (("grpc", "o"), ("qwen-tts", "s")):
+        rows = [x for x in result["levels"] if x["system"] == system and x["num_ok"]]
+        cs = [x["concurrency"] for x in rows]
+        for q, style in (("p50", "-"), ("p95", "--")):
+            ax1.plot(cs, [x[f"ttfc_ms_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
+            ax2.plot(cs, [x[f"rtf_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    levels = sorted({x["concurrency"] for x in result["levels"]})
+    for ax, title in ((ax1, "time to first chunk (ms, client)"), (ax2, "real-time factor (client)")):
+        ax.set(xscale="log", yscale="log", xlabel="concurrent streams", title=title)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=8)
+    fig.suptitle(result["summary"].split(" | ")[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="tts-bench", description=__doc__)
+    p.add_argument("--address", help="HOST:PORT of a running server; none starts tts-server for the run")
+    p.add_argument("--model", default="synthetic-tiny", help="model of a self-started server")
+    p.add_argument("--engine", default="auto", help="engine of a self-started server")
+    p.add_argument("--max-streams", type=int, help="of a self-started server (default: max concurrency)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--concurrency", default="1,2,4", help="comma-separated levels, e.g. 1,4,16,64")
+    p.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests before the sweep")
+    p.add_argument("--seed", type=int, default=1234, help="workload order and sampling seeds")
+    p.add_argument("--text-file", help="one text per line (or LANGUAGE<TAB>TEXT) instead of the built-ins")
+    p.add_argument("--max-duration", type=float, default=20.0, help="cap on each request's audio (s)")
+    p.add_argument("--voice", default="", help="voice for every request (default: the server's default)")
+    p.add_argument("--preroll-ms", type=float, default=0.0, help="player start delay after the first chunk")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    p.add_argument("--baseline", choices=["none", "qwen-tts"], default="none")
+    p.add_argument("--baseline-concurrency", default="1", help="static batch sizes of the baseline")
+    p.add_argument("--baseline-requests", type=int, default=0, help="first N requests (default: all)")
+    p.add_argument("--baseline-model", help="model for the baseline (default: the server's --model)")
+    p.add_argument("--json", help="write every record and the aggregates to this file")
+    p.add_argument("--plot", help="write TTFC and RTF vs concurrency to this PNG (needs matplotlib)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    utterances = load_text_file(a.text_file) if a.text_file else BUILTIN
+    items = schedule(utterances, a.requests, a.seed, a.max_duration)
+    levels = [int(x) for x in a.concurrency.split(",") if x]
+    for path in (a.json, a.plot):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    load_start = os.getloadavg()[0]
+    server = None if a.address else ServerProcess(a.model, a.engine, a.max_streams or max(levels))
+    try:
+        info, voice, records = asyncio.run(run_grpc(a.address or server.address, items, a, server))
+        if server:
+            server.stop()  # frees the device and cores before the baseline runs
+        if a.baseline == "qwen-tts":
+            records += run_baseline(items, a, info, voice)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, grpc.aio.AioRpcError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if server:
+            server.stop()
+    result = report(a, info, voice, items, records, load_start)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        plot(result, a.plot)
+    return 0 if any(r.status == "OK" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
