@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent clean
+.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench bench-kernel clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,22 @@ $(AGENT_STAMP): $(STAMP)
 
 agent: $(AGENT_STAMP)
 	$(BIN)/python -m pipecat_service.agent -t webrtc $(AGENT_ARGS)
+
+# Benchmark through the gRPC client (tts-bench) against qwen-tts generate in the same run.
+# CPU: tiny synthetic model, a few minutes. GPU: full-size synthetic model, c = 1/4/16.
+bench: setup
+	@mkdir -p out
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		OUT=out PY=$(BIN)/python bash scripts/run_bench_gpu.sh; \
+	else \
+		$(BIN)/tts-bench --model synthetic-tiny --engine torch --concurrency 1,2,4 --requests 8 \
+			--warmup 1 --max-duration 2 --baseline qwen-tts --baseline-requests 3 \
+			--json out/bench-cpu.json --plot out/bench-cpu.png; \
+	fi
+
+# The megakernel's own benchmark (GPU): copy bandwidth, talker/predictor/frame times vs torch.
+bench-kernel: kernel
+	$(BIN)/python scripts/bench_kernel.py
 
 # Regenerate the checked-in stubs with the pinned grpcio-tools (protobuf-6 gencode).
 protos: setup
