@@ -34,8 +34,8 @@
 #define QMK_FLAG_CP_ONLY 2       // skip the talker step: benchmarking
 #define QMK_FLAG_NO_COMMIT 4     // leave the slot's state (position, code 0, history) unchanged
 #define QMK_FLAG_BARRIER_BENCH 8 // only run QMK_BARRIER_BENCH_N grid barriers: benchmarking
-#define QMK_FLAG_NO_PREFETCH 16  // no L2 prefetch of the next phase's weights: benchmarking
 #define QMK_FLAG_BF16_EXACT 32   // round activations to bf16 exactly where qwen-tts in bf16 does
+#define QMK_FLAG_KV_FP32 64      // the talker KV cache holds fp32 (else bf16)
 #define QMK_BARRIER_BENCH_N 1000
 
 // error codes written to sync[QMK_SYNC_ERR]
@@ -43,9 +43,10 @@
 #define QMK_ERR_CONTEXT_FULL 2
 
 // sync buffer (uint32 words, zeroed by the host before every launch)
-#define QMK_SYNC_BAR 0        // grid barrier arrival counter
+#define QMK_SYNC_BAR 0        // grid barrier arrival counter (monotonic within a launch)
 #define QMK_SYNC_ERR 32       // error code (0 = ok)
 #define QMK_SYNC_HEAD 64      // 8 per-kv-head split-K arrival counters
+#define QMK_SYNC_FLAG 96      // grid barrier release word: last completed epoch
 #define QMK_SYNC_WORDS 128
 
 #ifdef __cplusplus
@@ -103,8 +104,8 @@ typedef struct {
 // Passed by value to the kernel; nothing lives in process-wide globals.
 typedef struct {
   // per slot
-  qmk_bf16* kv_k;          // [slots][TALKER_LAYERS][NKV][max_pos][HD]
-  qmk_bf16* kv_v;          // same
+  void* kv_k;              // [slots][TALKER_LAYERS][NKV][max_pos][HD] bf16, or fp32 with KV_FP32
+  void* kv_v;              // same
   int32_t* pos;            // [slots] next talker position (= cached positions)
   int32_t* code0;          // [slots] pending code 0
   int32_t* n_sampled;      // [slots] code-0 samples drawn so far
@@ -124,8 +125,8 @@ typedef struct {
   float* act;              // [MAX_T][I]
   float* logits;           // [VT]
   float* part;             // [NH][MAX_CHUNKS][HD + 2] split-K attention partials
-  qmk_bf16* cp_k;          // [CP_LAYERS][NKV][CP_POS][HD]
-  qmk_bf16* cp_v;          // same
+  float* cp_k;             // [CP_LAYERS][NKV][CP_POS][HD]
+  float* cp_v;             // same
   uint32_t* sync;          // [SYNC_WORDS]
   float* dump;             // optional [GROUPS][VT]: every pass's logits (tests); null = off
   int32_t max_pos;

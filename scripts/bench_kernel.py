@@ -325,28 +325,29 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
     from tts_server.kernels.reference import TorchEngine
 
     res = dict(copy_gbps=copy_gbps())
-    eng = mk.MegakernelEngine(w, max_streams=1, max_positions=max(contexts) + 64)
-    res["blocks"] = eng.blocks
-    res["barrier_us"] = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
     s = SamplingConfig(seed=3)
-    for ctx in contexts:
-        eng.prefill(0, make_prompt(5, length=ctx), s)
-        nc = mk.FLAG_NO_COMMIT
-        talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
-        cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
-        frame = time_us(lambda: eng.launch(0, nc))
-        frame_nopf = time_us(lambda: eng.launch(0, nc | mk.FLAG_NO_PREFETCH), iters=20)
-        greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
-        eng.prefill(0, make_prompt(5, length=ctx), greedy)
-        frame_greedy = time_us(lambda: eng.launch(0, nc), iters=20)
-        eng.prefill(0, make_prompt(5, length=ctx), s)
-        if eng.kernel_error():
-            raise RuntimeError(f"kernel error {eng.kernel_error()}")
-        gbs = (TALKER_BYTES + ctx * KV_BYTES_PER_POS) / (talker * 1e-6) / 1e9
-        res[f"ctx{ctx}"] = dict(talker_us=talker, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
-                                cp_pass_us=cp, cp_gbps=CP_PASS_BYTES / (cp * 1e-6) / 1e9, frame_us=frame,
-                                frame_no_prefetch_us=frame_nopf, frame_greedy_us=frame_greedy)
-    del eng
+    greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
+    nc = mk.FLAG_NO_COMMIT
+    for kv in (torch.float32, torch.bfloat16):
+        eng = mk.MegakernelEngine(w, max_streams=1, max_positions=max(contexts) + 64, kv_dtype=kv)
+        res["blocks"] = eng.blocks
+        res["barrier_us"] = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
+        kv_pos = 28 * 8 * 128 * 2 * kv.itemsize
+        for ctx in contexts:
+            eng.prefill(0, make_prompt(5, length=ctx), s)
+            talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
+            cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
+            frame = time_us(lambda: eng.launch(0, nc))
+            eng.prefill(0, make_prompt(5, length=ctx), greedy)
+            frame_greedy = time_us(lambda: eng.launch(0, nc), iters=20)
+            if eng.kernel_error():
+                raise RuntimeError(f"kernel error {eng.kernel_error()}")
+            gbs = (TALKER_BYTES + ctx * kv_pos) / (talker * 1e-6) / 1e9
+            key = f"ctx{ctx}" + ("" if kv == torch.float32 else "_kvbf16")
+            res[key] = dict(talker_us=talker, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
+                            cp_pass_us=cp, cp_gbps=CP_PASS_BYTES / (cp * 1e-6) / 1e9, frame_us=frame,
+                            frame_greedy_us=frame_greedy)
+        del eng
     ref = TorchEngine(w, max_streams=1, max_positions=256)
     ref.prefill(0, make_prompt(5, length=100), s)
     for _ in range(2):
@@ -394,13 +395,13 @@ def table(r: dict) -> str:
     if b:
         lines.append(f"| device-to-device copy | {b['copy_gbps']:.0f} GB/s |")
         lines.append(f"| grid barrier ({b['blocks']} blocks) | {b['barrier_us']:.2f} µs |")
-        for ctx in (100, 1000):
-            c = b[f"ctx{ctx}"]
+        for key, ctx in (("ctx100", 100), ("ctx1000", 1000), ("ctx100_kvbf16", "100, bf16 KV"),
+                         ("ctx1000_kvbf16", "1000, bf16 KV")):
+            c = b[key]
             lines += [f"| talker step, ctx {ctx} | {c['talker_us']:.1f} µs, {c['talker_gbps']:.0f} GB/s "
                       f"({100 * c['talker_frac_copy']:.0f}% of copy) |",
                       f"| code-predictor pass, ctx {ctx} | {c['cp_pass_us']:.1f} µs ({c['cp_gbps']:.0f} GB/s) |",
-                      f"| whole frame, ctx {ctx} | {c['frame_us']:.1f} µs (greedy {c['frame_greedy_us']:.1f}, "
-                      f"no L2 prefetch {c['frame_no_prefetch_us']:.1f}) |"]
+                      f"| whole frame, ctx {ctx} | {c['frame_us']:.1f} µs (greedy: {c['frame_greedy_us']:.1f} µs) |"]
         lines += [f"| PyTorch reference frame, ctx 100 | {b['torch_frame_us_ctx100']:.0f} µs |",
                   f"| ratio torch / megakernel, ctx 100 | {b['ratio_ctx100']:.1f}x |"]
     for key in ("teacher_forced", "teacher_forced_bf16"):

@@ -47,7 +47,9 @@ def test_python_mirrors_layout_h():
                   (mk.MAX_T, "QMK_MAX_T"), (mk.MAX_CHUNKS, "QMK_MAX_CHUNKS"), (mk.SYNC_WORDS, "QMK_SYNC_WORDS"),
                   (mk.SYNC_ERR, "QMK_SYNC_ERR"), (mk.OUT_WORDS, "QMK_OUT_WORDS"),
                   (mk.FLAG_TALKER_ONLY, "QMK_FLAG_TALKER_ONLY"), (mk.FLAG_CP_ONLY, "QMK_FLAG_CP_ONLY"),
-                  (mk.FLAG_NO_COMMIT, "QMK_FLAG_NO_COMMIT")):
+                  (mk.FLAG_NO_COMMIT, "QMK_FLAG_NO_COMMIT"), (mk.FLAG_BARRIER_BENCH, "QMK_FLAG_BARRIER_BENCH"),
+                  (mk.FLAG_BF16_EXACT, "QMK_FLAG_BF16_EXACT"), (mk.FLAG_KV_FP32, "QMK_FLAG_KV_FP32"),
+                  (mk.BARRIER_BENCH_N, "QMK_BARRIER_BENCH_N")):
         assert py == _layout_define(c), c
     assert ctypes.sizeof(mk.QmkState) == 23 * 8 + 8 * 4 + 8
 

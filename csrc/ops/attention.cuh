@@ -5,10 +5,23 @@
 
 namespace qmk {
 
+// K/V cache element: bf16 (default) or fp32 (KV_FP32). load4: dims [0, 4) at p; store: one value.
+__device__ __forceinline__ void kv_load4(const qmk_bf16* p, float* f) {
+  const uint2 r = ld_u2_cg(p);
+  f[0] = lo_bf(r.x); f[1] = hi_bf(r.x); f[2] = lo_bf(r.y); f[3] = hi_bf(r.y);
+}
+__device__ __forceinline__ void kv_load4(const float* p, float* f) {
+  const float4 r = __ldcg(reinterpret_cast<const float4*>(p));
+  f[0] = r.x; f[1] = r.y; f[2] = r.z; f[3] = r.w;
+}
+__device__ __forceinline__ void kv_store(qmk_bf16* p, float v) { *p = f2bf(v); }
+__device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
+
+template <typename KV>
 struct AttnLayer {
   const float* qkv;         // scratch [T][QKV]: raw q | k | v linear outputs
-  qmk_bf16* kc;             // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
-  qmk_bf16* vc;             // this layer's V cache [NKV][ld_pos][HD]
+  KV* kc;                   // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
+  KV* vc;                   // this layer's V cache [NKV][ld_pos][HD]
   int ld_pos;               // positions per head in the cache
   const qmk_bf16* q_norm;   // [HD]
   const qmk_bf16* k_norm;   // [HD]
@@ -36,8 +49,8 @@ __device__ __forceinline__ int attn_chunks(int ctx, int T) {
 }
 
 // T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1.
-template <int T>
-__device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
+template <int T, typename KV>
+__device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
   const int ctx = p0 + T;
   const int nchunks = attn_chunks(ctx, T);
   const int chunk = (ctx + nchunks - 1) / nchunks;
@@ -80,8 +93,8 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
         sm.q[row][d] = r;
       } else {
         const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + d;
-        a.kc[off] = f2bf(r);
-        a.vc[off] = f2bf(__ldcg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
+        kv_store(a.kc + off, r);
+        kv_store(a.vc + off, __ldcg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
       }
     }
     __syncthreads();
@@ -95,14 +108,13 @@ __device__ void attention_phase(const AttnLayer& a, int p0, AttnSmem& sm) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) { qv[r][i] = sm.q[r][lane * 4 + i]; acc[r][i] = 0.f; }
     }
-    const qmk_bf16* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
-    const qmk_bf16* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+    const KV* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+    const KV* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
 #pragma unroll 2
     for (int j = c0 + warp; j < c1; j += NW) {
-      const uint2 kr = ld_u2_cg(kbase + (size_t)j * QMK_HD);
-      const uint2 vr = ld_u2_cg(vbase + (size_t)j * QMK_HD);
-      const float kf[4] = {lo_bf(kr.x), hi_bf(kr.x), lo_bf(kr.y), hi_bf(kr.y)};
-      const float vf[4] = {lo_bf(vr.x), hi_bf(vr.x), lo_bf(vr.y), hi_bf(vr.y)};
+      float kf[4], vf[4];
+      kv_load4(kbase + (size_t)j * QMK_HD, kf);
+      kv_load4(vbase + (size_t)j * QMK_HD, vf);
 #pragma unroll
       for (int r = 0; r < NQ; ++r) {
         float s = qv[r][0] * kf[0];

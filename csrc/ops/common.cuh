@@ -35,10 +35,6 @@ __device__ __forceinline__ float ld_bf_cg(const qmk_bf16* p) {
 }
 __device__ __forceinline__ uint2 ld_u2_cg(const void* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -91,27 +87,41 @@ __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Grid barrier over this engine instance's sync words. The counter only grows inside a launch
-// (barrier n completes at n * gridDim.x arrivals) and the host zeroes it before every launch, so no
-// generation from an earlier launch can leak in. The wait is bounded: past timeout_ns the block
-// records QMK_ERR_TIMEOUT and every block leaves the kernel instead of hanging.
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Split-phase grid barrier over this engine instance's sync words (zeroed by the host before
+// every launch, so no state from an earlier launch can leak in). arrive(): the block's writes are
+// fenced and counted; the block that completes epoch e publishes e in the release word. wait():
+// spin until the release word reaches the epoch. Between the two a block may issue loads that do
+// not depend on other blocks (the next phase's weights). The wait is bounded: past timeout_ns
+// the block records QMK_ERR_TIMEOUT and every block leaves the kernel instead of hanging.
 struct Grid {
   uint32_t* sync;
   uint64_t timeout_ns;
   uint32_t epoch;
 
-  __device__ bool sync_all(int* s_flag) {
+  __device__ void arrive() {
     __syncthreads();
     epoch += 1;
     if (threadIdx.x == 0) {
-      const uint32_t target = epoch * gridDim.x;
-      volatile uint32_t* err = sync + QMK_SYNC_ERR;
       __threadfence();
-      red_release_add(sync + QMK_SYNC_BAR, 1u);
+      const uint32_t old = atomicAdd(sync + QMK_SYNC_BAR, 1u);
+      if (old == epoch * gridDim.x - 1) {
+        __threadfence();
+        st_release(sync + QMK_SYNC_FLAG, epoch);
+      }
+    }
+  }
+
+  __device__ bool wait(int* s_flag) {
+    if (threadIdx.x == 0) {
+      volatile uint32_t* err = sync + QMK_SYNC_ERR;
       int ok = 1;
       uint32_t spins = 0;
       uint64_t t0 = 0;
-      while (ld_acquire(sync + QMK_SYNC_BAR) < target) {
+      while (ld_acquire(sync + QMK_SYNC_FLAG) < epoch) {
         if ((++spins & 255u) == 0) {
           if (*err != 0) { ok = 0; break; }
           const uint64_t now = globaltimer();
@@ -129,6 +139,11 @@ struct Grid {
     }
     __syncthreads();
     return *s_flag != 0;
+  }
+
+  __device__ bool sync_all(int* s_flag) {
+    arrive();
+    return wait(s_flag);
   }
 };
 

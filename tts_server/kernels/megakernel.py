@@ -37,8 +37,8 @@ TALKER_LAYERS, CP_LAYERS = 28, 5
 VT, VC, GROUPS, CP_POS, MAX_T, MAX_CHUNKS = 3072, 2048, 16, 16, 2, 32
 SYNC_WORDS, SYNC_ERR = 128, 32
 OUT_WORDS = 18
-FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT, FLAG_BARRIER_BENCH, FLAG_NO_PREFETCH = 1, 2, 4, 8, 16
-FLAG_BF16_EXACT = 32
+FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT, FLAG_BARRIER_BENCH = 1, 2, 4, 8
+FLAG_BF16_EXACT, FLAG_KV_FP32 = 32, 64
 BARRIER_BENCH_N = 1000
 ERRORS = {1: "grid barrier timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
 
@@ -166,20 +166,26 @@ def prefill_fp32(w, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 class MegakernelEngine:
     """DecodeEngine over the CUDA megakernel (bf16 weights on one GPU, batch 1 per launch).
 
-    precision="fp32": bf16 weights, fp32 activations and accumulation (KV cache in bf16); the
-    closest to an fp32 run. precision="bf16": activations rounded to bf16 exactly where qwen-tts
-    running in bf16 rounds them (token parity with the bf16 PyTorch engine)."""
+    precision="fp32" (default): bf16 weights, fp32 activations, accumulation and KV cache: the
+    same function as an fp32 run over the bf16 weights (greedy codes match it). precision="bf16":
+    activations rounded to bf16 where qwen-tts running in bf16 rounds them, bf16 KV cache.
+    kv_dtype overrides the talker KV cache type (bf16 halves its memory and bandwidth)."""
 
     name = "megakernel"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  max_trailing: int = 1024, timeout_s: float = 2.0, lib_path: str | None = None,
-                 dump_logits: bool = False, precision: str = "fp32"):
+                 dump_logits: bool = False, precision: str = "fp32", kv_dtype: torch.dtype | None = None):
         check_shapes(weights)
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
         self.precision = precision
-        self.base_flags = FLAG_BF16_EXACT if precision == "bf16" else 0
+        kv_dtype = kv_dtype or (torch.float32 if precision == "fp32" else torch.bfloat16)
+        if precision == "bf16" and kv_dtype != torch.bfloat16:
+            raise ValueError("precision bf16 keeps a bf16 KV cache")
+        self.kv_dtype = kv_dtype
+        self.base_flags = (FLAG_BF16_EXACT if precision == "bf16" else 0) | (
+            FLAG_KV_FP32 if kv_dtype == torch.float32 else 0)
         self.w = weights
         self.max_streams, self.max_positions, self.max_trailing = max_streams, max_positions, max_trailing
         self.lib = load_library(lib_path)
@@ -197,7 +203,8 @@ class MegakernelEngine:
         f32 = dict(dtype=torch.float32, device=dev)
         s = max_streams
         kv_shape = (s, TALKER_LAYERS, NKV, max_positions, HD)
-        self.kv_k, self.kv_v = torch.zeros(kv_shape, **bf), torch.zeros(kv_shape, **bf)
+        kv = dict(dtype=kv_dtype, device=dev)
+        self.kv_k, self.kv_v = torch.zeros(kv_shape, **kv), torch.zeros(kv_shape, **kv)
         self.pos, self.code0 = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_sampled, self.text_step = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_trailing = torch.zeros(s, **i32)
@@ -214,7 +221,7 @@ class MegakernelEngine:
         self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
         self.part = torch.zeros(NH * MAX_T, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
         cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
-        self.cp_k, self.cp_v = torch.zeros(cp_shape, **bf), torch.zeros(cp_shape, **bf)
+        self.cp_k, self.cp_v = torch.zeros(cp_shape, **f32), torch.zeros(cp_shape, **f32)
         self.sync = torch.zeros(SYNC_WORDS, **i32)
         self.dump = torch.zeros(GROUPS, VT, dtype=torch.float32, device=dev) if dump_logits else None
         ids = weights.ids

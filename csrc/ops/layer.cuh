@@ -1,0 +1,246 @@
+// One decoder stack (talker or code predictor) over T tokens, as grid-wide phases:
+//   P1 input RMSNorm + q|k|v rows   P2 q/k norm, RoPE, KV append, attention
+//   P3 o_proj + residual            P4 post-norm + gate/up rows -> SwiGLU   P5 down + residual
+// and the final-norm + head phase. Each phase issues its weight loads, then waits at the grid
+// barrier, then reads the activations the previous phase published, then arrives.
+#pragma once
+#include "attention.cuh"
+#include "common.cuh"
+#include "matvec.cuh"
+#include "sampling.cuh"
+
+namespace qmk {
+
+constexpr int ROWS_MAX = (QMK_I + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;  // 48 rows of gate (and of up)
+constexpr int ROWS_H_MAX = (QMK_H + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
+constexpr int RED_MAX = 2 * ROWS_MAX * (QMK_H / 256) * QMK_MAX_T;  // gate+up units x T
+constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
+static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) * QMK_MAX_T <= RED_MAX, "qkv");
+static_assert(ROWS_H_MAX * (QMK_I / 256) * QMK_MAX_T <= RED_MAX, "down");
+static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= RED_MAX, "head");
+static_assert(QMK_H == 4 * NT || QMK_H == 2 * 4 * NT, "input loads: float4 per thread");
+
+struct MvSmem {
+  float xs[QMK_MAX_T][QMK_I];  // activations [T][K] for K <= 3072
+  float red[RED_MAX];
+  float out[OUT_MAX];
+};
+union Smem {
+  MvSmem mv;
+  AttnSmem at;
+  SampleSmem sa;
+};
+
+// Where a stack's first layer takes its input from.
+struct Input {
+  int kind;                        // 0: st.x   1: one row per token   2: frame embedding sum
+  const qmk_bf16* row[QMK_MAX_T];  // kind 1 (bf16 embedding rows)
+  const float* frow0;              // kind 1: token 0 from an fp32 row instead (past_hidden)
+  const qmk_bf16* text;            // kind 2: text-track vector
+};
+
+struct Ctx {
+  const QmkState& st;
+  const QmkModel* m;
+  Smem& sm;
+  float* red32;                 // smem [NW]
+  float (*xown)[ROWS_H_MAX];    // smem [MAX_T][ROWS_H_MAX]: this block's rows of the residual
+  int* flag;
+  int* codes;                   // smem [16]: this frame's codes
+  Grid& g;
+  bool exact;                   // bf16-exact rounding points (QMK_FLAG_BF16_EXACT)
+};
+
+// 4 consecutive bf16 as fp32.
+__device__ __forceinline__ float4 ld_bf4(const qmk_bf16* p) {
+  const uint2 r = *reinterpret_cast<const uint2*>(p);
+  return make_float4(lo_bf(r.x), hi_bf(r.x), lo_bf(r.y), hi_bf(r.y));
+}
+
+// xs[t][0..H) = the layer input; each thread owns dims [4*tid, 4*tid + 4) (NT * 4 == H).
+template <int T>
+__device__ void load_input(const Ctx& c, const Input& in) {
+  float(*xs)[QMK_I] = c.sm.mv.xs;
+  const int d = threadIdx.x * 4;
+  float4 v[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    if (in.kind == 0) {
+      v[t] = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d));
+    } else if (in.kind == 1) {
+      v[t] = (t == 0 && in.frow0 != nullptr) ? *reinterpret_cast<const float4*>(in.frow0 + d) : ld_bf4(in.row[t] + d);
+    } else {  // qwen-tts: cat(16 embeddings).sum(1) (fp32 accumulate, one rounding) + text
+      constexpr int HALF = QMK_GROUPS / 2;
+      const float4 tx = ld_bf4(in.text + d);
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k0 = 0; k0 < QMK_GROUPS; k0 += HALF) {
+        float4 e[HALF];
+#pragma unroll
+        for (int k = k0; k < k0 + HALF; ++k)
+          e[k - k0] = ld_bf4(k == 0 ? c.m->codec_emb + (size_t)c.codes[0] * QMK_H + d
+                                    : c.m->cp_emb[k - 1] + (size_t)c.codes[k] * QMK_H + d);
+#pragma unroll
+        for (int k = 0; k < HALF; ++k) { s.x += e[k].x; s.y += e[k].y; s.z += e[k].z; s.w += e[k].w; }
+      }
+      v[t] = make_float4(rnd(rnd(s.x, c.exact) + tx.x, c.exact), rnd(rnd(s.y, c.exact) + tx.y, c.exact),
+                         rnd(rnd(s.z, c.exact) + tx.z, c.exact), rnd(rnd(s.w, c.exact) + tx.w, c.exact));
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t) *reinterpret_cast<float4*>(&xs[t][d]) = v[t];
+  __syncthreads();
+}
+
+// In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm.
+template <int T>
+__device__ void rmsnorm_xs(const Ctx& c, const qmk_bf16* w) {
+  float(*xs)[QMK_I] = c.sm.mv.xs;
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < QMK_H; d += NT) ss += xs[t][d] * xs[t][d];
+    ss = block_sum(ss, c.red32);
+    const float rinv = 1.0f / sqrtf(ss / (float)QMK_H + c.st.eps);
+    for (int d = threadIdx.x; d < QMK_H; d += NT) xs[t][d] = rnd(bf2f(w[d]) * rnd(xs[t][d] * rinv, c.exact), c.exact);
+  }
+  __syncthreads();
+}
+
+// xs[t][0..N*4*NT) = src[t][...] (fp32 scratch published by other blocks: read through L2).
+template <int T, int N>
+__device__ void load_scratch(const Ctx& c, const float* src) {
+  constexpr int n = N * 4 * NT;
+  float4 v[T][N];
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[t][i] = __ldcg(reinterpret_cast<const float4*>(src + t * n) + i * NT + threadIdx.x);
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int i = 0; i < N; ++i) reinterpret_cast<float4*>(c.sm.mv.xs[t])[i * NT + threadIdx.x] = v[t][i];
+  __syncthreads();
+}
+
+// Residual update of this block's rows [r0, r0 + n): x = x + delta (kept in smem and published).
+template <int T>
+__device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
+  for (int idx = threadIdx.x; idx < n * T; idx += NT) {
+    const int r = idx / T, t = idx % T;
+    const float x = rnd(c.xown[t][r] + rnd(delta[idx], c.exact), c.exact);
+    c.xown[t][r] = x;
+    c.st.x[t * QMK_H + r0 + r] = x;
+  }
+}
+
+// One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride).
+// The caller has no barrier pending; on return the last phase has arrived but not waited.
+template <int T, typename KV>
+__device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
+                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq) {
+  const QmkState& st = c.st;
+  const int G = gridDim.x, b = blockIdx.x;
+  float* out = c.sm.mv.out;
+  float* xs0 = &c.sm.mv.xs[0][0];
+  int h0, hn, i0, in_, q0, qn;  // this block's rows of the H-, I- and QKV-row matrices
+  rows_of(b, G, QMK_H, h0, hn);
+  rows_of(b, G, QMK_I, i0, in_);
+  rows_of(b, G, QMK_QKV, q0, qn);
+  MvRegs regs;
+  for (int L = 0; L < nlayers; ++L) {
+    const QmkLayer& w = layers[L];
+    // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows.
+    const auto qkv_row = [&](int r) {
+      const int row = q0 + r;
+      return row < QMK_QD ? w.q + (size_t)row * QMK_H
+             : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
+                                      : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
+    };
+    mv_issue<QMK_H>(qkv_row, qn, regs);
+    if (L == 0) {
+      load_input<T>(c, in0);
+      for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
+        const int t = idx / hn, r = idx % hn;
+        c.xown[t][r] = c.sm.mv.xs[t][h0 + r];
+        st.x[t * QMK_H + h0 + r] = c.xown[t][r];
+      }
+    } else {
+      if (!c.g.wait(c.flag)) return false;
+      load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
+    }
+    rmsnorm_xs<T>(c, w.in_norm);
+    mv_finish<T, QMK_H>(qkv_row, qn, regs, xs0, c.sm.mv.red, out);
+    for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
+    c.g.arrive();
+
+    // P2: q/k norm + RoPE + KV append + attention.
+    if (!c.g.wait(c.flag)) return false;
+    const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
+                          st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
+    attention_phase<T, KV>(a, p0, c.sm.at);
+    c.g.arrive();
+
+    // P3: o_proj + residual on this block's rows.
+    const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
+    mv_issue<QMK_QD>(o_row, hn, regs);
+    if (!c.g.wait(c.flag)) return false;
+    load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
+    mv_finish<T, QMK_QD>(o_row, hn, regs, xs0, c.sm.mv.red, out);
+    residual_add<T>(c, h0, hn, out);
+    c.g.arrive();
+
+    // P4: post-attention RMSNorm + this block's gate/up rows -> SwiGLU activations.
+    const auto gu_row = [&](int r) {
+      return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H;
+    };
+    mv_issue<QMK_H>(gu_row, 2 * in_, regs);
+    if (!c.g.wait(c.flag)) return false;
+    load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
+    rmsnorm_xs<T>(c, w.post_norm);
+    mv_finish<T, QMK_H>(gu_row, 2 * in_, regs, xs0, c.sm.mv.red, out);
+    for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
+      const int r = idx / T, t = idx % T;
+      const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
+      st.act[t * QMK_I + i0 + r] = rnd(rnd(gt / (1.0f + expf(-gt)), c.exact) * up, c.exact);
+    }
+    c.g.arrive();
+
+    // P5: down_proj + residual on this block's rows.
+    const auto down_row = [&](int r) { return w.down + (size_t)(h0 + r) * QMK_I; };
+    mv_issue<QMK_I>(down_row, hn, regs);
+    if (!c.g.wait(c.flag)) return false;
+    load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
+    mv_finish<T, QMK_I>(down_row, hn, regs, xs0, c.sm.mv.red, out);
+    residual_add<T>(c, h0, hn, out);
+    c.g.arrive();
+  }
+  return true;
+}
+
+// Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
+// barrier so every block can read all logits.
+__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16* head, int V, int t,
+                           float* hidden_out, int dump_row) {
+  const int G = gridDim.x, b = blockIdx.x;
+  int r0, n;
+  rows_of(b, G, V, r0, n);
+  const auto row = [&](int r) { return head + (size_t)(r0 + r) * QMK_H; };
+  MvRegs regs;
+  mv_issue<QMK_H>(row, n, regs);
+  if (!c.g.wait(c.flag)) return false;
+  for (int d = threadIdx.x; d < QMK_H; d += NT) c.sm.mv.xs[0][d] = __ldcg(c.st.x + t * QMK_H + d);
+  __syncthreads();
+  rmsnorm_xs<1>(c, norm_w);
+  if (hidden_out != nullptr && b == 0)
+    for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
+  mv_finish<1, QMK_H>(row, n, regs, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
+  for (int r = threadIdx.x; r < n; r += NT) {
+    const float v = rnd(c.sm.mv.out[r], c.exact);
+    __stcg(c.st.logits + r0 + r, v);
+    if (c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
+  }
+  return c.g.sync_all(c.flag);
+}
+
+}  // namespace qmk
