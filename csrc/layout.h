@@ -46,7 +46,6 @@
 #define QMK_SYNC_BAR 0        // grid barrier arrival counter (monotonic within a launch)
 #define QMK_SYNC_ERR 32       // error code (0 = ok)
 #define QMK_SYNC_HEAD 64      // 8 per-kv-head split-K arrival counters
-#define QMK_SYNC_FLAG 96      // grid barrier release word: last completed epoch
 #define QMK_SYNC_WORDS 128
 
 #ifdef __cplusplus

@@ -87,16 +87,13 @@ __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // Split-phase grid barrier over this engine instance's sync words (zeroed by the host before
-// every launch, so no state from an earlier launch can leak in). arrive(): the block's writes are
-// fenced and counted; the block that completes epoch e publishes e in the release word. wait():
-// spin until the release word reaches the epoch. Between the two a block may issue loads that do
-// not depend on other blocks (the next phase's weights). The wait is bounded: past timeout_ns
-// the block records QMK_ERR_TIMEOUT and every block leaves the kernel instead of hanging.
+// every launch, so no count from an earlier launch can leak in). The arrival counter only grows:
+// epoch e is complete at e * gridDim.x arrivals. arrive(): after the block's __syncthreads, thread
+// 0 adds 1 with release semantics (no round trip). wait(): thread 0 polls with acquire loads.
+// Between the two a block may issue loads that do not depend on other blocks (the next phase's
+// weights). The wait is bounded: past timeout_ns the block records QMK_ERR_TIMEOUT and every block
+// leaves the kernel instead of hanging.
 struct Grid {
   uint32_t* sync;
   uint64_t timeout_ns;
@@ -105,23 +102,17 @@ struct Grid {
   __device__ void arrive() {
     __syncthreads();
     epoch += 1;
-    if (threadIdx.x == 0) {
-      __threadfence();
-      const uint32_t old = atomicAdd(sync + QMK_SYNC_BAR, 1u);
-      if (old == epoch * gridDim.x - 1) {
-        __threadfence();
-        st_release(sync + QMK_SYNC_FLAG, epoch);
-      }
-    }
+    if (threadIdx.x == 0) red_release_add(sync + QMK_SYNC_BAR, 1u);
   }
 
   __device__ bool wait(int* s_flag) {
     if (threadIdx.x == 0) {
+      const uint32_t target = epoch * gridDim.x;
       volatile uint32_t* err = sync + QMK_SYNC_ERR;
       int ok = 1;
       uint32_t spins = 0;
       uint64_t t0 = 0;
-      while (ld_acquire(sync + QMK_SYNC_FLAG) < epoch) {
+      while (ld_acquire(sync + QMK_SYNC_BAR) < target) {
         if ((++spins & 255u) == 0) {
           if (*err != 0) { ok = 0; break; }
           const uint64_t now = globaltimer();
@@ -134,7 +125,6 @@ struct Grid {
           }
         }
       }
-      __threadfence();
       *s_flag = ok;
     }
     __syncthreads();

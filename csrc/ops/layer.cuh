@@ -18,7 +18,7 @@ constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) * QMK_MAX_T <= RED_MAX, "qkv");
 static_assert(ROWS_H_MAX * (QMK_I / 256) * QMK_MAX_T <= RED_MAX, "down");
 static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= RED_MAX, "head");
-static_assert(QMK_H == 4 * NT || QMK_H == 2 * 4 * NT, "input loads: float4 per thread");
+static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
 
 struct MvSmem {
   float xs[QMK_MAX_T][QMK_I];  // activations [T][K] for K <= 3072
@@ -92,17 +92,22 @@ __device__ void load_input(const Ctx& c, const Input& in) {
   __syncthreads();
 }
 
-// In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm.
+// In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm. Each thread
+// owns dims [4*tid, 4*tid + 4).
 template <int T>
 __device__ void rmsnorm_xs(const Ctx& c, const qmk_bf16* w) {
   float(*xs)[QMK_I] = c.sm.mv.xs;
+  const int d = threadIdx.x * 4;
+  const float4 wv = ld_bf4(w + d);
 #pragma unroll
   for (int t = 0; t < T; ++t) {
-    float ss = 0.f;
-    for (int d = threadIdx.x; d < QMK_H; d += NT) ss += xs[t][d] * xs[t][d];
-    ss = block_sum(ss, c.red32);
+    float4 x = *reinterpret_cast<const float4*>(&xs[t][d]);
+    const float ss = block_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w, c.red32);
     const float rinv = 1.0f / sqrtf(ss / (float)QMK_H + c.st.eps);
-    for (int d = threadIdx.x; d < QMK_H; d += NT) xs[t][d] = rnd(bf2f(w[d]) * rnd(xs[t][d] * rinv, c.exact), c.exact);
+    const bool e = c.exact;
+    x = make_float4(rnd(wv.x * rnd(x.x * rinv, e), e), rnd(wv.y * rnd(x.y * rinv, e), e),
+                    rnd(wv.z * rnd(x.z * rinv, e), e), rnd(wv.w * rnd(x.w * rinv, e), e));
+    *reinterpret_cast<float4*>(&xs[t][d]) = x;
   }
   __syncthreads();
 }
@@ -229,7 +234,8 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16*
   MvRegs regs;
   mv_issue<QMK_H>(row, n, regs);
   if (!c.g.wait(c.flag)) return false;
-  for (int d = threadIdx.x; d < QMK_H; d += NT) c.sm.mv.xs[0][d] = __ldcg(c.st.x + t * QMK_H + d);
+  const int d4 = threadIdx.x * 4;
+  *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
   __syncthreads();
   rmsnorm_xs<1>(c, norm_w);
   if (hidden_out != nullptr && b == 0)
