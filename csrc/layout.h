@@ -26,7 +26,7 @@
 // Launch geometry: one 256-thread block per SM, persistent and cooperative.
 #define QMK_THREADS 256
 #define QMK_WARPS (QMK_THREADS / 32)
-#define QMK_MIN_BLOCKS 64     // smem scratch is sized for grids of >= 64 blocks
+#define QMK_MIN_BLOCKS 112    // smem staging is sized for grids of >= 112 blocks (H100 PCIe 114, SXM 132)
 #define QMK_MAX_CHUNKS 32     // talker attention split-K chunks per kv head
 
 // flags of qmk_frame

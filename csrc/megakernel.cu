@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   __shared__ float xown[QMK_MAX_T][ROWS_H_MAX];
   __shared__ int flag;
   __shared__ int codes[QMK_GROUPS];
+  extern __shared__ uint4 stage[];  // [STAGE_UNITS * 32]
   Grid g{st.sync, st.timeout_ns, 0u};
-  const Ctx c{st, m, sm, red32, xown, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0};
+  const Ctx c{st, m, sm, red32, xown, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, stage};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
   if (flags & QMK_FLAG_BARRIER_BENCH) {
     for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
@@ -142,8 +143,10 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
   cudaError_t e = cudaGetDeviceProperties(&prop, device);
   if (e != cudaSuccess) return e;
   if (!prop.cooperativeLaunch) return cudaErrorNotSupported;
+  e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
+  if (e != cudaSuccess) return e;
   int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_THREADS, 0);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_THREADS, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   *sms = prop.multiProcessorCount;
   if (per_sm < 1 || prop.multiProcessorCount < QMK_MIN_BLOCKS) return cudaErrorCooperativeLaunchTooLarge;
@@ -156,12 +159,14 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
 int qmk_frame(const QmkState* st, const QmkModel* model_dev, int slot, int flags, int blocks, void* stream) {
   if (blocks < QMK_MIN_BLOCKS || slot < 0 || slot >= st->num_slots) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t e = cudaMemsetAsync(st->sync, 0, QMK_SYNC_WORDS * sizeof(uint32_t), s);
+  cudaError_t e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
+  if (e != cudaSuccess) return e;
+  e = cudaMemsetAsync(st->sync, 0, QMK_SYNC_WORDS * sizeof(uint32_t), s);
   if (e != cudaSuccess) return e;
   QmkState stv = *st;
   void* args[] = {&stv, &model_dev, &slot, &flags};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qmk_frame_kernel), dim3(blocks),
-                                     dim3(QMK_THREADS), args, 0, s);
+                                     dim3(QMK_THREADS), args, STAGE_BYTES, s);
 }
 
 int qmk_sample_talker(const QmkState* st, int slot, void* stream) {

@@ -18,6 +18,11 @@ constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) * QMK_MAX_T <= RED_MAX, "qkv");
 static_assert(ROWS_H_MAX * (QMK_I / 256) * QMK_MAX_T <= RED_MAX, "down");
 static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= RED_MAX, "head");
+// cp.async staging of one matrix slice per block: the largest is gate+up, 2 * ceil(I / G) rows.
+constexpr int STAGE_UNITS = 2 * ROWS_MAX * (QMK_H / 256);
+constexpr int STAGE_BYTES = STAGE_UNITS * 512;
+static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= STAGE_UNITS, "qkv stage");
+static_assert(ROWS_H_MAX * (QMK_I / 256) <= STAGE_UNITS, "down stage");
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
 
 struct MvSmem {
@@ -49,6 +54,7 @@ struct Ctx {
   int* codes;                   // smem [16]: this frame's codes
   Grid& g;
   bool exact;                   // bf16-exact rounding points (QMK_FLAG_BF16_EXACT)
+  uint4* stage;                 // dynamic smem [STAGE_UNITS * 32]: weight staging
 };
 
 // 4 consecutive bf16 as fp32.
@@ -152,7 +158,6 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   rows_of(b, G, QMK_H, h0, hn);
   rows_of(b, G, QMK_I, i0, in_);
   rows_of(b, G, QMK_QKV, q0, qn);
-  MvRegs regs;
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows.
@@ -162,7 +167,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
              : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
                                       : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
     };
-    mv_issue<QMK_H>(qkv_row, qn, regs);
+    mv_issue<QMK_H>(qkv_row, qn, c.stage);
     if (L == 0) {
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
@@ -175,11 +180,13 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
     rmsnorm_xs<T>(c, w.in_norm);
-    mv_finish<T, QMK_H>(qkv_row, qn, regs, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(qn, c.stage, xs0, c.sm.mv.red, out);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
-    // P2: q/k norm + RoPE + KV append + attention.
+    // P2: q/k norm + RoPE + KV append + attention (o_proj rows stream into the stage meanwhile).
+    const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
+    mv_issue<QMK_QD>(o_row, hn, c.stage);
     if (!c.g.wait(c.flag)) return false;
     const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
                           st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
@@ -187,11 +194,9 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     c.g.arrive();
 
     // P3: o_proj + residual on this block's rows.
-    const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
-    mv_issue<QMK_QD>(o_row, hn, regs);
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
-    mv_finish<T, QMK_QD>(o_row, hn, regs, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_QD>(hn, c.stage, xs0, c.sm.mv.red, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
 
@@ -199,11 +204,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     const auto gu_row = [&](int r) {
       return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H;
     };
-    mv_issue<QMK_H>(gu_row, 2 * in_, regs);
+    mv_issue<QMK_H>(gu_row, 2 * in_, c.stage);
     if (!c.g.wait(c.flag)) return false;
     load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     rmsnorm_xs<T>(c, w.post_norm);
-    mv_finish<T, QMK_H>(gu_row, 2 * in_, regs, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, c.sm.mv.red, out);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
       const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
@@ -213,10 +218,10 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 
     // P5: down_proj + residual on this block's rows.
     const auto down_row = [&](int r) { return w.down + (size_t)(h0 + r) * QMK_I; };
-    mv_issue<QMK_I>(down_row, hn, regs);
+    mv_issue<QMK_I>(down_row, hn, c.stage);
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    mv_finish<T, QMK_I>(down_row, hn, regs, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_I>(hn, c.stage, xs0, c.sm.mv.red, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
   }
@@ -231,8 +236,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16*
   int r0, n;
   rows_of(b, G, V, r0, n);
   const auto row = [&](int r) { return head + (size_t)(r0 + r) * QMK_H; };
-  MvRegs regs;
-  mv_issue<QMK_H>(row, n, regs);
+  mv_issue<QMK_H>(row, n, c.stage);
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
@@ -240,7 +244,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16*
   rmsnorm_xs<1>(c, norm_w);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
-  mv_finish<1, QMK_H>(row, n, regs, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
+  mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);

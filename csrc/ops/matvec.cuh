@@ -4,9 +4,6 @@
 
 namespace qmk {
 
-constexpr int MV_PRELOAD = 4;   // 16-byte weight loads per lane issued before the phase's barrier wait
-constexpr int MV_INFLIGHT = 8; // 16-byte weight loads in flight per lane in the streaming loop
-
 // 8 bf16 weights (one uint4) dot 8 fp32 activations.
 __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
   const float4 a = *reinterpret_cast<const float4*>(x);
@@ -22,66 +19,47 @@ __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
   return s;
 }
 
-// The first MV_PRELOAD units of each warp, loaded into registers before the phase's barrier
-// wait, so HBM latency overlaps the barrier and the activation loads.
-struct MvRegs {
-  uint4 w[MV_PRELOAD];
-};
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
 
-// Units: one row x 256 columns (32 lanes x 16 bytes); warp w takes units w, w + NW, ...
+// Units: one row x 256 columns (512 bytes). Stage all of the block's units of one matrix into
+// shared memory with cp.async (no register cost, so the whole slice is in flight at once); issued
+// before the phase's barrier wait so HBM latency overlaps the barrier and the activation loads.
 //   rowptr(r): pointer to local row r (r in [0, nrows)), K contiguous bf16 values
+//   stage: smem [>= nrows * K/256 * 32] uint4
 template <int K, class RowPtr>
-__device__ __forceinline__ void mv_issue(RowPtr rowptr, int nrows, MvRegs& r) {
+__device__ __forceinline__ void mv_issue(RowPtr rowptr, int nrows, uint4* stage) {
   constexpr int S = K / 256;
-  const int nunits = nrows * S;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < MV_PRELOAD; ++i) {
-    const int u = warp + i * NW;
-    if (u < nunits) r.w[i] = ld_weight(rowptr(u / S) + (u % S) * 256 + lane * 8);
+  const int n = nrows * S * 32;
+  for (int idx = threadIdx.x; idx < n; idx += NT) {
+    const int u = idx >> 5;
+    cp_async16(stage + idx, rowptr(u / S) + (u % S) * 256 + (idx & 31) * 8);
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-template <int T, int K>
-__device__ __forceinline__ void mv_consume(const uint4& w, int u, const float* xs, float* red) {
-  constexpr int S = K / 256;
-  const int lane = threadIdx.x & 31;
-  const float* xp = xs + (u % S) * 256 + lane * 8;
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const float s = warp_sum(dot8(w, xp + t * QMK_I));
-    if (lane == 0) red[u * T + t] = s;
-  }
-}
-
-// out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows, using the registers
-// from mv_issue for the first units and loading the rest here.
+// out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged by mv_issue.
 //   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); red: smem fp32 [nrows * K/256 * T];
 //   out_s: smem fp32 [nrows * T]. Partial dots are summed per row in a fixed order, so results
-// are bitwise reproducible. Ends with __syncthreads().
-template <int T, int K, class RowPtr>
-__device__ __forceinline__ void mv_finish(RowPtr rowptr, int nrows, const MvRegs& r, const float* xs,
-                                          float* red, float* out_s) {
+// are bitwise reproducible. Ends with __syncthreads() (the stage may be refilled after it).
+template <int T, int K>
+__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* red,
+                                          float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
   constexpr int S = K / 256;
   const int nunits = nrows * S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  for (int u = warp; u < nunits; u += NW) {
+    const uint4 w = stage[u * 32 + lane];
+    const float* xp = xs + (u % S) * 256 + lane * 8;
 #pragma unroll
-  for (int i = 0; i < MV_PRELOAD; ++i) {
-    const int u = warp + i * NW;
-    if (u < nunits) mv_consume<T, K>(r.w[i], u, xs, red);
-  }
-  for (int base = warp + MV_PRELOAD * NW; base < nunits; base += NW * MV_INFLIGHT) {
-    uint4 w[MV_INFLIGHT];
-#pragma unroll
-    for (int i = 0; i < MV_INFLIGHT; ++i) {
-      const int u = base + i * NW;
-      if (u < nunits) w[i] = ld_weight(rowptr(u / S) + (u % S) * 256 + lane * 8);
-    }
-#pragma unroll
-    for (int i = 0; i < MV_INFLIGHT; ++i) {
-      const int u = base + i * NW;
-      if (u < nunits) mv_consume<T, K>(w[i], u, xs, red);
+    for (int t = 0; t < T; ++t) {
+      const float s = warp_sum(dot8(w, xp + t * QMK_I));
+      if (lane == 0) red[u * T + t] = s;
     }
   }
   __syncthreads();
