@@ -439,6 +439,8 @@ def main() -> None:
     ap.add_argument("--greedy-frames", type=int, default=40)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    if not (a.check or a.bench or a.sanitize_frame):
+        a.bench = True  # `make bench-kernel`
     if a.sanitize_frame:
         sanitize_frame()
         return

@@ -88,6 +88,20 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     return lib
 
 
+def is_available(device: int | None = None) -> bool:
+    """True when CUDA is present, the library is built and loads, and the device can hold the
+    cooperative grid (>= QMK_MIN_BLOCKS SMs, cooperative launch)."""
+    if not torch.cuda.is_available():
+        return False
+    path = Path(os.environ.get("QMK_LIB", CSRC / LIB_NAME))
+    if not path.exists():
+        return False
+    lib = load_library(path)
+    blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
+    dev = torch.cuda.current_device() if device is None else device
+    return lib.qmk_grid_size(dev, ctypes.byref(blocks), ctypes.byref(sms)) == 0
+
+
 def inv_freq(cfg: LMConfig) -> torch.Tensor:
     """theta^(-2j/d) in fp32, computed on the CPU exactly as the qwen-tts rotary modules do."""
     d = cfg.head_dim
