@@ -64,6 +64,8 @@ class ActiveStream:
     num_frames: int = 0
     num_samples: int = 0  # emitted, at the output rate
     num_chunks: int = 0
+    frames_emitted: int = 0
+    first_chunk_at: float | None = None  # monotonic time the first chunk was posted
 
     def take_codes(self) -> np.ndarray:
         codes = np.stack(self.pending)  # [T, 16]

@@ -31,6 +31,9 @@ class Worker:
         self.max_streams = min(config.max_streams, engine.max_streams)
         self.max_outstanding = self.max_streams + config.max_queue
         self.chunk_frames = config.chunk_frames
+        self.frame_s = codec.samples_per_frame / codec.sample_rate
+        # Emit early whenever a player that started at the first chunk has less than this left.
+        self.min_lead_s = 2.5 * self.frame_s
         self._cond = threading.Condition()
         self._incoming: collections.deque[StreamHandle] = collections.deque()
         self._waiting: collections.deque[StreamHandle] = collections.deque()
@@ -161,9 +164,7 @@ class Worker:
             stream.pending.append(result.codes)
             stream.num_frames += 1
             done = result.next_is_eos or stream.num_frames >= stream.max_frames
-            schedule = self.chunk_frames
-            target = schedule[min(stream.num_chunks, len(schedule) - 1)]
-            if done or len(stream.pending) >= target:
+            if done or self._chunk_due(stream):
                 try:
                     self._emit(stream, last=done)
                 except Exception as e:  # noqa: BLE001
@@ -174,14 +175,29 @@ class Worker:
                 reason = FinishReason.EOS if result.next_is_eos else FinishReason.MAX_LENGTH
                 self._finish(stream, reason)
 
+    def _chunk_due(self, stream: ActiveStream) -> bool:
+        """Chunks follow the schedule (small first, then larger to save per-call overhead),
+        except when synthesis runs near real time: then every frame goes out at once, so a
+        player that started at the first chunk does not run dry waiting for a full chunk."""
+        schedule = self.chunk_frames
+        if len(stream.pending) >= schedule[min(stream.num_chunks, len(schedule) - 1)]:
+            return True
+        if stream.first_chunk_at is None:
+            return False
+        played = time.monotonic() - stream.first_chunk_at
+        return stream.frames_emitted * self.frame_s - played < self.min_lead_s
+
     def _emit(self, stream: ActiveStream, last: bool) -> None:
         codes = torch.from_numpy(stream.take_codes())
         num_frames = codes.shape[0]
+        stream.frames_emitted += num_frames
         audio = self.codec.decode(stream.codec_state, codes).float().cpu().numpy()
         samples = stream.resample(audio, last=last)
         if samples.size == 0:  # the resampler's start-up delay swallowed a tiny first chunk
             return
         stream.handle.post(AudioChunk(samples=samples, sample_offset=stream.num_samples,
                                       num_frames=num_frames, sequence_number=stream.num_chunks))
+        if stream.first_chunk_at is None:
+            stream.first_chunk_at = time.monotonic()
         stream.num_samples += samples.shape[0]
         stream.num_chunks += 1
