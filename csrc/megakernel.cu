@@ -36,10 +36,22 @@ __device__ void sample_code0(const QmkState& st, int slot, int commit, SampleSme
 
 }  // namespace
 
-namespace {
-
-__device__ void frame(const QmkState& st, const QmkModel* m, int slot, int flags, Smem& sm, const Ctx& c, Stage& sg) {
+__global__ void __launch_bounds__(QMK_THREADS, 1)
+    qmk_frame_kernel(const __grid_constant__ QmkState st, const QmkModel* __restrict__ m, int slot, int flags) {
+  __shared__ Smem sm;
+  __shared__ float red32[NW];
+  __shared__ float xown[QMK_MAX_T][ROWS_H_MAX];
+  __shared__ int flag;
+  __shared__ int codes[QMK_GROUPS];
+  extern __shared__ uint4 stage[];  // [STAGE_UNITS * 32]
+  Grid g{st.sync, st.timeout_ns, 0u};
+  const Ctx c{st, m, sm, red32, xown, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, stage};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
+  if (flags & QMK_FLAG_BARRIER_BENCH) {
+    for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
+      if (!g.sync_all(&flag)) return;
+    return;
+  }
   const int pos = st.pos[slot];
   const int nsamp = st.n_sampled[slot];
   const QmkSampling sp = st.samp[slot];
@@ -47,41 +59,37 @@ __device__ void frame(const QmkState& st, const QmkModel* m, int slot, int flags
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicCAS(st.sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_CONTEXT_FULL);
     return;
   }
-  if (threadIdx.x < QMK_GROUPS) c.codes[threadIdx.x] = threadIdx.x == 0 ? st.code0[slot] : 0;
+  if (threadIdx.x < QMK_GROUPS) codes[threadIdx.x] = threadIdx.x == 0 ? st.code0[slot] : 0;
   __syncthreads();
-  const bool run_cp = !(flags & QMK_FLAG_TALKER_ONLY), run_talker = !(flags & QMK_FLAG_CP_ONLY);
-  uint4* buf = issue_qkv(sg, run_cp ? &m->cp[0] : &m->talker[0]);
 
-  if (run_cp) {
+  if (!(flags & QMK_FLAG_TALKER_ONLY)) {
     const size_t lstride = (size_t)QMK_NKV * QMK_CP_POS * QMK_HD;
     const SampleParams sub{sp.sub_do_sample, sp.sub_temperature, sp.sub_top_k, sp.sub_top_p};
     for (int k = 0; k < QMK_GROUPS - 1; ++k) {
       bool ok;
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
-        const Input in{1, {nullptr, m->codec_emb + (size_t)c.codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
+        const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
-        ok = run_stack<2, float>(c, sg, buf, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                 m->inv_freq_cp, m->cp_head[0], QMK_VC);
+        ok = run_stack<2, float>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS, m->inv_freq_cp);
+        ok = ok && head_phase(c, m->cp_norm, m->cp_head[0], QMK_VC, 1, nullptr, 0);
       } else {  // codec_embedding[k-1](code k) at position k+1
-        const Input in{1, {m->cp_emb[k - 1] + (size_t)c.codes[k] * QMK_H, nullptr}, nullptr, nullptr};
-        ok = run_stack<1, float>(c, sg, buf, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride,
-                                 QMK_CP_POS, m->inv_freq_cp, m->cp_head[k], QMK_VC);
+        const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
+        ok = run_stack<1, float>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                 m->inv_freq_cp);
+        ok = ok && head_phase(c, m->cp_norm, m->cp_head[k], QMK_VC, 0, nullptr, k);
       }
-      const QmkLayer* next = k + 1 < QMK_GROUPS - 1 ? &m->cp[0] : run_talker ? &m->talker[0] : nullptr;
-      uint4* head_buf = buf;
-      ok = ok && head_phase(c, sg, head_buf, m->cp_norm, QMK_VC, k == 0 ? 1 : 0, nullptr, k, next, buf);
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
       for (int i = threadIdx.x; i < QMK_VC; i += NT) sm.sa.l[i] = __ldcg(st.logits + i);
       __syncthreads();
       const int code = block_sample(sm.sa.l, QMK_VC, sub, sp.seed, (uint32_t)nsamp, (uint32_t)(k + 1), sm.sa);
-      if (threadIdx.x == 0) c.codes[k + 1] = code;
+      if (threadIdx.x == 0) codes[k + 1] = code;
       __syncthreads();
     }
   }
-  if (!run_talker) {
+  if (flags & QMK_FLAG_CP_ONLY) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
-      for (int k = 0; k < QMK_GROUPS; ++k) st.out[(size_t)slot * QMK_OUT_WORDS + k] = c.codes[k];
+      for (int k = 0; k < QMK_GROUPS; ++k) st.out[(size_t)slot * QMK_OUT_WORDS + k] = codes[k];
     return;
   }
 
@@ -95,46 +103,23 @@ __device__ void frame(const QmkState& st, const QmkModel* m, int slot, int flags
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, float>(c, sg, buf, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                             m->inv_freq_talker, m->codec_head, QMK_VT);
+    ok = run_stack<1, float>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, qmk_bf16>(c, sg, buf, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                m->inv_freq_talker, m->codec_head, QMK_VT);
+    ok = run_stack<1, qmk_bf16>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
+                                m->inv_freq_talker);
   }
-  uint4* none = nullptr;
-  if (!ok || !head_phase(c, sg, buf, m->talker_norm, QMK_VT, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
-                         QMK_GROUPS - 1, nullptr, none))
+  if (!ok) return;
+  if (!head_phase(c, m->talker_norm, m->codec_head, QMK_VT, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
+                  QMK_GROUPS - 1))
     return;
   if (blockIdx.x != 0) return;
-  sample_code0(st, slot, commit, sm.sa, c.codes);
+  sample_code0(st, slot, commit, sm.sa, codes);
   if (commit && threadIdx.x == 0) {
     st.pos[slot] = pos + 1;
     st.text_step[slot] = ts + 1;
   }
-}
-
-}  // namespace
-
-__global__ void __launch_bounds__(QMK_THREADS, 1)
-    qmk_frame_kernel(const __grid_constant__ QmkState st, const QmkModel* __restrict__ m, int slot, int flags) {
-  __shared__ Smem sm;
-  __shared__ float red32[NW];
-  __shared__ float xown[QMK_MAX_T][ROWS_H_MAX];
-  __shared__ int flag;
-  __shared__ int codes[QMK_GROUPS];
-  extern __shared__ uint4 stage[];  // [STAGE_UNITS * 32]
-  Grid g{st.sync, st.timeout_ns, 0u};
-  const Ctx c{st, m, sm, red32, xown, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0};
-  if (flags & QMK_FLAG_BARRIER_BENCH) {
-    for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
-      if (!g.sync_all(&flag)) return;
-    return;
-  }
-  Stage sg{stage, STAGE_UNITS * 32, 1, 0};
-  frame(st, m, slot, flags, sm, c, sg);
-  asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block on early exits
 }
 
 // Prefill's code-0 draw from st.logits (filled by the host's batched prefill).

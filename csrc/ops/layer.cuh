@@ -18,21 +18,11 @@ constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) * QMK_MAX_T <= RED_MAX, "qkv");
 static_assert(ROWS_H_MAX * (QMK_I / 256) * QMK_MAX_T <= RED_MAX, "down");
 static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= RED_MAX, "head");
-// Weight stage (ops/matvec.cuh Stage): units of 512 bytes of this block's rows per slice.
-constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int U_QKV = cdiv(QMK_QKV, QMK_MIN_BLOCKS) * (QMK_H / 256);
-constexpr int U_O = cdiv(QMK_H, QMK_MIN_BLOCKS) * (QMK_QD / 256);
-constexpr int U_GU = 2 * cdiv(QMK_I, QMK_MIN_BLOCKS) * (QMK_H / 256);
-constexpr int U_D = cdiv(QMK_H, QMK_MIN_BLOCKS) * (QMK_I / 256);
-constexpr int U_HEAD = cdiv(QMK_VT, QMK_MIN_BLOCKS) * (QMK_H / 256);
-// Consecutive slices that are resident together: (qkv, o) (o, gate|up) (gate|up, down)
-// (down, next qkv) (down, head) (head, next qkv).
-constexpr int STAGE_UNITS = cmax(cmax(cmax(U_QKV + U_O, U_O + U_GU), cmax(U_GU + U_D, U_D + U_QKV)),
-                                 cmax(U_D + U_HEAD, U_HEAD + U_QKV));
+// cp.async staging of one matrix slice per block: the largest is gate+up, 2 * ceil(I / G) rows.
+constexpr int STAGE_UNITS = 2 * ROWS_MAX * (QMK_H / 256);
 constexpr int STAGE_BYTES = STAGE_UNITS * 512;
-static_assert(STAGE_BYTES + 32 * 1024 <= 227 * 1024, "stage + static smem must fit an H100 SM");
-
+static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= STAGE_UNITS, "qkv stage");
+static_assert(ROWS_H_MAX * (QMK_I / 256) <= STAGE_UNITS, "down stage");
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
 
 struct MvSmem {
@@ -64,26 +54,8 @@ struct Ctx {
   int* codes;                   // smem [16]: this frame's codes
   Grid& g;
   bool exact;                   // bf16-exact rounding points (QMK_FLAG_BF16_EXACT)
+  uint4* stage;                 // dynamic smem [STAGE_UNITS * 32]: weight staging
 };
-
-// This block's q|k|v rows [q0, q0 + qn) of layer w.
-struct QkvRows {
-  const QmkLayer* w;
-  int q0;
-  __device__ const qmk_bf16* operator()(int r) const {
-    const int row = q0 + r;
-    return row < QMK_QD ? w->q + (size_t)row * QMK_H
-           : row < QMK_QD + QMK_KVD ? w->k + (size_t)(row - QMK_QD) * QMK_H
-                                    : w->v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
-  }
-};
-
-// Issue layer `w`'s q|k|v slice of this block (the first phase of a stack, one phase ahead).
-__device__ __forceinline__ uint4* issue_qkv(Stage& sg, const QmkLayer* w) {
-  int q0, qn;
-  rows_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
-  return mv_issue<QMK_H>(sg, QkvRows{w, q0}, qn);
-}
 
 // 4 consecutive bf16 as fp32.
 __device__ __forceinline__ float4 ld_bf4(const qmk_bf16* p) {
@@ -174,27 +146,28 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
 }
 
 // One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride).
-// On entry `buf` holds the issued q|k|v slice of layers[0] and no barrier is pending. On return
-// the last phase has arrived (not waited) and `buf` holds the issued slice of `head` (vocab rows).
-// Slices are issued a phase or two ahead: o with P1, gate|up with P2, down with P4, the next
-// layer's q|k|v (or the head) with P5.
+// The caller has no barrier pending; on return the last phase has arrived but not waited.
 template <int T, typename KV>
-__device__ bool run_stack(const Ctx& c, Stage& sg, uint4*& buf, const QmkLayer* layers, int nlayers,
-                          const Input& in0, int p0, KV* kc, KV* vc, size_t lstride, int ld_pos,
-                          const float* inv_freq, const qmk_bf16* head, int vocab) {
+__device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
+                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq) {
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
   float* xs0 = &c.sm.mv.xs[0][0];
-  int h0, hn, i0, in_, q0, qn, v0, vn;  // this block's rows of the H-, I-, QKV- and vocab-row matrices
+  int h0, hn, i0, in_, q0, qn;  // this block's rows of the H-, I- and QKV-row matrices
   rows_of(b, G, QMK_H, h0, hn);
   rows_of(b, G, QMK_I, i0, in_);
   rows_of(b, G, QMK_QKV, q0, qn);
-  rows_of(b, G, vocab, v0, vn);
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows.
-    uint4* o_buf = mv_issue<QMK_QD>(sg, [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; }, hn);
+    const auto qkv_row = [&](int r) {
+      const int row = q0 + r;
+      return row < QMK_QD ? w.q + (size_t)row * QMK_H
+             : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
+                                      : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
+    };
+    mv_issue<QMK_H>(qkv_row, qn, c.stage);
     if (L == 0) {
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
@@ -207,14 +180,13 @@ __device__ bool run_stack(const Ctx& c, Stage& sg, uint4*& buf, const QmkLayer* 
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
     rmsnorm_xs<T>(c, w.in_norm);
-    mv_finish<T, QMK_H>(sg, qn, buf, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(qn, c.stage, xs0, c.sm.mv.red, out);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
-    // P2: q/k norm + RoPE + KV append + attention.
-    uint4* gu_buf = mv_issue<QMK_H>(
-        sg, [&](int r) { return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H; },
-        2 * in_);
+    // P2: q/k norm + RoPE + KV append + attention (o_proj rows stream into the stage meanwhile).
+    const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
+    mv_issue<QMK_QD>(o_row, hn, c.stage);
     if (!c.g.wait(c.flag)) return false;
     const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
                           st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
@@ -224,16 +196,19 @@ __device__ bool run_stack(const Ctx& c, Stage& sg, uint4*& buf, const QmkLayer* 
     // P3: o_proj + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
-    mv_finish<T, QMK_QD>(sg, hn, o_buf, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_QD>(hn, c.stage, xs0, c.sm.mv.red, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
 
     // P4: post-attention RMSNorm + this block's gate/up rows -> SwiGLU activations.
-    uint4* d_buf = mv_issue<QMK_I>(sg, [&](int r) { return w.down + (size_t)(h0 + r) * QMK_I; }, hn);
+    const auto gu_row = [&](int r) {
+      return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H;
+    };
+    mv_issue<QMK_H>(gu_row, 2 * in_, c.stage);
     if (!c.g.wait(c.flag)) return false;
     load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     rmsnorm_xs<T>(c, w.post_norm);
-    mv_finish<T, QMK_H>(sg, 2 * in_, gu_buf, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, c.sm.mv.red, out);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
       const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
@@ -242,28 +217,26 @@ __device__ bool run_stack(const Ctx& c, Stage& sg, uint4*& buf, const QmkLayer* 
     c.g.arrive();
 
     // P5: down_proj + residual on this block's rows.
-    if (L + 1 < nlayers)
-      buf = issue_qkv(sg, &layers[L + 1]);
-    else
-      buf = mv_issue<QMK_H>(sg, [&](int r) { return head + (size_t)(v0 + r) * QMK_H; }, vn);
+    const auto down_row = [&](int r) { return w.down + (size_t)(h0 + r) * QMK_I; };
+    mv_issue<QMK_I>(down_row, hn, c.stage);
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    mv_finish<T, QMK_I>(sg, hn, d_buf, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_I>(hn, c.stage, xs0, c.sm.mv.red, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
   }
   return true;
 }
 
-// Final RMSNorm of token t + this block's head rows (issued in `head_buf`) -> st.logits (and the
-// dump row); issues `next`'s q|k|v slice into `next_buf` if given; ends with a full barrier so
-// every block can read all logits.
-__device__ bool head_phase(const Ctx& c, Stage& sg, const uint4* head_buf, const qmk_bf16* norm_w, int V, int t,
-                           float* hidden_out, int dump_row, const QmkLayer* next, uint4*& next_buf) {
+// Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
+// barrier so every block can read all logits.
+__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16* head, int V, int t,
+                           float* hidden_out, int dump_row) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows_of(b, G, V, r0, n);
-  if (next != nullptr) next_buf = issue_qkv(sg, next);
+  const auto row = [&](int r) { return head + (size_t)(r0 + r) * QMK_H; };
+  mv_issue<QMK_H>(row, n, c.stage);
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
@@ -271,7 +244,7 @@ __device__ bool head_phase(const Ctx& c, Stage& sg, const uint4* head_buf, const
   rmsnorm_xs<1>(c, norm_w);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
-  mv_finish<1, QMK_H>(sg, n, head_buf, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
+  mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);

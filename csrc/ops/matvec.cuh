@@ -24,45 +24,20 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 
-// Two-slot weight stage in dynamic shared memory: slices are issued alternately at the bottom and
-// top-aligned at the end, so the slice being issued never overlaps the one still pending (the
-// capacity covers the largest pair of consecutive slices). At most two cp.async groups in flight.
-struct Stage {
-  uint4* base;
-  int cap;      // uint4 entries
-  int side;     // side of the most recent slice
-  int pending;  // issued, not yet waited groups (0..2)
-
-  // Wait for the older pending slice (every thread), then make it visible to the block.
-  __device__ __forceinline__ void wait_oldest() {
-    if (pending >= 2) {
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
-      pending = 1;
-    } else {
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-      pending = 0;
-    }
-    __syncthreads();
-  }
-};
-
-// Units: one row x 256 columns (512 bytes). Copy all of the block's units of one matrix into the
-// stage with cp.async (no register cost: the whole slice is in flight at once). Issued a phase or
-// two ahead of its use, so HBM keeps streaming through barriers and the other phases' work.
+// Units: one row x 256 columns (512 bytes). Stage all of the block's units of one matrix into
+// shared memory with cp.async (no register cost, so the whole slice is in flight at once); issued
+// before the phase's barrier wait so HBM latency overlaps the barrier and the activation loads.
 //   rowptr(r): pointer to local row r (r in [0, nrows)), K contiguous bf16 values
+//   stage: smem [>= nrows * K/256 * 32] uint4
 template <int K, class RowPtr>
-__device__ __forceinline__ uint4* mv_issue(Stage& sg, RowPtr rowptr, int nrows) {
+__device__ __forceinline__ void mv_issue(RowPtr rowptr, int nrows, uint4* stage) {
   constexpr int S = K / 256;
   const int n = nrows * S * 32;
-  sg.side ^= 1;
-  uint4* dst = sg.side == 0 ? sg.base : sg.base + (sg.cap - n);
   for (int idx = threadIdx.x; idx < n; idx += NT) {
     const int u = idx >> 5;
-    cp_async16(dst + idx, rowptr(u / S) + (u % S) * 256 + (idx & 31) * 8);
+    cp_async16(stage + idx, rowptr(u / S) + (u % S) * 256 + (idx & 31) * 8);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
-  sg.pending += 1;
-  return dst;
 }
 
 // out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged by mv_issue.
@@ -70,13 +45,14 @@ __device__ __forceinline__ uint4* mv_issue(Stage& sg, RowPtr rowptr, int nrows) 
 //   out_s: smem fp32 [nrows * T]. Partial dots are summed per row in a fixed order, so results
 // are bitwise reproducible. Ends with __syncthreads() (the stage may be refilled after it).
 template <int T, int K>
-__device__ __forceinline__ void mv_finish(Stage& sg, int nrows, const uint4* stage, const float* xs, float* red,
+__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* red,
                                           float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
   constexpr int S = K / 256;
   const int nunits = nrows * S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  sg.wait_oldest();
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
   for (int u = warp; u < nunits; u += NW) {
     const uint4 w = stage[u * 32 + lane];
     const float* xp = xs + (u % S) * 256 + lane * 8;
