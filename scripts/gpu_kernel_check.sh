@@ -31,7 +31,7 @@ fi
 
 if [[ " $STAGES " == *" sanitize "* ]]; then
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SAN_TIMEOUT:-110}" compute-sanitizer --tool $tool \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SAN_TIMEOUT:-200}" compute-sanitizer --tool $tool \
       --kernel-name kns=qmk_ $PY scripts/bench_kernel.py --sanitize-frame >"$OUT/$tool.log" 2>&1
     echo "$tool rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize frame ok' "$OUT/$tool.log" | tr '\n' ' ')"
   done

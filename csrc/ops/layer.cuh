@@ -11,13 +11,10 @@
 
 namespace qmk {
 
-constexpr int ROWS_MAX = (QMK_I + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;  // 48 rows of gate (and of up)
+constexpr int ROWS_MAX = (QMK_I + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;  // most gate (and up) rows of a block
 constexpr int ROWS_H_MAX = (QMK_H + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
-constexpr int RED_MAX = 2 * ROWS_MAX * (QMK_H / 256) * QMK_MAX_T;  // gate+up units x T
 constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
-static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) * QMK_MAX_T <= RED_MAX, "qkv");
-static_assert(ROWS_H_MAX * (QMK_I / 256) * QMK_MAX_T <= RED_MAX, "down");
-static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= RED_MAX, "head");
+static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_MAX_T <= OUT_MAX, "qkv rows");
 // cp.async staging of one matrix slice per block: the largest is gate+up, 2 * ceil(I / G) rows.
 constexpr int STAGE_UNITS = 2 * ROWS_MAX * (QMK_H / 256);
 constexpr int STAGE_BYTES = STAGE_UNITS * 512;
@@ -27,7 +24,6 @@ static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and
 
 struct MvSmem {
   float xs[QMK_MAX_T][QMK_I];  // activations [T][K] for K <= 3072
-  float red[RED_MAX];
   float out[OUT_MAX];
 };
 union Smem {
@@ -180,7 +176,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
     rmsnorm_xs<T>(c, w.in_norm);
-    mv_finish<T, QMK_H>(qn, c.stage, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(qn, c.stage, xs0, out);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
@@ -196,7 +192,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     // P3: o_proj + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
-    mv_finish<T, QMK_QD>(hn, c.stage, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_QD>(hn, c.stage, xs0, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
 
@@ -208,7 +204,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     if (!c.g.wait(c.flag)) return false;
     load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     rmsnorm_xs<T>(c, w.post_norm);
-    mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, out);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
       const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
@@ -221,7 +217,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     mv_issue<QMK_I>(down_row, hn, c.stage);
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    mv_finish<T, QMK_I>(hn, c.stage, xs0, c.sm.mv.red, out);
+    mv_finish<T, QMK_I>(hn, c.stage, xs0, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
   }
@@ -244,7 +240,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16*
   rmsnorm_xs<1>(c, norm_w);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
-  mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.red, c.sm.mv.out);
+  mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.out);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);

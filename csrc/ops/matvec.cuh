@@ -41,34 +41,33 @@ __device__ __forceinline__ void mv_issue(RowPtr rowptr, int nrows, uint4* stage)
 }
 
 // out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged by mv_issue.
-//   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); red: smem fp32 [nrows * K/256 * T];
-//   out_s: smem fp32 [nrows * T]. Partial dots are summed per row in a fixed order, so results
-// are bitwise reproducible. Ends with __syncthreads() (the stage may be refilled after it).
+//   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); out_s: smem fp32 [nrows * T].
+// Warp w owns rows w, w + NW, ...: it accumulates a row's K/256 units in registers and reduces
+// once, in a fixed order, so results are bitwise reproducible. Ends with __syncthreads() (the stage
+// may be refilled after it).
 template <int T, int K>
-__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* red,
-                                          float* out_s) {
+__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
   constexpr int S = K / 256;
-  const int nunits = nrows * S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  for (int u = warp; u < nunits; u += NW) {
-    const uint4 w = stage[u * 32 + lane];
-    const float* xp = xs + (u % S) * 256 + lane * 8;
+  for (int r = warp; r < nrows; r += NW) {
+    float acc[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[t] = 0.f;
+#pragma unroll 4
+    for (int seg = 0; seg < S; ++seg) {
+      const uint4 w = stage[(r * S + seg) * 32 + lane];
+      const float* xp = xs + seg * 256 + lane * 8;
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[t] += dot8(w, xp + t * QMK_I);
+    }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const float s = warp_sum(dot8(w, xp + t * QMK_I));
-      if (lane == 0) red[u * T + t] = s;
+      const float v = warp_sum(acc[t]);
+      if (lane == 0) out_s[r * T + t] = v;
     }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < nrows * T; idx += NT) {
-    const int row = idx / T, t = idx % T;
-    float s = 0.f;
-#pragma unroll
-    for (int seg = 0; seg < S; ++seg) s += red[(row * S + seg) * T + t];
-    out_s[idx] = s;
   }
   __syncthreads();
 }
