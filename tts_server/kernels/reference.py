@@ -112,9 +112,9 @@ class TorchEngine:
         states = [self.slots[s] for s in slots]
         rest = self._predict_codes(states)  # [B, 15]
         code0 = torch.tensor([s.code0 for s in states], device=self.device)
-        x = F.embedding(code0, w.codec_embedding)
-        for k in range(rest.shape[1]):
-            x = x + F.embedding(rest[:, k], w.predictor_embeddings[k])
+        # one summation with a single rounding, as qwen-tts's cat(...).sum(1)
+        x = torch.stack([F.embedding(code0, w.codec_embedding)] + [
+            F.embedding(rest[:, k], w.predictor_embeddings[k]) for k in range(rest.shape[1])]).sum(0)
         text = [st.trailing[st.text_step] if st.text_step < st.trailing.shape[0] else st.pad_embed
                 for st in states]
         x = (x + torch.stack(text))[:, None]  # [B, 1, H]
