@@ -84,8 +84,10 @@ async def test_seed_makes_output_reproducible(tiny_server):
     a = await _collect(tiny_server, build_request("Reproducible.", **SHORT))
     b = await _collect(tiny_server, build_request("Reproducible.", **SHORT))
     c = await _collect(tiny_server, build_request("Reproducible.", max_duration_s=0.8, seed=8))
-    np.testing.assert_array_equal(a.samples, b.samples)
-    assert not np.array_equal(a.samples, c.samples)
+    # same codes; chunk boundaries follow timing, and chunked codec decode equals whole decode
+    # only to ~1e-5, which can flip the last PCM16 bit
+    np.testing.assert_allclose(a.samples, b.samples, rtol=0, atol=2.5 / 32768)
+    assert np.abs(a.samples - c.samples).max() > 0.05
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -32,8 +32,12 @@ class Worker:
         self.max_outstanding = self.max_streams + config.max_queue
         self.chunk_frames = config.chunk_frames
         self.frame_s = codec.samples_per_frame / codec.sample_rate
-        # Emit early whenever a player that started at the first chunk has less than this left.
+        # Emit early whenever a player that started at the first chunk has less than this left,
+        # as long as the engine loop has slack: a codec call costs about the same for 1 frame as
+        # for 8, so extra calls on a saturated loop would only slow every stream down.
         self.min_lead_s = 2.5 * self.frame_s
+        self.max_early_step_s = 0.75 * self.frame_s
+        self.step_s = 0.0  # moving average of one loop iteration (engine step + chunk decodes)
         self._cond = threading.Condition()
         self._incoming: collections.deque[StreamHandle] = collections.deque()
         self._waiting: collections.deque[StreamHandle] = collections.deque()
@@ -150,6 +154,11 @@ class Worker:
             max_frames=min(req.max_frames, room))
 
     def _step(self) -> None:
+        t0 = time.monotonic()
+        self._step_streams()
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.monotonic() - t0)
+
+    def _step_streams(self) -> None:
         slots = list(self._active)
         try:
             results = self.engine.step(slots)
@@ -182,7 +191,7 @@ class Worker:
         schedule = self.chunk_frames
         if len(stream.pending) >= schedule[min(stream.num_chunks, len(schedule) - 1)]:
             return True
-        if stream.first_chunk_at is None:
+        if stream.first_chunk_at is None or self.step_s > self.max_early_step_s:
             return False
         played = time.monotonic() - stream.first_chunk_at
         return stream.frames_emitted * self.frame_s - played < self.min_lead_s
