@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench bench-kernel clean
+.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench bench-kernel kernel-gpu-check clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ bench: setup
 # The megakernel's own benchmark (GPU): copy bandwidth, talker/predictor/frame times vs torch.
 bench-kernel: kernel
 	$(BIN)/python scripts/bench_kernel.py
+
+# The megakernel's full evidence run on a GPU machine: build, correctness, sanitizers, benchmark.
+kernel-gpu-check:
+	bash scripts/gpu_kernel_check.sh
 
 # Regenerate the checked-in stubs with the pinned grpcio-tools (protobuf-6 gencode).
 protos: setup
