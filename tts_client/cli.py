@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import grpc
@@ -13,6 +14,15 @@ from .client import TTSClient, build_request
 from .pb.tts.v1 import tts_pb2
 
 
+def _client(a) -> TTSClient:
+    creds = None
+    if a.tls or a.tls_ca:
+        roots = open(a.tls_ca, "rb").read() if a.tls_ca else None
+        creds = grpc.ssl_channel_credentials(root_certificates=roots)
+    metadata = (("authorization", f"Bearer {a.token}"),) if a.token else ()
+    return TTSClient(a.address, credentials=creds, metadata=metadata)
+
+
 async def _say(a) -> int:
     ref = open(a.reference, "rb").read() if a.reference else None
     req = build_request(a.text, voice=a.voice, language=a.language, sample_rate_hz=a.sample_rate,
@@ -20,7 +30,7 @@ async def _say(a) -> int:
                         reference_audio=ref, reference_text=a.reference_text,
                         encoding=(tts_pb2.AUDIO_ENCODING_FLOAT32_LE if a.float32
                                   else tts_pb2.AUDIO_ENCODING_PCM_S16LE))
-    async with TTSClient(a.address) as client:
+    async with _client(a) as client:
         res = await client.synthesize(req, timeout=a.timeout)
     write_wav(a.output, res.samples, res.sample_rate)
     s = res.summary
@@ -33,7 +43,7 @@ async def _say(a) -> int:
 
 
 async def _voices(a) -> int:
-    async with TTSClient(a.address) as client:
+    async with _client(a) as client:
         r = await client.list_voices()
     for v in r.voices:
         print(v.name + (" (default)" if v.is_default else ""))
@@ -44,7 +54,7 @@ async def _voices(a) -> int:
 
 
 async def _info(a) -> int:
-    async with TTSClient(a.address) as client:
+    async with _client(a) as client:
         print(await client.model_info())
     return 0
 
@@ -52,6 +62,10 @@ async def _info(a) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tts-client", description=__doc__)
     p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--token", default=os.environ.get("TTS_AUTH_TOKEN"),
+                   help="bearer token (default: $TTS_AUTH_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
+    p.add_argument("--tls-ca", help="PEM root certificate to trust (implies --tls)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("say", help="synthesize TEXT into a WAV file")
     s.add_argument("text")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from .config import ServerConfig
 
@@ -29,16 +30,28 @@ def parse_args(argv=None) -> ServerConfig:
                    help="frames per audio chunk, first chunks first (default 1,2,4,8)")
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
     p.add_argument("--default-voice", default=None)
+    p.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--auth-token-file",
+                   help="require 'authorization: Bearer <token>' on every RPC but health; the token "
+                        "is this file's first line (or set TTS_AUTH_TOKEN)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = os.environ.get("TTS_AUTH_TOKEN") or None
+    if a.auth_token_file:
+        with open(a.auth_token_file) as f:
+            token = f.readline().strip() or None
+        if not token:
+            p.error(f"--auth-token-file {a.auth_token_file}: empty")
     return ServerConfig(
         host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, dtype=a.dtype,
         max_streams=a.max_streams, max_queue=a.max_queue, max_text_chars=a.max_text_chars,
         max_duration_s=a.max_duration_s,
         chunk_frames=tuple(int(x) for x in a.chunk_frames.split(",") if x),
-        grace_period_s=a.grace_period_s, default_voice=a.default_voice)
+        grace_period_s=a.grace_period_s, default_voice=a.default_voice,
+        tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token)
 
 
 async def _serve(config: ServerConfig) -> None:

@@ -22,3 +22,6 @@ class ServerConfig:
     grace_period_s: float = 10.0  # SIGTERM drain time
     default_voice: str | None = None  # CustomVoice speaker when a request names none
     seed: int | None = None  # base seed for requests without one (None: random)
+    tls_cert: str | None = None  # PEM server certificate (chain); with tls_key enables TLS
+    tls_key: str | None = None  # PEM private key
+    auth_token: str | None = None  # when set, every RPC but health needs "authorization: Bearer <token>"

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from tts_client.pb.tts.v1 import tts_pb2, tts_pb2_grpc
 
 from ..config import ServerConfig
+from .auth import BearerTokenInterceptor
 from .servicer import TextToSpeechServicer
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class TTSServer:
         self.config = config
         self.worker = worker
         self.owns_worker = owns_worker
-        self.server = grpc.aio.server(options=[
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ])
@@ -38,14 +40,24 @@ class TTSServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
                                              health.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert or config.tls_key:
+            if not (config.tls_cert and config.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d", SERVICE_NAME, self.config.host, self.port)
+        log.info("serving %s on %s:%d (%s, %s)", SERVICE_NAME, self.config.host, self.port,
+                 "TLS" if self.config.tls_cert else "plaintext",
+                 "bearer-token auth" if self.config.auth_token else "no auth")
 
     async def stop(self, grace: float | None = None) -> None:
         """Health goes NOT_SERVING, new calls are refused, in-flight streams get `grace` s."""

@@ -1,0 +1,45 @@
+"""Bearer-token check for every RPC except health (supervisors probe it without credentials)."""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED unless the call carries `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("empty auth token")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, str):
+            given = given.encode()
+        if hmac.compare_digest(given, self._expected):
+            return handler
+        return _denied(handler)
