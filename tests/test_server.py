@@ -199,3 +199,15 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new(tiny_app):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _collect(address, build_request("Too late.", **SHORT), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_request_id_echoed_in_metadata_and_summary(tiny_server):
+    async with TTSClient(tiny_server) as client:
+        call = client.stream(build_request("Who am I?", request_id="req-42", **SHORT))
+        assert ("x-request-id", "req-42") in tuple(await call.initial_metadata())
+        msgs = [m async for m in call]
+        call2 = client.stream(build_request("And me?", **SHORT))
+        generated = dict(await call2.initial_metadata())["x-request-id"]
+        last = [m async for m in call2][-1]
+    assert msgs[-1].summary.request_id == "req-42"
+    assert len(generated) == 16 and last.summary.request_id == generated

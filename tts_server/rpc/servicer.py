@@ -39,6 +39,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ShuttingDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        await context.send_initial_metadata((("x-request-id", req.request_id),))
         encoding = convert.encoding_of(request)
         rate = req.output_sample_rate
         log.info("request %s: %d chars, voice=%s language=%s max_frames=%d", req.request_id,
