@@ -32,7 +32,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts_server.kernels.api import Prompt, SamplingConfig  # noqa: E402
+from tts_server.kernels.api import Prompt, SamplingConfig, decode_until_eos  # noqa: E402
 from tts_server.model.weights import (CodecIds, DecodeWeights, LayerWeights, LMConfig,  # noqa: E402
                                       LMWeights, decode_weights)
 
@@ -66,19 +66,9 @@ def synthetic_weights(name: str = "synthetic", device: str = "cuda") -> DecodeWe
     """The decode weights of build_synthetic(SYNTHETIC_NAMES[name]) in bf16 on `device` (same seed
     and construction order, without the tokenizer and the speech codec)."""
     stub_audio_modules()
-    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+    from tts_server.model.synthetic import SYNTHETIC_NAMES, build_tts_model
 
-    from tts_server.model.synthetic import SYNTHETIC_NAMES, tts_config
-
-    spec = SYNTHETIC_NAMES[name]
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
-        cfg = tts_config(spec)
-        cfg._attn_implementation = "sdpa"
-        model = Qwen3TTSForConditionalGeneration(cfg)
-    finally:
-        torch.random.set_rng_state(state)
+    model = build_tts_model(SYNTHETIC_NAMES[name])
     model.talker.model.text_embedding = None  # 311 M params the decode loop never reads
     model = model.to(device=device, dtype=torch.bfloat16).eval()
     return decode_weights(model)
@@ -255,13 +245,7 @@ def greedy_e2e(w: DecodeWeights, prompts: int, frames: int, precision: str = "fp
         for eng in (MegakernelEngine(w, max_streams=1, max_positions=frames + 64, precision=precision),
                     TorchEngine(wref, max_streams=1, max_positions=frames + 64)):
             eng.prefill(0, prompt, s)
-            codes = []
-            for _ in range(frames):
-                r = eng.step([0])[0]
-                codes.append(r.codes)
-                if r.next_is_eos:
-                    break
-            runs.append(np.stack(codes))
+            runs.append(decode_until_eos(eng, 0, frames))
             del eng
         a, b = runs
         n = min(len(a), len(b))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tts_server.kernels.api import SamplingConfig
+from tts_server.kernels.api import SamplingConfig, decode_until_eos
 from tts_server.kernels.reference import TorchEngine
 from tts_server.model.prompt import PromptBuilder, VoiceClone
 from tts_server.model.weights import decode_weights
@@ -43,13 +43,7 @@ def _reference(tts, max_new_tokens: int, **generate_kwargs):
 def _ours(tts, prompt, num_frames: int) -> np.ndarray:
     engine = TorchEngine(decode_weights(tts.model), max_streams=2, max_positions=512)
     engine.prefill(1, prompt, GREEDY)
-    frames = []
-    for _ in range(num_frames):
-        result = engine.step([1])[0]
-        frames.append(result.codes)
-        if result.next_is_eos:
-            break
-    return np.stack(frames)
+    return decode_until_eos(engine, 1, num_frames)
 
 
 def _ids(tts, text):

@@ -26,7 +26,7 @@ import torch
 
 from ..api import SamplingConfig
 
-__all__ = ["DecodeEngine", "FrameResult", "Prompt", "SamplingConfig"]
+__all__ = ["DecodeEngine", "FrameResult", "Prompt", "SamplingConfig", "decode_until_eos"]
 
 
 @dataclass
@@ -43,6 +43,17 @@ class FrameResult:
     slot: int
     codes: np.ndarray  # [16] int64: code 0 (talker) then codes 1..15 (code predictor)
     next_is_eos: bool  # the talker's next code 0 is EOS: this frame is the stream's last
+
+
+def decode_until_eos(engine: "DecodeEngine", slot: int, max_frames: int) -> np.ndarray:
+    """Step one prefilled slot until EOS or `max_frames`; returns its frames [F, 16]."""
+    frames = []
+    for _ in range(max_frames):
+        result = engine.step([slot])[0]
+        frames.append(result.codes)
+        if result.next_is_eos:
+            break
+    return np.stack(frames)
 
 
 class DecodeEngine(Protocol):

@@ -149,10 +149,30 @@ def set_output_level(codec_model: torch.nn.Module, generator: torch.Generator,
     last.weight.mul_(target_rms / max(rms, 1e-12))
 
 
+def _seeded_tts_model(spec: SyntheticSpec):
+    """Seed the global RNG with spec.seed and construct the model from it (fp32, CPU)."""
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+
+    torch.manual_seed(spec.seed)
+    cfg = tts_config(spec)
+    cfg._attn_implementation = "sdpa"
+    return Qwen3TTSForConditionalGeneration(cfg)
+
+
+def build_tts_model(spec: SyntheticSpec):
+    """The same random-weight `Qwen3TTSForConditionalGeneration` as `build_synthetic(spec).model`,
+    without the speech and text tokenizers; the global RNG is left as it was."""
+    rng_state = torch.random.get_rng_state()
+    try:
+        return _seeded_tts_model(spec)
+    finally:
+        torch.random.set_rng_state(rng_state)
+
+
 def build_synthetic(spec: SyntheticSpec, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Build a `qwen_tts.Qwen3TTSModel` with seeded random weights and the offline tokenizer."""
     from qwen_tts import Qwen3TTSModel, Qwen3TTSTokenizer
-    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration, Qwen3TTSProcessor
+    from qwen_tts.core.models import Qwen3TTSProcessor
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
     from transformers import EncodecFeatureExtractor
 
@@ -160,10 +180,7 @@ def build_synthetic(spec: SyntheticSpec, dtype: torch.dtype = torch.float32, dev
 
     rng_state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(spec.seed)
-        cfg = tts_config(spec)
-        cfg._attn_implementation = "sdpa"
-        model = Qwen3TTSForConditionalGeneration(cfg)
+        model = _seeded_tts_model(spec)
         codec = Qwen3TTSTokenizerV2Model(codec_config(spec.size))
         gen = torch.Generator().manual_seed(spec.seed + 1)
         randomize_codebooks(codec, gen)
