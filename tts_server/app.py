@@ -15,9 +15,6 @@ from .model.weights import decode_weights
 
 log = logging.getLogger(__name__)
 
-FRAME_RATE = 12.5  # codec frames per second (1920 samples at 24 kHz)
-
-
 def megakernel_available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -74,7 +71,7 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
         name=config.model, model_type=loaded.model_type, model_size=loaded.model.tts_model_size,
         is_synthetic=loaded.is_synthetic, warning=loaded.warning, engine=engine.name,
         device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
-        sample_rate=codec.sample_rate, frame_rate=FRAME_RATE, voices=voices,
+        sample_rate=codec.sample_rate, frame_rate=codec.sample_rate / codec.samples_per_frame, voices=voices,
         default_voice=default_voice, languages=tuple(loaded.languages))
     worker = Worker(loaded, engine, codec, config)
     worker.start()

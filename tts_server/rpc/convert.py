@@ -11,8 +11,8 @@ import numpy as np
 
 from tts_client.pb.tts.v1 import tts_pb2
 
-from ..api import (AudioChunk, InvalidRequest, ModelInfo, ReferenceAudio, SamplingConfig,
-                   StreamEnd, SynthesisRequest)
+from ..api import (AudioChunk, FinishReason, InvalidRequest, ModelInfo, ReferenceAudio,
+                   SamplingConfig, StreamEnd, SynthesisRequest)
 from ..config import ServerConfig
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
@@ -22,8 +22,9 @@ LANGUAGE_TAGS = {
     "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ja": "japanese",
     "fr": "french", "ko": "korean", "ru": "russian", "it": "italian", "pt": "portuguese",
 }
-FINISH_REASONS = {"eos": tts_pb2.FINISH_REASON_EOS, "max_length": tts_pb2.FINISH_REASON_MAX_LENGTH,
-                  "cancelled": tts_pb2.FINISH_REASON_CANCELLED}
+FINISH_REASONS = {FinishReason.EOS: tts_pb2.FINISH_REASON_EOS,
+                  FinishReason.MAX_LENGTH: tts_pb2.FINISH_REASON_MAX_LENGTH,
+                  FinishReason.CANCELLED: tts_pb2.FINISH_REASON_CANCELLED}
 
 
 def default_max_duration_s(text: str) -> float:
@@ -156,7 +157,7 @@ def summary_message(end: StreamEnd, request_id: str, rate: int, ttfc_ms: float, 
                     num_chunks: int) -> tts_pb2.SynthesizeResponse:
     audio_s = end.num_samples / rate
     return tts_pb2.SynthesizeResponse(summary=tts_pb2.SynthesisSummary(
-        finish_reason=FINISH_REASONS.get(end.finish_reason.value, tts_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=FINISH_REASONS.get(end.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
         num_frames=end.num_frames, audio_seconds=audio_s, time_to_first_chunk_ms=ttfc_ms,
         wall_ms=wall_ms, real_time_factor=(wall_ms / 1000.0 / audio_s) if audio_s > 0 else 0.0,
         request_id=request_id, num_chunks=num_chunks))
