@@ -41,11 +41,21 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   __shared__ Smem sm;
   __shared__ float red32[NW];
   __shared__ float xown[QMK_MAX_T][ROWS_H_MAX];
+  __shared__ __align__(16) float xres[QMK_MAX_T][QMK_H];
   __shared__ int flag;
   __shared__ int codes[QMK_GROUPS];
   extern __shared__ uint4 stage[];  // [STAGE_UNITS * 32]
   Grid g{st.sync, st.timeout_ns, 0u};
-  const Ctx c{st, m, sm, red32, xown, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, stage};
+#if QMK_TRACE
+  {
+    const int G = gridDim.x, b = blockIdx.x;
+    const int slot3 = b == 0 ? 0 : b == G / 2 ? 1 : b == G - 1 ? 2 : -1;
+    g.tr = (st.dump != nullptr && slot3 >= 0) ? reinterpret_cast<uint32_t*>(st.dump) + slot3 * QMK_TRACE_EPOCHS * 3
+                                               : nullptr;
+    g.t0 = clock64();
+  }
+#endif
+  const Ctx c{st, m, sm, red32, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, stage};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
   if (flags & QMK_FLAG_BARRIER_BENCH) {
     for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
@@ -62,21 +72,27 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   if (threadIdx.x < QMK_GROUPS) codes[threadIdx.x] = threadIdx.x == 0 ? st.code0[slot] : 0;
   __syncthreads();
 
-  if (!(flags & QMK_FLAG_TALKER_ONLY)) {
+  const bool cp_runs = !(flags & QMK_FLAG_TALKER_ONLY), talker_runs = !(flags & QMK_FLAG_CP_ONLY);
+  if (cp_runs) {
     const size_t lstride = (size_t)QMK_NKV * QMK_CP_POS * QMK_HD;
     const SampleParams sub{sp.sub_do_sample, sp.sub_temperature, sp.sub_top_k, sp.sub_top_p};
     for (int k = 0; k < QMK_GROUPS - 1; ++k) {
       bool ok;
+      // The next stack's first q|k|v slice is issued inside this pass's head phase.
+      const QmkLayer* next = !QMK_HOIST ? nullptr
+                             : k < QMK_GROUPS - 2 ? &m->cp[0]
+                             : talker_runs ? &m->talker[0] : nullptr;
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
-        ok = run_stack<2, float>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS, m->inv_freq_cp);
-        ok = ok && head_phase(c, m->cp_norm, m->cp_head[0], QMK_VC, 1, nullptr, 0);
+        ok = run_stack<2, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                               m->inv_freq_cp);
+        ok = ok && head_phase(c, m->cp_norm, m->cp_head[0], QMK_VC, 1, nullptr, 0, next);
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
-        ok = run_stack<1, float>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                 m->inv_freq_cp);
-        ok = ok && head_phase(c, m->cp_norm, m->cp_head[k], QMK_VC, 0, nullptr, k);
+        ok = run_stack<1, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride,
+                                               QMK_CP_POS, m->inv_freq_cp, QMK_HOIST);
+        ok = ok && head_phase(c, m->cp_norm, m->cp_head[k], QMK_VC, 0, nullptr, k, next);
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
@@ -103,12 +119,13 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, float>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker);
+    ok = run_stack<1, float>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker,
+                             QMK_HOIST && cp_runs);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
     ok = run_stack<1, qmk_bf16>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                m->inv_freq_talker);
+                                m->inv_freq_talker, QMK_HOIST && cp_runs);
   }
   if (!ok) return;
   if (!head_phase(c, m->talker_norm, m->codec_head, QMK_VT, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,

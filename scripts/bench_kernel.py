@@ -348,6 +348,115 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
     return res
 
 
+def trace_labels(fused: bool) -> list[tuple[str, str]]:
+    """(stack, phase) that starts after each grid barrier of one sampled frame, in order."""
+    lab = []
+    l0 = ["P2F", "P4", "P5"] if fused else ["P2", "P3", "P4", "P5"]
+    for _ in range(15):
+        lab += [("cp", p) for p in l0 + (["P1"] + l0) * 4 + ["HEAD", "SAMP+P1"]]
+    t0 = ["P2", "P3", "P4", "P5"]
+    lab += [("talker", p) for p in t0 + (["P1"] + t0) * 27 + ["HEAD", "END"]]
+    return lab
+
+
+def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100) -> dict:
+    """A QMK_TRACE build: per-barrier cycle stamps of blocks 0, G/2, G-1 over one sampled frame ->
+    per phase type: busy (wait end -> next arrive), wait (spin) and issue (arrive -> wait start)."""
+    from tts_server.kernels import megakernel as mk
+
+    prev = os.environ.get("QMK_LIB")
+    os.environ["QMK_LIB"] = str(lib)
+    eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64, dump_logits=True)
+    eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3))
+    frame_us = time_us(lambda: eng.launch(0, mk.FLAG_NO_COMMIT), iters=10, warm=3)
+    eng.dump.zero_()
+    eng.launch(0, mk.FLAG_NO_COMMIT)
+    torch.cuda.synchronize()
+    tr = eng.dump.view(-1)[: 3 * 1024 * 3].view(torch.int32).cpu().numpy().astype(np.int64).reshape(3, 1024, 3)
+    os.environ.pop("QMK_LIB", None)
+    fused = "nofused" not in Path(lib).stem
+    if prev is not None:
+        os.environ["QMK_LIB"] = prev
+    lab = trace_labels(fused)
+    n = len(lab)
+    res = dict(frame_us=frame_us, epochs=n)
+    total_cyc = int(tr[0, n, 0]) if n < 1024 else 0  # block 0's last arrive
+    res["cycles_last_arrive_b0"] = total_cyc
+    us_per_cyc = frame_us / total_cyc if total_cyc > 0 else float("nan")
+    res["mhz_est"] = 1.0 / us_per_cyc if total_cyc else None
+    agg: dict = {}
+    for blk in range(3):
+        for e in range(1, n + 1):
+            if e + 1 > n:
+                break
+            A, W, E = tr[blk, e]
+            A1 = tr[blk, e + 1, 0]
+            key = "/".join(lab[e - 1])
+            a = agg.setdefault(key, dict(n=0, busy=[0, 0, 0], wait=[0, 0, 0], issue=[0, 0, 0]))
+            if blk == 0:
+                a["n"] += 1
+            a["busy"][blk] += int(A1 - E)
+            a["wait"][blk] += int(E - W)
+            a["issue"][blk] += int(W - A)
+    out = {}
+    for key, a in agg.items():
+        k = max(a["n"], 1)
+        out[key] = dict(n=a["n"], **{f"{m}_us": [round(v / k * us_per_cyc, 3) for v in a[m]]
+                                     for m in ("busy", "wait", "issue")})
+    res["phases"] = out
+    print("trace (per phase type, mean µs for blocks 0, G/2, G-1):", flush=True)
+    for key, v in out.items():
+        print(f"  {key:16s} n={v['n']:4d} busy {v['busy_us']} wait {v['wait_us']} issue {v['issue_us']}", flush=True)
+    return res
+
+
+def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100) -> dict:
+    """Build variants of the kernel (csrc/Makefile LIB=... DEFS=...) side by side: for each
+    library, a short teacher-forced check (fp32 mode vs the fp32 reference) and the ctx-100
+    timings (talker step, CP pass, sampled and greedy frame)."""
+    from tts_server.kernels import megakernel as mk
+
+    prev = os.environ.get("QMK_LIB")
+    out = {}
+    s = SamplingConfig(seed=3)
+    greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
+    nc = mk.FLAG_NO_COMMIT
+    for lib in [x for x in libs if "trace" in Path(x).stem]:
+        try:
+            out[Path(lib).stem] = trace_frame(w, lib, ctx)
+        except Exception as e:  # noqa: BLE001
+            out[Path(lib).stem] = dict(error=repr(e))
+    libs = [x for x in libs if "trace" not in Path(x).stem]
+    for rnd in range(2):  # two rounds: the spread between them is the noise
+        for lib in libs:
+            name = Path(lib).stem
+            os.environ["QMK_LIB"] = str(lib)
+            r = out.setdefault(name, {"lib": str(lib)})
+            try:
+                if rnd == 0 and frames > 0:
+                    t = teacher_forced(w, frames, seed=11)
+                    r.update(rel_err_max=t["rel_err_max"], top1=t["top1"])
+                eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64)
+                eng.prefill(0, make_prompt(5, length=ctx), s)
+                talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
+                cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
+                frame = time_us(lambda: eng.launch(0, nc))
+                eng.prefill(0, make_prompt(5, length=ctx), greedy)
+                fg = time_us(lambda: eng.launch(0, nc), iters=30)
+                if eng.kernel_error():
+                    raise RuntimeError(f"kernel error {eng.kernel_error()}")
+                r.setdefault("runs", []).append(dict(talker_us=talker, cp_pass_us=cp, frame_us=frame,
+                                                     frame_greedy_us=fg))
+                del eng
+            except Exception as e:  # noqa: BLE001
+                r["error"] = repr(e)
+            print(name, r, flush=True)
+    os.environ.pop("QMK_LIB", None)
+    if prev is not None:
+        os.environ["QMK_LIB"] = prev
+    return out
+
+
 def sanitize_frame() -> None:
     """One prefill + one frame on random weights (run under compute-sanitizer)."""
     from tts_server.kernels.megakernel import MegakernelEngine
@@ -407,6 +516,15 @@ def table(r: dict) -> str:
         for p in g["prompts"]:
             lines.append(f"| {g['precision']} mode greedy vs TorchEngine {g['precision']}, prompt {p['prompt']} | "
                          f"{p['identical_frames']}/{p['frames']} frames identical |")
+    for name, v in (r.get("variants") or {}).items():
+        if "phases" in v or "runs" not in v and "error" not in v:
+            continue
+        runs = v.get("runs", [])
+        t = " / ".join(f"{x['talker_us']:.0f}, {x['cp_pass_us']:.1f}, {x['frame_us']:.0f}, {x['frame_greedy_us']:.0f}"
+                       for x in runs)
+        lines.append(f"| variant {name}: talker, CP pass, frame, greedy frame µs (per round) | {t} | "
+                     f"rel err {v.get('rel_err_max', float('nan')):.2e}, top-1 {v.get('top1', float('nan')):.4f} "
+                     f"{v.get('error', '')} |")
     sr = r.get("sampling")
     if sr:
         lines.append(f"| sampling checks | {sr} |")
@@ -419,11 +537,13 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--sanitize-frame", action="store_true")
+    ap.add_argument("--variants", default="", help="comma-separated kernel libraries to compare")
+    ap.add_argument("--variant-frames", type=int, default=16)
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--greedy-frames", type=int, default=40)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    if not (a.check or a.bench or a.sanitize_frame):
+    if not (a.check or a.bench or a.sanitize_frame or a.variants):
         a.bench = True  # `make bench-kernel`
     if a.sanitize_frame:
         sanitize_frame()
@@ -433,6 +553,8 @@ def main() -> None:
     r: dict = dict(env=env_info(), model=a.model)
     print(f"weights ready in {time.time() - t0:.0f} s", flush=True)
     stages = []
+    if a.variants:
+        stages.append(("variants", lambda: variants(w, a.variants.split(","), a.variant_frames)))
     if a.check:
         stages += [("teacher_forced", lambda: teacher_forced(w, a.frames)),
                    ("teacher_forced_bf16", lambda: teacher_forced(w, a.frames // 4, precision="bf16",

@@ -2,7 +2,7 @@
 # Megakernel evidence in one call on a CUDA machine: build, compute-sanitizer (memcheck + racecheck
 # on one frame), correctness (teacher forced + greedy parity + sampling) and the benchmark.
 # Logs and kernel_results.json land in $OUT; a short table is printed last.
-#   STAGES="build sanitize check bench" (default: all)   FRAMES=200   GREEDY_FRAMES=40
+#   STAGES="build sanitize check bench" (default: all)   FRAMES=200   GREEDY_FRAMES=40   VARIANTS=libs
 # Wheels for qwen-tts and transformers 4.57.3 (the GPU image has 5.x) may be carried in .whl/.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +24,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 ARGS=()
 [[ " $STAGES " == *" check "* ]] && ARGS+=(--check --frames "${FRAMES:-200}" --greedy-frames "${GREEDY_FRAMES:-40}")
 [[ " $STAGES " == *" bench "* ]] && ARGS+=(--bench)
+# VARIANTS="csrc/build/a.so,csrc/build/b.so": short check + ctx-100 timings of each library
+[ -n "${VARIANTS:-}" ] && ARGS+=(--variants "$VARIANTS" --variant-frames "${VARIANT_FRAMES:-16}")
 if [ ${#ARGS[@]} -gt 0 ]; then
   timeout "${RUN_TIMEOUT:-330}" $PY scripts/bench_kernel.py "${ARGS[@]}" --out "$OUT" >"$OUT/run.log" 2>&1
   echo "bench_kernel rc=$?"

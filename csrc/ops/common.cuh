@@ -5,6 +5,14 @@
 
 #include "../layout.h"
 
+// QMK_TRACE (diagnostic builds only): thread 0 of blocks 0, G/2 and G-1 records clock64 cycles
+// (relative to its block's start) at every barrier arrive, wait start and wait end, into
+// st.dump (reinterpreted as uint32 [3][QMK_TRACE_EPOCHS][3]); the logits dump is then off.
+#ifndef QMK_TRACE
+#define QMK_TRACE 0
+#endif
+#define QMK_TRACE_EPOCHS 1024
+
 namespace qmk {
 
 constexpr int NT = QMK_THREADS;
@@ -98,14 +106,26 @@ struct Grid {
   uint32_t* sync;
   uint64_t timeout_ns;
   uint32_t epoch;
+#if QMK_TRACE
+  uint32_t* tr;  // this block's trace rows, or nullptr
+  long long t0;
+  __device__ void mark(int k) {
+    if (tr != nullptr && threadIdx.x == 0 && epoch < QMK_TRACE_EPOCHS)
+      tr[epoch * 3 + k] = (uint32_t)(clock64() - t0);
+  }
+#else
+  __device__ void mark(int) {}
+#endif
 
   __device__ void arrive() {
     __syncthreads();
     epoch += 1;
+    mark(0);
     if (threadIdx.x == 0) red_release_add(sync + QMK_SYNC_BAR, 1u);
   }
 
   __device__ bool wait(int* s_flag) {
+    mark(1);
     if (threadIdx.x == 0) {
       const uint32_t target = epoch * gridDim.x;
       volatile uint32_t* err = sync + QMK_SYNC_ERR;
@@ -127,6 +147,7 @@ struct Grid {
       }
       *s_flag = ok;
     }
+    mark(2);
     __syncthreads();
     return *s_flag != 0;
   }

@@ -6,8 +6,20 @@
 #pragma once
 #include "attention.cuh"
 #include "common.cuh"
+#include "cp_attention.cuh"
 #include "matvec.cuh"
 #include "sampling.cuh"
+
+// QMK_CP_FUSED: the code predictor's attention is recomputed per kv-head group inside an
+// "attention + o_proj partial" phase (ops/cp_attention.cuh): 4 grid phases per CP layer, not 5.
+#ifndef QMK_CP_FUSED
+#define QMK_CP_FUSED 1
+#endif
+// QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
+// q|k|v slice issued before the head phase's barrier (it streams in during the sampling).
+#ifndef QMK_HOIST
+#define QMK_HOIST 1
+#endif
 
 namespace qmk {
 
@@ -29,6 +41,7 @@ struct MvSmem {
 union Smem {
   MvSmem mv;
   AttnSmem at;
+  CpAttnSmem ca;
   SampleSmem sa;
 };
 
@@ -46,6 +59,7 @@ struct Ctx {
   Smem& sm;
   float* red32;                 // smem [NW]
   float (*xown)[ROWS_H_MAX];    // smem [MAX_T][ROWS_H_MAX]: this block's rows of the residual
+  float (*xres)[QMK_H];         // smem [MAX_T][H]: the whole residual (fused CP layers)
   int* flag;
   int* codes;                   // smem [16]: this frame's codes
   Grid& g;
@@ -97,10 +111,9 @@ __device__ void load_input(const Ctx& c, const Input& in) {
 // In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm. Each thread
 // owns dims [4*tid, 4*tid + 4).
 template <int T>
-__device__ void rmsnorm_xs(const Ctx& c, const qmk_bf16* w) {
+__device__ void rmsnorm_xs(const Ctx& c, const float4 wv) {
   float(*xs)[QMK_I] = c.sm.mv.xs;
   const int d = threadIdx.x * 4;
-  const float4 wv = ld_bf4(w + d);
 #pragma unroll
   for (int t = 0; t < T; ++t) {
     float4 x = *reinterpret_cast<const float4*>(&xs[t][d]);
@@ -112,6 +125,22 @@ __device__ void rmsnorm_xs(const Ctx& c, const qmk_bf16* w) {
     *reinterpret_cast<float4*>(&xs[t][d]) = x;
   }
   __syncthreads();
+}
+
+// The norm weights of this thread's 4 dims (loaded ahead of a barrier wait where QMK_HOIST).
+__device__ __forceinline__ float4 norm_w4(const qmk_bf16* w) { return ld_bf4(w + threadIdx.x * 4); }
+
+// Issue this block's q|k|v rows of layer w into the stage (cp.async).
+__device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
+  int q0, qn;
+  rows_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
+  const auto qkv_row = [&](int r) {
+    const int row = q0 + r;
+    return row < QMK_QD ? w.q + (size_t)row * QMK_H
+           : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
+                                    : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
+  };
+  mv_issue<QMK_H>(qkv_row, qn, c.stage);
 }
 
 // xs[t][0..N*4*NT) = src[t][...] (fp32 scratch published by other blocks: read through L2).
@@ -143,9 +172,11 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
 
 // One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride).
 // The caller has no barrier pending; on return the last phase has arrived but not waited.
-template <int T, typename KV>
+// preissued: layer 0's q|k|v slice is already in flight (head_phase issued it).
+// FUSED (code predictor): attention + o_proj partials in one phase (ops/cp_attention.cuh).
+template <int T, typename KV, bool FUSED = false>
 __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
-                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq) {
+                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq, bool preissued = false) {
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
@@ -156,14 +187,10 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   rows_of(b, G, QMK_QKV, q0, qn);
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
+    const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows.
-    const auto qkv_row = [&](int r) {
-      const int row = q0 + r;
-      return row < QMK_QD ? w.q + (size_t)row * QMK_H
-             : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
-                                      : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
-    };
-    mv_issue<QMK_H>(qkv_row, qn, c.stage);
+    if (L > 0 || !preissued) issue_qkv(c, w);
+    float4 wn = QMK_HOIST ? norm_w4(w.in_norm) : float4{};
     if (L == 0) {
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
@@ -175,10 +202,23 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       if (!c.g.wait(c.flag)) return false;
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    rmsnorm_xs<T>(c, w.in_norm);
+    if constexpr (FUSED) {  // keep the raw residual: the next phase adds the o_proj partials to it
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
+    }
+    if (!QMK_HOIST) wn = norm_w4(w.in_norm);
+    rmsnorm_xs<T>(c, wn);
     mv_finish<T, QMK_H>(qn, c.stage, xs0, out);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
+
+    if constexpr (FUSED) {
+      // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
+      if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
+                            p0, inv_freq, c.exact, c.g, c.flag, c.stage, c.sm.ca))
+        return false;
+    } else {
 
     // P2: q/k norm + RoPE + KV append + attention (o_proj rows stream into the stage meanwhile).
     const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
@@ -195,15 +235,43 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     mv_finish<T, QMK_QD>(hn, c.stage, xs0, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
+    }
 
     // P4: post-attention RMSNorm + this block's gate/up rows -> SwiGLU activations.
     const auto gu_row = [&](int r) {
       return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H;
     };
     mv_issue<QMK_H>(gu_row, 2 * in_, c.stage);
+    wn = QMK_HOIST ? norm_w4(w.post_norm) : float4{};
     if (!c.g.wait(c.flag)) return false;
-    load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
-    rmsnorm_xs<T>(c, w.post_norm);
+    if constexpr (FUSED) {
+      // x += part[0] + ... + part[7] (fixed order: every block computes the same residual).
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float4 p[QMK_NKV];
+#pragma unroll
+        for (int g = 0; g < QMK_NKV; ++g)
+          p[g] = __ldcg(reinterpret_cast<const float4*>(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + d4));
+        float4 o = p[0];
+#pragma unroll
+        for (int g = 1; g < QMK_NKV; ++g) { o.x += p[g].x; o.y += p[g].y; o.z += p[g].z; o.w += p[g].w; }
+        const float4 xr = *reinterpret_cast<const float4*>(&c.xres[t][d4]);
+        const bool e = c.exact;
+        const float4 xn = make_float4(rnd(xr.x + rnd(o.x, e), e), rnd(xr.y + rnd(o.y, e), e),
+                                      rnd(xr.z + rnd(o.z, e), e), rnd(xr.w + rnd(o.w, e), e));
+        *reinterpret_cast<float4*>(&c.xres[t][d4]) = xn;
+        *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d4]) = xn;
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
+        const int t = idx / hn, r = idx % hn;
+        c.xown[t][r] = c.xres[t][h0 + r];
+      }
+    } else {
+      load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
+    }
+    if (!QMK_HOIST) wn = norm_w4(w.post_norm);
+    rmsnorm_xs<T>(c, wn);
     mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, out);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
@@ -226,26 +294,31 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 
 // Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
 // barrier so every block can read all logits.
+// next: the stack that follows (its layer 0 q|k|v slice is issued before the final barrier, so it
+// streams in during the sampling), or nullptr.
 __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16* head, int V, int t,
-                           float* hidden_out, int dump_row) {
+                           float* hidden_out, int dump_row, const QmkLayer* next = nullptr) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows_of(b, G, V, r0, n);
   const auto row = [&](int r) { return head + (size_t)(r0 + r) * QMK_H; };
   mv_issue<QMK_H>(row, n, c.stage);
+  float4 wn = QMK_HOIST ? norm_w4(norm_w) : float4{};
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
   __syncthreads();
-  rmsnorm_xs<1>(c, norm_w);
+  if (!QMK_HOIST) wn = norm_w4(norm_w);
+  rmsnorm_xs<1>(c, wn);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
   mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.out);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);
-    if (c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
+    if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
+  if (next != nullptr) issue_qkv(c, *next);  // the stage is free: mv_finish ended with __syncthreads
   return c.g.sync_all(c.flag);
 }
 

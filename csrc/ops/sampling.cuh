@@ -5,6 +5,10 @@
 #pragma once
 #include "common.cuh"
 
+#ifndef QMK_SAMPLE_AGG
+#define QMK_SAMPLE_AGG 1
+#endif
+
 namespace qmk {
 
 struct SampleParams {
@@ -84,13 +88,26 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
   uint32_t prefix = 0, mask = 0;
   int kk = k;
   const int lane = threadIdx.x & 31;
+  static_assert(QMK_VC % NT == 0 && QMK_VT % NT == 0, "full warps in the histogram loop");
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
     __syncthreads();
+#if QMK_SAMPLE_AGG
+    // Warp-aggregated: lanes with the same bin add once (the logits crowd into a few top-byte
+    // bins, and same-address shared atomics serialize). V is a multiple of NT: full warps.
+    for (int i = threadIdx.x; i < V; i += NT) {
+      const uint32_t key = fkey(l[i]);
+      const bool in = (key & mask) == prefix;
+      const uint32_t bin = in ? (key >> shift) & 255u : 256u + (uint32_t)lane;
+      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[bin], (uint32_t)__popc(peers));
+    }
+#else
     for (int i = threadIdx.x; i < V; i += NT) {
       const uint32_t key = fkey(l[i]);
       if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
     }
+#endif
     __syncthreads();
     if (threadIdx.x < 32) {
       uint32_t c[8], tot = 0;

@@ -1,0 +1,199 @@
+// Code-predictor phase "attention + o_proj partial" (replaces the separate attention phase and the
+// o_proj phase of the CP: one grid barrier less per CP layer, and every block has work).
+//
+// Blocks are split into 8 groups by kv head (g = block % 8). Every block of group g recomputes,
+// from the raw q|k|v linear outputs, the per-head q/k RMSNorm + RoPE and the tiny attention
+// (<= 16 keys) of kv head g (its 2 q heads, T tokens), then multiplies its share of o_proj rows,
+// restricted to the 256 columns of those 2 heads, into a partial sum part[g][t][row]. The next
+// phase adds x + (part[0] + ... + part[7]) in a fixed order in every block (deterministic).
+// Block g (first of its group) appends the new K/V rows to the CP cache. Keys of earlier
+// positions were written in earlier passes (many barriers ago), so they are loaded before the
+// barrier wait together with the o_proj weight slice.
+#pragma once
+#include "common.cuh"
+#include "matvec.cuh"
+
+namespace qmk {
+
+constexpr int CP_KPW = (QMK_CP_POS + NW - 1) / NW;  // keys per warp (16 positions / 8 warps)
+static_assert(2 * QMK_MAX_T + 2 * QMK_MAX_T <= NW, "one warp per q / k / v row of a kv head");
+
+struct CpAttnSmem {
+  float q[2 * QMK_MAX_T][QMK_HD];   // q after norm + RoPE, row = t * 2 + j
+  float kn[QMK_MAX_T][QMK_HD];      // new k rows (norm + RoPE)
+  float vn[QMK_MAX_T][QMK_HD];      // new v rows
+  float merge[NW][2 * QMK_MAX_T][QMK_HD + 2];
+  float a[QMK_MAX_T][2 * QMK_HD];   // attention output of the 2 q heads (o_proj columns 256g..)
+};
+
+// kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions p0 ..; out: part.
+// The o_proj weight slice is issued, then the barrier is waited for, then the block arrives.
+template <int T>
+__device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
+                              const float* inv_freq, bool exact, Grid& grid, int* flag, uint4* stage,
+                              CpAttnSmem& s) {
+  constexpr int NQ = 2 * T;
+  const int G = gridDim.x, b = blockIdx.x;
+  const int g = b % QMK_NKV, gi = b / QMK_NKV, gn = (G - g + QMK_NKV - 1) / QMK_NKV;
+  int r0, n;
+  rows_of(gi, gn, QMK_H, r0, n);
+  const auto o_row = [&](int r) { return w.o + (size_t)(r0 + r) * QMK_QD + g * (2 * QMK_HD); };
+  mv_issue<2 * QMK_HD>(o_row, n, stage);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ctx = p0 + T;
+  // Static loads ahead of the wait: cached keys/values of this warp, norm weights, inv_freq.
+  const float* kb = kc + (size_t)g * QMK_CP_POS * QMK_HD + lane * 4;
+  const float* vb = vc + (size_t)g * QMK_CP_POS * QMK_HD + lane * 4;
+  float4 kf[CP_KPW], vf[CP_KPW];
+#pragma unroll
+  for (int i = 0; i < CP_KPW; ++i) {
+    const int j = warp + NW * i;
+    kf[i] = vf[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (j < p0) {
+      kf[i] = __ldcg(reinterpret_cast<const float4*>(kb + (size_t)j * QMK_HD));
+      vf[i] = __ldcg(reinterpret_cast<const float4*>(vb + (size_t)j * QMK_HD));
+    }
+  }
+  const bool isq = warp < NQ, isk = !isq && warp < NQ + T, isv = !isq && !isk && warp < NQ + 2 * T;
+  float nw[4], fr[4];
+  {
+    const qmk_bf16* np = (isq ? w.q_norm : w.k_norm) + lane * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) nw[i] = bf2f(np[i]);
+    const float4 f4 = *reinterpret_cast<const float4*>(inv_freq + ((lane * 4) & (QMK_HD / 2 - 1)));
+    fr[0] = f4.x; fr[1] = f4.y; fr[2] = f4.z; fr[3] = f4.w;
+  }
+
+  if (!grid.wait(flag)) return false;
+
+  // 1) one warp per row: q rows (t, j), new k rows, new v rows of kv head g.
+  if (isq || isk || isv) {
+    const int t = isq ? warp >> 1 : (isk ? warp - NQ : warp - NQ - T);
+    const float* src = st.qkv + t * QMK_QKV +
+                       (isq ? (2 * g + (warp & 1)) * QMK_HD : (isk ? QMK_QD : QMK_QD + QMK_KVD) + g * QMK_HD);
+    const float4 raw = __ldcg(reinterpret_cast<const float4*>(src + lane * 4));
+    const size_t coff = ((size_t)g * QMK_CP_POS + p0 + t) * QMK_HD + lane * 4;
+    if (isv) {
+      *reinterpret_cast<float4*>(&s.vn[t][lane * 4]) = raw;
+      if (gi == 0) *reinterpret_cast<float4*>(vc + coff) = raw;
+    } else {
+      const float x[4] = {raw.x, raw.y, raw.z, raw.w};
+      const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+      const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + st.eps);
+      float y[4], yp[4], r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] = rnd(nw[i] * rnd(x[i] * rinv, exact), exact);
+      // rotate-half: dims d and d +- 64 sit in lanes l and l ^ 16.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) yp[i] = __shfl_xor_sync(0xffffffffu, y[i], 16);
+      const float ang0 = (float)(p0 + t);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float ang = ang0 * fr[i];
+        const float cs = rnd(cosf(ang), exact), sn = rnd(sinf(ang), exact);
+        const float rot = lane < 16 ? -yp[i] : yp[i];
+        r[i] = rnd(rnd(y[i] * cs, exact) + rnd(rot * sn, exact), exact);
+      }
+      const float4 r4 = make_float4(r[0], r[1], r[2], r[3]);
+      if (isq) {
+        *reinterpret_cast<float4*>(&s.q[warp][lane * 4]) = r4;
+      } else {
+        *reinterpret_cast<float4*>(&s.kn[t][lane * 4]) = r4;
+        if (gi == 0) *reinterpret_cast<float4*>(kc + coff) = r4;
+      }
+    }
+  }
+  __syncthreads();
+
+  // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
+  const float scale = 0.08838834764831845f;  // head_dim ** -0.5
+  float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
+#pragma unroll
+  for (int r = 0; r < NQ; ++r) {
+    m[r] = neg_inf();
+    l[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { qv[r][i] = s.q[r][lane * 4 + i]; acc[r][i] = 0.f; }
+  }
+#pragma unroll
+  for (int i = 0; i < CP_KPW; ++i) {
+    const int j = warp + NW * i;
+    if (j < ctx) {
+      float4 k4 = kf[i], v4 = vf[i];
+      if (j >= p0) {
+        k4 = *reinterpret_cast<const float4*>(&s.kn[j - p0][lane * 4]);
+        v4 = *reinterpret_cast<const float4*>(&s.vn[j - p0][lane * 4]);
+      }
+      const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+      for (int r = 0; r < NQ; ++r) {
+        float sc = qv[r][0] * kk[0];
+        sc = fmaf(qv[r][1], kk[1], sc);
+        sc = fmaf(qv[r][2], kk[2], sc);
+        sc = fmaf(qv[r][3], kk[3], sc);
+        sc = warp_sum(sc) * scale;
+        if (j <= p0 + r / 2) {  // causal: token t sees keys <= its position
+          const float mn = fmaxf(m[r], sc);
+          const float corr = expf(m[r] - mn);
+          const float p = expf(sc - mn);
+          l[r] = l[r] * corr + p;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][e] = fmaf(acc[r][e], corr, p * vv[e]);
+          m[r] = mn;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NQ; ++r) {
+    if (lane == 0) { s.merge[warp][r][0] = m[r]; s.merge[warp][r][1] = l[r]; }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s.merge[warp][r][2 + lane * 4 + i] = acc[r][i];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
+    const int r = idx / QMK_HD, d = idx % QMK_HD;
+    float mx = neg_inf();
+    for (int w2 = 0; w2 < NW; ++w2) mx = fmaxf(mx, s.merge[w2][r][0]);
+    float L = 0.f, A = 0.f;
+    for (int w2 = 0; w2 < NW; ++w2) {
+      const float e = s.merge[w2][r][0] == neg_inf() ? 0.f : expf(s.merge[w2][r][0] - mx);
+      L = fmaf(s.merge[w2][r][1], e, L);
+      A = fmaf(s.merge[w2][r][2 + d], e, A);
+    }
+    s.a[r / 2][(r & 1) * QMK_HD + d] = rnd(A / L, exact);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+
+  // 3) o_proj partial: 8 lanes per row (4 rows per warp at a time), 256 columns per row.
+  const int rr = lane >> 3, sub = lane & 7;
+  for (int base = warp * 4; base < n; base += NW * 4) {
+    const int r = base + rr;
+    const bool valid = r < n;
+    float accp[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) accp[t] = 0.f;
+    if (valid) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 wv = stage[r * 32 + sub + 8 * i];
+#pragma unroll
+        for (int t = 0; t < T; ++t) accp[t] += dot8(wv, &s.a[t][(sub + 8 * i) * 8]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float v = accp[t];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      if (valid && sub == 0) __stcg(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, v);
+    }
+  }
+  grid.arrive();
+  return true;
+}
+
+}  // namespace qmk
