@@ -6,7 +6,7 @@
 #include "common.cuh"
 
 #ifndef QMK_SAMPLE_AGG
-#define QMK_SAMPLE_AGG 1
+#define QMK_SAMPLE_AGG 0  // measured: +8 us per draw (__match_any_sync costs more than the contention)
 #endif
 
 namespace qmk {
