@@ -66,7 +66,7 @@ def tiny_app(tiny_custom):
 
     import torch
 
-    cfg = ServerConfig(model="synthetic-tiny", engine="torch", max_streams=4, port=0)
+    cfg = ServerConfig(model="synthetic-tiny", engine="torch", max_streams=4, max_queue=0, port=0)
     loaded = LoadedModel("synthetic-tiny", tiny_custom, True, torch.device("cpu"), torch.float32)
     app = build_app(cfg, loaded)
     yield app

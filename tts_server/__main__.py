@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 
 from .config import ServerConfig
+from .logs import setup_logging
 
 
 def parse_args(argv=None) -> ServerConfig:
@@ -23,7 +25,21 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-streams", type=int, default=d.max_streams)
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests that may wait for a free stream; beyond: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
+                   help="a queued request gets RESOURCE_EXHAUSTED after waiting this long")
+    p.add_argument("--max-buffer-s", type=float, default=d.max_buffer_s,
+                   help="audio seconds a stream may run ahead of a slow client before it pauses")
+    p.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s,
+                   help="end a stream whose client has read nothing for this long")
+    p.add_argument("--watchdog-s", type=float, default=d.watchdog_s,
+                   help="an engine step hung this long: health NOT_SERVING, exit status 70 (0: off)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--metrics-port", type=int, default=9464,
+                   help="Prometheus /metrics on --host:PORT (0: any free port, -1: off)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    p.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests only: engine/faults.py
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
     p.add_argument("--max-duration-s", type=float, default=d.max_duration_s)
     p.add_argument("--chunk-frames", default=",".join(map(str, d.chunk_frames)),
@@ -37,8 +53,7 @@ def parse_args(argv=None) -> ServerConfig:
                         "is this file's first line (or set TTS_AUTH_TOKEN)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(a.log_level, a.log_format)
     token = os.environ.get("TTS_AUTH_TOKEN") or None
     if a.auth_token_file:
         with open(a.auth_token_file) as f:
@@ -51,10 +66,14 @@ def parse_args(argv=None) -> ServerConfig:
         max_duration_s=a.max_duration_s,
         chunk_frames=tuple(int(x) for x in a.chunk_frames.split(",") if x),
         grace_period_s=a.grace_period_s, default_voice=a.default_voice,
-        tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token)
+        tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token,
+        max_queue_wait_s=a.max_queue_wait_s, max_buffer_s=a.max_buffer_s,
+        stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
+        max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port,
+        inject_fault=a.inject_fault)
 
 
-async def _serve(config: ServerConfig) -> None:
+async def _serve(config: ServerConfig) -> int:
     from .app import build_app
     from .rpc.server import TTSServer
 
@@ -66,12 +85,22 @@ async def _serve(config: ServerConfig) -> None:
              ",".join(info.voices) or "(clone from reference)")
     if info.is_synthetic:
         log.warning("!" * 20 + " " + info.warning + " " + "!" * 20)
-    await TTSServer(app.worker, info, config).serve_forever()
+    if config.watchdog_s > 0:
+        # Backstop for a hang the Python watchdog cannot act on (a thread holding the GIL): the
+        # watchdog thread re-arms this on every poll; if it stops polling, faulthandler dumps
+        # every thread's stack and exits the process.
+        app.worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
+            config.watchdog_s + 30.0, exit=True)
+    return await TTSServer(app.worker, info, config).serve_forever()
 
 
 def main(argv=None) -> None:
     config = parse_args(argv)
-    asyncio.run(_serve(config))
+    code = asyncio.run(_serve(config))
+    faulthandler.cancel_dump_traceback_later()
+    if code:
+        logging.shutdown()
+        os._exit(code)  # the engine thread may be stuck in a device call; do not join it
 
 
 if __name__ == "__main__":

@@ -28,6 +28,15 @@ class ShuttingDown(RuntimeError):
     """The server is draining and takes no new work."""
 
 
+class EngineFailure(RuntimeError):
+    """The decode engine as a whole is broken (a hung step, a device fault): every stream on it
+    fails, health goes NOT_SERVING and the process exits for its supervisor to restart it."""
+
+
+class StreamFailure(RuntimeError):
+    """The engine failed one stream (e.g. non-finite logits); the others carry on."""
+
+
 class FinishReason(enum.Enum):
     EOS = "eos"
     MAX_LENGTH = "max_length"

@@ -28,6 +28,16 @@ def megakernel_available() -> bool:
 
 
 def create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
+    engine = _create_engine(name, loaded, config)
+    if config.inject_fault:
+        from .engine.faults import FaultInjectingEngine
+
+        log.warning("FAULT INJECTION ON (testing only): %s", config.inject_fault)
+        engine = FaultInjectingEngine(engine, config.inject_fault)
+    return engine
+
+
+def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     if name == "auto":
         name = "megakernel" if loaded.device.type == "cuda" and megakernel_available() else "torch"
     weights = decode_weights(loaded.model)

@@ -23,6 +23,22 @@ class StreamHandle:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self._wake = wake
+        # Flow control: samples posted by the engine vs. written to the client by the handler.
+        # The engine pauses a stream whose backlog exceeds its buffer bound (a client that
+        # stopped reading), so a stalled client costs bounded memory.
+        self.posted_samples = 0
+        self.sent_samples = 0
+        self.paused = False
+        self.ended = False
+
+    def backlog_s(self) -> float:
+        return (self.posted_samples - self.sent_samples) / self.request.output_sample_rate
+
+    def mark_sent(self, num_samples: int) -> None:
+        """Handler side: `num_samples` more have been handed to the transport."""
+        self.sent_samples += num_samples
+        if self.paused:
+            self._wake()
 
     @property
     def cancelled(self) -> bool:
@@ -34,7 +50,14 @@ class StreamHandle:
             self._wake()
 
     def post(self, event: AudioChunk | StreamEnd) -> None:
-        """Engine thread -> event loop. Drops the event if the loop has closed."""
+        """Engine thread -> event loop. Drops the event if the loop has closed, and anything
+        after the stream's end (a stream ended by the watchdog while its step was hung)."""
+        if self.ended:
+            return
+        if isinstance(event, StreamEnd):
+            self.ended = True
+        else:
+            self.posted_samples += event.samples.shape[0]
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:

@@ -43,6 +43,7 @@ class FrameResult:
     slot: int
     codes: np.ndarray  # [16] int64: code 0 (talker) then codes 1..15 (code predictor)
     next_is_eos: bool  # the talker's next code 0 is EOS: this frame is the stream's last
+    error: str | None = None  # this slot failed (the others in the step are valid); codes unused
 
 
 def decode_until_eos(engine: "DecodeEngine", slot: int, max_frames: int) -> np.ndarray:
@@ -68,7 +69,9 @@ class DecodeEngine(Protocol):
         ...
 
     def step(self, slots: Sequence[int]) -> list[FrameResult]:
-        """Advance each slot by one frame; results come back in the order of `slots`."""
+        """Advance each slot by one frame; results come back in the order of `slots`.
+        A failure confined to one slot comes back as that slot's `error`; an exception means
+        the whole step failed (a device fault leaves the engine unusable)."""
         ...
 
     def release(self, slot: int) -> None:

@@ -83,8 +83,9 @@ class TorchEngine:
         st.seen[code] = True
         return code
 
-    def _predict_codes(self, states: list[_SlotState]) -> torch.Tensor:
-        """Codes 1..15 for each stream's pending code 0 -> [B, 15] long."""
+    def _predict_codes(self, states: list[_SlotState], failed: dict[int, str]) -> torch.Tensor:
+        """Codes 1..15 for each stream's pending code 0 -> [B, 15] long. A stream whose logits
+        turn non-finite is entered in `failed` (index -> reason) and gets zeros from then on."""
         w = self.w
         b = len(states)
         rows = torch.arange(b, device=self.device)
@@ -99,10 +100,17 @@ class TorchEngine:
             positions = torch.arange(start, start + x.shape[1], device=self.device)[None].expand(b, -1)
             hidden = lm_forward(w.predictor, x, self.cp_cache, rows, positions)[:, -1]
             logits = F.linear(hidden, w.predictor_heads[k])
+            finite = torch.isfinite(logits).all(-1).tolist()
             for i, st in enumerate(states):
                 s = st.sampling
-                codes[i, k] = draw(logits[i], s.subtalker_do_sample, s.subtalker_temperature,
-                                   s.subtalker_top_k, s.subtalker_top_p, st.generator)
+                if i in failed:
+                    codes[i, k] = 0
+                elif not finite[i]:
+                    failed[i] = f"non-finite code-predictor logits (code group {k + 1})"
+                    codes[i, k] = 0
+                else:
+                    codes[i, k] = draw(logits[i], s.subtalker_do_sample, s.subtalker_temperature,
+                                       s.subtalker_top_k, s.subtalker_top_p, st.generator)
             x = F.embedding(codes[:, k], w.predictor_embeddings[k])[:, None]
         return codes
 
@@ -110,7 +118,8 @@ class TorchEngine:
     def step(self, slots: Sequence[int]) -> list[FrameResult]:
         w = self.w
         states = [self.slots[s] for s in slots]
-        rest = self._predict_codes(states)  # [B, 15]
+        failed: dict[int, str] = {}  # a stream gone numerically bad fails alone
+        rest = self._predict_codes(states, failed)  # [B, 15]
         code0 = torch.tensor([s.code0 for s in states], device=self.device)
         # one summation with a single rounding, as qwen-tts's cat(...).sum(1)
         x = torch.stack([F.embedding(code0, w.codec_embedding)] + [
@@ -124,6 +133,7 @@ class TorchEngine:
         slot_t = torch.tensor(list(slots), device=self.device)
         hidden = lm_forward(w.talker, x, self.cache, slot_t, positions)[:, 0]  # [B, H]
         logits = F.linear(hidden, w.codec_head)
+        finite = torch.isfinite(logits).all(-1).tolist()
         rest_np = rest.cpu().numpy()
         results = []
         for i, (slot, st) in enumerate(zip(slots, states)):
@@ -131,6 +141,11 @@ class TorchEngine:
             st.position += 1
             st.text_step += 1
             st.past_hidden = hidden[i]
+            if i not in failed and not finite[i]:
+                failed[i] = "non-finite talker logits"
+            if i in failed:
+                results.append(FrameResult(slot=slot, codes=frame, next_is_eos=False, error=failed[i]))
+                continue
             st.code0 = self._sample_code0(st, logits[i])
             results.append(FrameResult(slot=slot, codes=frame, next_is_eos=st.code0 == w.ids.eos))
         return results

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import secrets
+import unicodedata
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf import empty_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from tts_client.pb.tts.v1 import tts_pb2
 
@@ -17,6 +24,7 @@ from ..config import ServerConfig
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
 MIN_REFERENCE_S, MAX_REFERENCE_S = 0.5, 30.0
+MAX_TRANSCRIPT_CHARS = 2000
 # Language tags (BCP-47 primary subtag) -> model language names.
 LANGUAGE_TAGS = {
     "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ja": "japanese",
@@ -25,6 +33,62 @@ LANGUAGE_TAGS = {
 FINISH_REASONS = {FinishReason.EOS: tts_pb2.FINISH_REASON_EOS,
                   FinishReason.MAX_LENGTH: tts_pb2.FINISH_REASON_MAX_LENGTH,
                   FinishReason.CANCELLED: tts_pb2.FINISH_REASON_CANCELLED}
+
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+ALLOWED_CONTROLS = frozenset("\t\n\r")
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What the request deserializer returns for bytes that are not a SynthesizeRequest, so the
+    handler can answer INVALID_ARGUMENT naming the field (grpc would say UNKNOWN)."""
+
+    field: str
+    message: str
+
+
+def _bad_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
+    """The path of the first string field in `data` (wire bytes of `descriptor`'s message) that
+    is not valid UTF-8, found by reading the fields as unknown fields of an empty message."""
+    try:
+        fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))
+    except DecodeError:
+        return None
+    for f in fields:
+        fd = descriptor.fields_by_number.get(f.field_number)
+        if fd is None or f.wire_type != 2:
+            continue
+        if fd.type == FieldDescriptor.TYPE_STRING:
+            try:
+                f.data.decode("utf-8")
+            except UnicodeDecodeError:
+                return prefix + fd.name
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+            found = _bad_utf8_field(f.data, fd.message_type, f"{prefix}{fd.name}.")
+            if found:
+                return found
+    return None
+
+
+def parse_synthesize_request(data: bytes) -> tts_pb2.SynthesizeRequest | MalformedRequest:
+    """Request deserializer for Synthesize that never raises."""
+    try:
+        return tts_pb2.SynthesizeRequest.FromString(data)
+    except DecodeError:
+        field = _bad_utf8_field(data, tts_pb2.SynthesizeRequest.DESCRIPTOR)
+        if field:
+            return MalformedRequest(field, "is not valid UTF-8")
+        return MalformedRequest("request", "is not a valid tts.v1.SynthesizeRequest message")
+
+
+def _check_text(text: str, field: str = "text") -> None:
+    for i, ch in enumerate(text):
+        if ch in ALLOWED_CONTROLS:
+            continue
+        cat = unicodedata.category(ch)
+        if cat == "Cc" or cat == "Cs":
+            raise InvalidRequest(field, f"contains control character U+{ord(ch):04X} at index {i}")
 
 
 def default_max_duration_s(text: str) -> float:
@@ -91,8 +155,13 @@ def _reference(msg: tts_pb2.VoiceCloneReference) -> ReferenceAudio:
                                                 f"{MIN_REFERENCE_S}-{MAX_REFERENCE_S} s")
     if not np.isfinite(samples).all():
         raise InvalidRequest("reference.audio", "contains NaN or infinite samples")
+    transcript = msg.transcript.strip()
+    if len(transcript) > MAX_TRANSCRIPT_CHARS:
+        raise InvalidRequest("reference.transcript", f"{len(transcript)} characters exceeds the "
+                                                     f"limit of {MAX_TRANSCRIPT_CHARS}")
+    _check_text(transcript, "reference.transcript")
     return ReferenceAudio(samples=np.ascontiguousarray(samples), sample_rate=int(rate),
-                          transcript=msg.transcript.strip())
+                          transcript=transcript)
 
 
 def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfig) -> SynthesisRequest:
@@ -102,8 +171,9 @@ def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfi
         raise InvalidRequest("text", "must not be empty or whitespace only")
     if len(text) > cfg.max_text_chars:
         raise InvalidRequest("text", f"{len(text)} characters exceeds the limit of {cfg.max_text_chars}")
-    if "\x00" in text:
-        raise InvalidRequest("text", "contains a NUL character")
+    _check_text(text)
+    if msg.request_id and not REQUEST_ID_RE.fullmatch(msg.request_id):
+        raise InvalidRequest("request_id", "must be 1-128 characters of A-Z a-z 0-9 . _ : / -")
     reference = _reference(msg.reference) if msg.HasField("reference") and msg.reference.audio else None
     if info.requires_reference:
         if msg.voice:

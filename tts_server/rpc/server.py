@@ -10,16 +10,36 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tts_client.pb.tts.v1 import tts_pb2, tts_pb2_grpc
+from tts_client.pb.tts.v1 import tts_pb2
 
 from ..config import ServerConfig
+from . import convert
 from .auth import BearerTokenInterceptor
 from .servicer import TextToSpeechServicer
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeechService"].full_name
-MAX_REQUEST_BYTES = 64 * 1024 * 1024  # a 30 s reference WAV at 48 kHz stereo float fits
+EXIT_ENGINE_FAILURE = 70  # EX_SOFTWARE: the engine hung or faulted; restart the process
+
+
+def add_servicer(servicer: TextToSpeechServicer, server) -> None:
+    """As the generated add_TextToSpeechServiceServicer_to_server, but Synthesize's request
+    deserializer never raises: bytes that are not a SynthesizeRequest (invalid UTF-8 in a
+    string field, say) reach the handler, which answers INVALID_ARGUMENT naming the field."""
+    handlers = {
+        "Synthesize": grpc.unary_stream_rpc_method_handler(
+            servicer.Synthesize, request_deserializer=convert.parse_synthesize_request,
+            response_serializer=tts_pb2.SynthesizeResponse.SerializeToString),
+        "ListVoices": grpc.unary_unary_rpc_method_handler(
+            servicer.ListVoices, request_deserializer=tts_pb2.ListVoicesRequest.FromString,
+            response_serializer=tts_pb2.ListVoicesResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=tts_pb2.GetModelInfoRequest.FromString,
+            response_serializer=tts_pb2.GetModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class TTSServer:
@@ -32,10 +52,9 @@ class TTSServer:
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.max_receive_message_length", config.max_request_bytes),
         ])
-        tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
-            TextToSpeechServicer(worker, info, config), self.server)
+        add_servicer(TextToSpeechServicer(worker, info, config), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
@@ -50,14 +69,42 @@ class TTSServer:
         else:
             self.port = self.server.add_insecure_port(address)
         self._stopped = asyncio.Event()
+        self.failure = None  # the EngineFailure that ended serving, if any
+        self._failed = asyncio.Event()
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         await self.server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        loop = asyncio.get_running_loop()
+        self.worker.add_fatal_listener(
+            lambda failure: loop.call_soon_threadsafe(self._on_engine_failure, failure))
+        if self.worker.failure is not None:
+            self._on_engine_failure(self.worker.failure)
+        else:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None and self.config.metrics_port >= 0:
+            try:
+                self.metrics_port = self.worker.metrics.serve(self.config.host,
+                                                              self.config.metrics_port)
+                log.info("Prometheus metrics on http://%s:%d/metrics", self.config.host,
+                         self.metrics_port)
+            except OSError as e:  # serving matters more than metrics
+                log.error("metrics endpoint not started on port %d: %s (use --metrics-port N, or "
+                          "0 for any free port)", self.config.metrics_port, e)
         log.info("serving %s on %s:%d (%s, %s)", SERVICE_NAME, self.config.host, self.port,
                  "TLS" if self.config.tls_cert else "plaintext",
                  "bearer-token auth" if self.config.auth_token else "no auth")
+
+    def _on_engine_failure(self, failure) -> None:
+        """Event loop: the engine is gone. Health reports NOT_SERVING at once (every stream has
+        already been ended with UNAVAILABLE by the worker); serve_forever then exits."""
+        if self.failure is not None:
+            return
+        self.failure = failure
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._failed.set()
 
     async def stop(self, grace: float | None = None) -> None:
         """Health goes NOT_SERVING, new calls are refused, in-flight streams get `grace` s."""
@@ -66,10 +113,13 @@ class TTSServer:
         self._stopped.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_period_s if grace is None else grace)
-        if self.owns_worker:
+        self.worker.metrics.close()
+        if self.owns_worker and self.failure is None:
             await asyncio.to_thread(self.worker.stop, 10.0)
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self) -> int:
+        """Serve until SIGTERM/SIGINT (drain, return 0) or an engine failure (health goes
+        NOT_SERVING, in-flight streams get UNAVAILABLE, return EXIT_ENGINE_FAILURE)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: (
@@ -77,5 +127,18 @@ class TTSServer:
                          self.config.grace_period_s),
                 asyncio.ensure_future(self.stop())))
         await self.start()
-        await self.server.wait_for_termination()
+        terminated = asyncio.ensure_future(self.server.wait_for_termination())
+        failed = asyncio.ensure_future(self._failed.wait())
+        await asyncio.wait((terminated, failed), return_when=asyncio.FIRST_COMPLETED)
+        for f in (terminated, failed):
+            f.cancel()
+        if self.failure is not None:
+            # Every stream has been ended with UNAVAILABLE; give those statuses and the
+            # NOT_SERVING health answers a moment to reach clients and probes, then go without
+            # a drain: the engine thread may be stuck for good.
+            await asyncio.sleep(1.0)
+            self.worker.metrics.close()
+            log.critical("exiting with status %d: %s", EXIT_ENGINE_FAILURE, self.failure)
+            return EXIT_ENGINE_FAILURE
         await self.stop()
+        return 0

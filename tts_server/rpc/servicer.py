@@ -15,11 +15,33 @@ import grpc
 from tts_client.pb.tts.v1 import tts_pb2, tts_pb2_grpc
 
 from .. import __version__
-from ..api import AudioChunk, FinishReason, InvalidRequest, ModelInfo, Overloaded, ShuttingDown
+from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, ModelInfo, Overloaded,
+                   ShuttingDown)
 from ..config import ServerConfig
+from ..logs import request_id_var
 from . import convert
 
 log = logging.getLogger(__name__)
+
+
+class _Abort(Exception):
+    """Raised inside a handler to end the call with `code`; Synthesize counts and aborts."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _status_of(error: BaseException | None) -> tuple[grpc.StatusCode, str]:
+    """The status a stream that the engine ended with `error` gets."""
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, (EngineFailure, ShuttingDown)):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    log.error("synthesis failed: %r", error)
+    return grpc.StatusCode.INTERNAL, f"synthesis failed: {error}"
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
@@ -27,50 +49,100 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.worker = worker
         self.info = info
         self.config = config
+        self.metrics = worker.metrics
 
     async def Synthesize(self, request, context):
+        """Counts every call's final status code in tts_requests_total."""
+        code = "OK"
+        try:
+            await self._synthesize(request, context)
+        except _Abort as e:
+            code = e.code.name
+            await context.abort(e.code, e.details)
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            self.metrics.requests.labels(code=code).inc()
+
+    async def _synthesize(self, request, context):
         t0 = time.monotonic()
+        if isinstance(request, convert.MalformedRequest):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.field}: {request.message}")
         try:
             req = convert.to_request(request, self.info, self.config)
+            request_id_var.set(req.request_id)
             handle = self.worker.submit(req, asyncio.get_running_loop())
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            log.info("request rejected: %s", e.field, extra={"field": e.field})
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ShuttingDown as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except (ShuttingDown, EngineFailure) as e:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        try:
+            await self._stream(req, handle, request, context, t0)
+        finally:
+            handle.cancel()
+
+    async def _stream(self, req, handle, request, context, t0):
         await context.send_initial_metadata((("x-request-id", req.request_id),))
         encoding = convert.encoding_of(request)
         rate = req.output_sample_rate
-        log.info("request %s: %d chars, voice=%s language=%s max_frames=%d", req.request_id,
-                 len(req.text), req.voice, req.language, req.max_frames)
+        log.info("request %s: %d chars, voice=%s language=%s max_frames=%d%s", req.request_id,
+                 len(req.text), req.voice, req.language, req.max_frames,
+                 " +reference" if req.reference is not None else "",
+                 extra={"chars": len(req.text), "voice": req.voice, "language": req.language,
+                        "max_frames": req.max_frames})
         ttfc_ms, num_chunks = 0.0, 0
+        stall = self.config.stall_timeout_s
+
+        async def write(message):
+            # A client that stops reading blocks this write (HTTP/2 flow control); its stream
+            # pauses in the engine once max_buffer_s of audio waits, and ends after `stall`.
+            try:
+                await asyncio.wait_for(context.write(message), stall)
+            except asyncio.TimeoutError:
+                log.warning("request %s: client read nothing for %.0f s; ending the stream",
+                            req.request_id, stall)
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"client read no audio for {stall:g} s; stream ended "
+                             f"({handle.backlog_s():.1f} s of audio unsent)") from None
+
         try:
             async for event in handle:
                 if isinstance(event, AudioChunk):
-                    await context.write(convert.chunk_message(event, rate, encoding))
+                    await write(convert.chunk_message(event, rate, encoding))
+                    handle.mark_sent(event.samples.shape[0])
                     if num_chunks == 0:
                         ttfc_ms = (time.monotonic() - t0) * 1000.0
+                        self.metrics.ttfc.observe(ttfc_ms / 1000.0)
                     num_chunks += 1
                     continue
                 end = event
             if end.finish_reason is FinishReason.ERROR:
-                if isinstance(end.error, InvalidRequest):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(end.error))
-                log.error("request %s failed: %r", req.request_id, end.error)
-                await context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {end.error}")
+                raise _Abort(*_status_of(end.error))
             wall_ms = (time.monotonic() - t0) * 1000.0
             summary = convert.summary_message(end, req.request_id, rate, ttfc_ms, wall_ms, num_chunks)
-            await context.write(summary)
             s = summary.summary
+            self.metrics.audio_seconds.inc(s.audio_seconds)
+            if s.audio_seconds > 0:
+                self.metrics.rtf.observe(s.real_time_factor)
+            await write(summary)
             log.info("request %s done: %s, %d frames, %.2f s audio, ttfc %.1f ms, rtf %.3f",
                      req.request_id, end.finish_reason.value, s.num_frames, s.audio_seconds,
-                     ttfc_ms, s.real_time_factor)
+                     ttfc_ms, s.real_time_factor,
+                     extra={"finish_reason": end.finish_reason.value, "frames": s.num_frames,
+                            "audio_s": round(s.audio_seconds, 3), "ttfc_ms": round(ttfc_ms, 1),
+                            "rtf": round(s.real_time_factor, 4), "chunks": num_chunks})
         except asyncio.CancelledError:
-            log.info("request %s cancelled by the client after %d chunks", req.request_id, num_chunks)
+            log.info("request %s cancelled by the client after %d chunks", req.request_id, num_chunks,
+                     extra={"chunks": num_chunks})
             raise
-        finally:
-            handle.cancel()
 
     async def ListVoices(self, request, context):
         info = self.info

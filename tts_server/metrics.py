@@ -1,0 +1,58 @@
+"""Prometheus metrics (prometheus_client), one registry per server process.
+
+Served on `--metrics-port` at /metrics. Names follow Prometheus conventions: seconds for time,
+`_total` for counters; frames/s is `rate(tts_frames_total[1m])`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+TTFC_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+RTF_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0, 4.0)
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.active_streams = Gauge("tts_active_streams", "Streams holding an engine slot", registry=r)
+        self.queued_streams = Gauge("tts_queued_streams", "Streams waiting for an engine slot",
+                                    registry=r)
+        self.paused_streams = Gauge("tts_paused_streams",
+                                    "Active streams paused because their client is not reading",
+                                    registry=r)
+        self.engine_healthy = Gauge("tts_engine_healthy", "1 while the decode engine works, 0 after "
+                                    "a hang or device fault", registry=r)
+        self.engine_healthy.set(1)
+        self.requests = Counter("tts_requests", "Finished Synthesize calls by gRPC status code",
+                                ["code"], registry=r)
+        self.ttfc = Histogram("tts_time_to_first_chunk_seconds",
+                              "Request arrival to first audio chunk written", buckets=TTFC_BUCKETS,
+                              registry=r)
+        self.rtf = Histogram("tts_real_time_factor", "Wall time / audio time of completed streams",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.queue_wait = Histogram("tts_queue_wait_seconds", "Submission to engine slot",
+                                    buckets=STEP_BUCKETS, registry=r)
+        self.step = Histogram("tts_engine_step_seconds",
+                              "One engine iteration: a decode step for all active streams plus "
+                              "their chunk decodes", buckets=STEP_BUCKETS, registry=r)
+        self.frames = Counter("tts_frames", "Codec frames generated (80 ms of audio each)", registry=r)
+        self.audio_seconds = Counter("tts_audio_seconds", "Audio seconds streamed to clients",
+                                     registry=r)
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
