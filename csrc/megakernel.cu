@@ -44,7 +44,10 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   __shared__ __align__(16) float xres[QMK_MAX_T][QMK_H];
   __shared__ int flag;
   __shared__ int codes[QMK_GROUPS];
-  extern __shared__ uint4 stage[];  // [STAGE_UNITS * 32]
+  extern __shared__ uint4 stage[];  // [STAGE_BYTES / 16]: slots X | Y
+  __shared__ __align__(8) uint64_t mbar[NSLOTS];
+  Stage sg{{stage, stage + X_BYTES / 16, stage + H_OFF / 16}, mbar, 0u};
+  sg.init();
   Grid g{st.sync, st.timeout_ns, 0u};
 #if QMK_TRACE
   {
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
     g.t0 = clock64();
   }
 #endif
-  const Ctx c{st, m, sm, red32, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, stage};
+  const Ctx c{st, m, sm, red32, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, sg};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
   if (flags & QMK_FLAG_BARRIER_BENCH) {
     for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
@@ -82,17 +85,18 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
       const QmkLayer* next = !QMK_HOIST ? nullptr
                              : k < QMK_GROUPS - 2 ? &m->cp[0]
                              : talker_runs ? &m->talker[0] : nullptr;
+      const HeadSlice head{m->cp_head[k], QMK_VC, SLOT_H};
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
         ok = run_stack<2, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                               m->inv_freq_cp);
-        ok = ok && head_phase(c, m->cp_norm, m->cp_head[0], QMK_VC, 1, nullptr, 0, next);
+                                               m->inv_freq_cp, false, head);
+        ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0, next);
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
         ok = run_stack<1, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride,
-                                               QMK_CP_POS, m->inv_freq_cp, QMK_HOIST);
-        ok = ok && head_phase(c, m->cp_norm, m->cp_head[k], QMK_VC, 0, nullptr, k, next);
+                                               QMK_CP_POS, m->inv_freq_cp, QMK_HOIST, head);
+        ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k, next);
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
@@ -115,20 +119,21 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   const size_t lstride = (size_t)QMK_NKV * st.max_pos * QMK_HD;
   const size_t sstride = lstride * QMK_TALKER_LAYERS;
   const Input in{2, {nullptr, nullptr}, nullptr, text};
+  const HeadSlice thead{m->codec_head, QMK_VT, SLOT_X};
   bool ok;
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
     ok = run_stack<1, float>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker,
-                             QMK_HOIST && cp_runs);
+                             QMK_HOIST && cp_runs, thead);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
     ok = run_stack<1, qmk_bf16>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                m->inv_freq_talker, QMK_HOIST && cp_runs);
+                                m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
   }
   if (!ok) return;
-  if (!head_phase(c, m->talker_norm, m->codec_head, QMK_VT, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
+  if (!head_phase(c, m->talker_norm, thead, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
                   QMK_GROUPS - 1))
     return;
   if (blockIdx.x != 0) return;

@@ -26,19 +26,38 @@ struct CpAttnSmem {
   float a[QMK_MAX_T][2 * QMK_HD];   // attention output of the 2 q heads (o_proj columns 256g..)
 };
 
+// This block's kv-head group g and its o_proj rows [r0, r0 + n) within the group.
+__device__ __forceinline__ void cp_oproj_rows(int& g, int& gi, int& r0, int& n) {
+  const int G = gridDim.x, b = blockIdx.x;
+  g = b % QMK_NKV;
+  gi = b / QMK_NKV;
+  const int gn = (G - g + QMK_NKV - 1) / QMK_NKV;
+  rows_of(gi, gn, QMK_H, r0, n);
+}
+
+// Issue this block's o_proj slice (n rows x the 256 columns of head group g) into slot Y.
+__device__ __forceinline__ void cp_issue_oproj(const Stage& sg, const QmkLayer& w) {
+  int g, gi, r0, n;
+  cp_oproj_rows(g, gi, r0, n);
+  if (threadIdx.x < 32) {
+    constexpr uint32_t RB = 2 * QMK_HD * 2;  // 512 bytes per row
+    sg.expect(SLOT_Y, n * RB);
+    for (int r = threadIdx.x; r < n; r += 32)
+      sg.copy(SLOT_Y, r * RB, w.o + (size_t)(r0 + r) * QMK_QD + g * (2 * QMK_HD), RB);
+  }
+}
+
 // kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions p0 ..; out: part.
-// The o_proj weight slice is issued, then the barrier is waited for, then the block arrives.
+// The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
+// grid barrier, computes, arrives.
 template <int T>
 __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
-                              const float* inv_freq, bool exact, Grid& grid, int* flag, uint4* stage,
+                              const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
                               CpAttnSmem& s) {
   constexpr int NQ = 2 * T;
-  const int G = gridDim.x, b = blockIdx.x;
-  const int g = b % QMK_NKV, gi = b / QMK_NKV, gn = (G - g + QMK_NKV - 1) / QMK_NKV;
-  int r0, n;
-  rows_of(gi, gn, QMK_H, r0, n);
-  const auto o_row = [&](int r) { return w.o + (size_t)(r0 + r) * QMK_QD + g * (2 * QMK_HD); };
-  mv_issue<2 * QMK_HD>(o_row, n, stage);
+  int g, gi, r0, n;
+  cp_oproj_rows(g, gi, r0, n);
+  const uint4* stage = sg.slot[SLOT_Y];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ctx = p0 + T;
@@ -164,8 +183,8 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     }
     s.a[r / 2][(r & 1) * QMK_HD + d] = rnd(A / L, exact);
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  sg.wait(SLOT_Y);
 
   // 3) o_proj partial: 8 lanes per row (4 rows per warp at a time), 256 columns per row.
   const int rr = lane >> 3, sub = lane & 7;

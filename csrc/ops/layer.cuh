@@ -27,11 +27,21 @@ constexpr int ROWS_MAX = (QMK_I + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;  // most
 constexpr int ROWS_H_MAX = (QMK_H + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
 constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_MAX_T <= OUT_MAX, "qkv rows");
-// cp.async staging of one matrix slice per block: the largest is gate+up, 2 * ceil(I / G) rows.
-constexpr int STAGE_UNITS = 2 * ROWS_MAX * (QMK_H / 256);
-constexpr int STAGE_BYTES = STAGE_UNITS * 512;
-static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * (QMK_H / 256) <= STAGE_UNITS, "qkv stage");
-static_assert(ROWS_H_MAX * (QMK_I / 256) <= STAGE_UNITS, "down stage");
+// Weight staging (matvec.cuh Stage): slot X holds q|k|v, gate|up or the talker head; slot Y
+// o_proj or down; slot H (the upper part of X, above the largest q|k|v slice) the CP head, so
+// that the next pass's q|k|v slice can stream into X while the CP head is computed.
+// Consecutive weight phases always use different slots, so each slice is issued one phase ahead.
+constexpr int QKV_ROWS_MAX = (QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
+constexpr int X_BYTES = 2 * ROWS_MAX * QMK_H * 2;                      // gate + up rows
+constexpr int Y_BYTES = ROWS_H_MAX * QMK_I * 2;                        // down rows
+constexpr int H_OFF = QKV_ROWS_MAX * QMK_H * 2;                        // CP head above q|k|v
+constexpr int STAGE_BYTES = X_BYTES + Y_BYTES;
+static_assert(H_OFF <= X_BYTES, "qkv slice fits in X");
+static_assert(H_OFF + (QMK_VC + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_H * 2 <= X_BYTES, "CP head above qkv in X");
+static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_H * 2 <= X_BYTES, "talker head in X");
+static_assert(ROWS_H_MAX * QMK_QD * 2 <= Y_BYTES, "talker o_proj slice in Y");
+static_assert((QMK_H + QMK_MIN_BLOCKS / QMK_NKV - 1) / (QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES,
+              "CP o_proj partial slice in Y");
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
 
 struct MvSmem {
@@ -64,7 +74,7 @@ struct Ctx {
   int* codes;                   // smem [16]: this frame's codes
   Grid& g;
   bool exact;                   // bf16-exact rounding points (QMK_FLAG_BF16_EXACT)
-  uint4* stage;                 // dynamic smem [STAGE_UNITS * 32]: weight staging
+  Stage& sg;                    // weight staging slots (dynamic smem) and their mbarriers
 };
 
 // 4 consecutive bf16 as fp32.
@@ -130,17 +140,50 @@ __device__ void rmsnorm_xs(const Ctx& c, const float4 wv) {
 // The norm weights of this thread's 4 dims (loaded ahead of a barrier wait where QMK_HOIST).
 __device__ __forceinline__ float4 norm_w4(const qmk_bf16* w) { return ld_bf4(w + threadIdx.x * 4); }
 
-// Issue this block's q|k|v rows of layer w into the stage (cp.async).
+// Issue this block's slices (warp 0; each contiguous row range is one bulk copy).
+// q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> slot X.
 __device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
+  if (threadIdx.x >= 32) return;
   int q0, qn;
   rows_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
-  const auto qkv_row = [&](int r) {
-    const int row = q0 + r;
-    return row < QMK_QD ? w.q + (size_t)row * QMK_H
-           : row < QMK_QD + QMK_KVD ? w.k + (size_t)(row - QMK_QD) * QMK_H
-                                    : w.v + (size_t)(row - QMK_QD - QMK_KVD) * QMK_H;
-  };
-  mv_issue<QMK_H>(qkv_row, qn, c.stage);
+  constexpr uint32_t RB = QMK_H * 2;
+  c.sg.expect(SLOT_X, qn * RB);
+  const int lane = threadIdx.x;
+  if (lane < 3) {
+    const int lo = lane == 0 ? 0 : lane == 1 ? QMK_QD : QMK_QD + QMK_KVD;
+    const int hi = lane == 0 ? QMK_QD : lane == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
+    const int a = max(q0, lo), e = min(q0 + qn, hi);
+    if (a < e) {
+      const qmk_bf16* base = lane == 0 ? w.q : lane == 1 ? w.k : w.v;
+      c.sg.copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB);
+    }
+  }
+}
+// gate rows then up rows [i0, i0 + in_) -> slot X.
+__device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, int i0, int in_) {
+  if (threadIdx.x >= 32) return;
+  constexpr uint32_t RB = QMK_H * 2;
+  c.sg.expect(SLOT_X, 2 * in_ * RB);
+  if (threadIdx.x < 2)
+    c.sg.copy(SLOT_X, threadIdx.x * in_ * RB, (threadIdx.x == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
+}
+// rows [r0, r0 + n) of a [*, K] matrix -> slot s.
+template <int K>
+__device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n) {
+  if (threadIdx.x >= 32) return;
+  c.sg.expect(s, n * K * 2);
+  if (threadIdx.x == 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
+}
+// The final-head slice that follows a stack: rows of `head` [V, H] -> slot s.
+struct HeadSlice {
+  const qmk_bf16* w;
+  int V;
+  int slot;
+};
+__device__ __forceinline__ void issue_head(const Ctx& c, const HeadSlice& h) {
+  int r0, n;
+  rows_of(blockIdx.x, gridDim.x, h.V, r0, n);
+  issue_rows<QMK_H>(c, h.slot, h.w, r0, n);
 }
 
 // xs[t][0..N*4*NT) = src[t][...] (fp32 scratch published by other blocks: read through L2).
@@ -172,11 +215,14 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
 
 // One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride).
 // The caller has no barrier pending; on return the last phase has arrived but not waited.
-// preissued: layer 0's q|k|v slice is already in flight (head_phase issued it).
+// preissued: layer 0's q|k|v slice is already in flight (the previous head phase issued it).
+// head: the head phase that follows; its slice is issued during the last layer's down phase.
+// Each phase issues the NEXT weight phase's slice before its own barrier wait (one phase ahead).
 // FUSED (code predictor): attention + o_proj partials in one phase (ops/cp_attention.cuh).
 template <int T, typename KV, bool FUSED = false>
 __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
-                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq, bool preissued = false) {
+                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq, bool preissued,
+                          const HeadSlice& head) {
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
@@ -188,8 +234,10 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
-    // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows.
-    if (L > 0 || !preissued) issue_qkv(c, w);
+    // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
+    if (L == 0 && !preissued) issue_qkv(c, w);
+    if constexpr (FUSED) cp_issue_oproj(c.sg, w);                 // -> Y, for P2+P3
+    else issue_rows<QMK_QD>(c, SLOT_Y, w.o, h0, hn);              // -> Y, for P3
     float4 wn = QMK_HOIST ? norm_w4(w.in_norm) : float4{};
     if (L == 0) {
       load_input<T>(c, in0);
@@ -209,20 +257,21 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     }
     if (!QMK_HOIST) wn = norm_w4(w.in_norm);
     rmsnorm_xs<T>(c, wn);
-    mv_finish<T, QMK_H>(qn, c.stage, xs0, out);
+    c.sg.wait(SLOT_X);
+    mv_finish<T, QMK_H>(qn, c.sg.slot[SLOT_X], xs0, out);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
+    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase).
+    issue_gate_up(c, w, i0, in_);
     if constexpr (FUSED) {
       // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
       if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
-                            p0, inv_freq, c.exact, c.g, c.flag, c.stage, c.sm.ca))
+                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca))
         return false;
     } else {
 
-    // P2: q/k norm + RoPE + KV append + attention (o_proj rows stream into the stage meanwhile).
-    const auto o_row = [&](int r) { return w.o + (size_t)(h0 + r) * QMK_QD; };
-    mv_issue<QMK_QD>(o_row, hn, c.stage);
+    // P2: q/k norm + RoPE + KV append + attention.
     if (!c.g.wait(c.flag)) return false;
     const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
                           st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
@@ -232,16 +281,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     // P3: o_proj + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
-    mv_finish<T, QMK_QD>(hn, c.stage, xs0, out);
+    c.sg.wait(SLOT_Y);
+    mv_finish<T, QMK_QD>(hn, c.sg.slot[SLOT_Y], xs0, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
     }
 
-    // P4: post-attention RMSNorm + this block's gate/up rows -> SwiGLU activations.
-    const auto gu_row = [&](int r) {
-      return r < in_ ? w.gate + (size_t)(i0 + r) * QMK_H : w.up + (size_t)(i0 + r - in_) * QMK_H;
-    };
-    mv_issue<QMK_H>(gu_row, 2 * in_, c.stage);
+    // P4: post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
+    issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (Y was consumed in P2+P3 / P3)
     wn = QMK_HOIST ? norm_w4(w.post_norm) : float4{};
     if (!c.g.wait(c.flag)) return false;
     if constexpr (FUSED) {
@@ -272,7 +319,8 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     }
     if (!QMK_HOIST) wn = norm_w4(w.post_norm);
     rmsnorm_xs<T>(c, wn);
-    mv_finish<T, QMK_H>(2 * in_, c.stage, xs0, out);
+    c.sg.wait(SLOT_X);
+    mv_finish<T, QMK_H>(2 * in_, c.sg.slot[SLOT_X], xs0, out);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
       const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
@@ -280,12 +328,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     }
     c.g.arrive();
 
-    // P5: down_proj + residual on this block's rows.
-    const auto down_row = [&](int r) { return w.down + (size_t)(h0 + r) * QMK_I; };
-    mv_issue<QMK_I>(down_row, hn, c.stage);
+    // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
+    // the head (X, consumed in P4).
+    if (L + 1 < nlayers) issue_qkv(c, layers[L + 1]);
+    else issue_head(c, head);
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    mv_finish<T, QMK_I>(hn, c.stage, xs0, out);
+    c.sg.wait(SLOT_Y);
+    mv_finish<T, QMK_I>(hn, c.sg.slot[SLOT_Y], xs0, out);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
   }
@@ -294,15 +344,15 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 
 // Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
 // barrier so every block can read all logits.
-// next: the stack that follows (its layer 0 q|k|v slice is issued before the final barrier, so it
-// streams in during the sampling), or nullptr.
-__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16* head, int V, int t,
-                           float* hidden_out, int dump_row, const QmkLayer* next = nullptr) {
+// The head's slice was issued by the stack's last down phase (slot h.slot). next: the stack that
+// follows (its layer 0 q|k|v slice is issued into X now, so it streams in during the head and the
+// sampling), or nullptr.
+__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
+                           int dump_row, const QmkLayer* next = nullptr) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
-  rows_of(b, G, V, r0, n);
-  const auto row = [&](int r) { return head + (size_t)(r0 + r) * QMK_H; };
-  mv_issue<QMK_H>(row, n, c.stage);
+  rows_of(b, G, h.V, r0, n);
+  if (next != nullptr) issue_qkv(c, *next);
   float4 wn = QMK_HOIST ? norm_w4(norm_w) : float4{};
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
@@ -312,13 +362,13 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const qmk_bf16*
   rmsnorm_xs<1>(c, wn);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
-  mv_finish<1, QMK_H>(n, c.stage, &c.sm.mv.xs[0][0], c.sm.mv.out);
+  c.sg.wait(h.slot);
+  mv_finish<1, QMK_H>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
-  if (next != nullptr) issue_qkv(c, *next);  // the stage is free: mv_finish ended with __syncthreads
   return c.g.sync_all(c.flag);
 }
 

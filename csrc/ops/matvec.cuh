@@ -1,4 +1,5 @@
-// Block-level bf16 matrix x vector for T tokens: the block's rows of W times smem activations.
+// Block-level bf16 matrix x vector for T tokens: the block's rows of W (staged in shared memory
+// by the bulk copy engine) times smem activations.
 #pragma once
 #include "common.cuh"
 
@@ -19,39 +20,74 @@ __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
   return s;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Units: one row x 256 columns (512 bytes). Stage all of the block's units of one matrix into
-// shared memory with cp.async (no register cost, so the whole slice is in flight at once); issued
-// before the phase's barrier wait so HBM latency overlaps the barrier and the activation loads.
-//   rowptr(r): pointer to local row r (r in [0, nrows)), K contiguous bf16 values
-//   stage: smem [>= nrows * K/256 * 32] uint4
-template <int K, class RowPtr>
-__device__ __forceinline__ void mv_issue(RowPtr rowptr, int nrows, uint4* stage) {
-  constexpr int S = K / 256;
-  const int n = nrows * S * 32;
-  for (int idx = threadIdx.x; idx < n; idx += NT) {
-    const int u = idx >> 5;
-    cp_async16(stage + idx, rowptr(u / S) + (u % S) * 256 + (idx & 31) * 8);
+// ---- Weight staging with the bulk copy engine (TMA, sm_90) ----------------------------------
+// A phase's weight slice is a few contiguous row ranges; one thread per range issues a
+// cp.async.bulk into shared memory that completes on the slot's mbarrier. No thread is held up
+// issuing (unlike per-thread cp.async, whose issue stalled on a full memory queue), so the next
+// phase's slice can stream in while this phase computes and waits at its grid barrier.
+// Slots: X (q|k|v, gate|up, talker head), Y (o_proj, down), H (CP head, upper part of X).
+enum { SLOT_X = 0, SLOT_Y = 1, SLOT_H = 2, NSLOTS = 3 };
+
+struct Stage {
+  uint4* slot[NSLOTS];  // dynamic smem
+  uint64_t* mbar;       // smem [NSLOTS], one arrival (the expect_tx) per use
+  uint32_t parity;      // bit s: parity of mbar[s]'s next completion (same in every thread)
+
+  __device__ void init() {
+    if (threadIdx.x == 0)
+      for (int s = 0; s < NSLOTS; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar + s)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    parity = 0;
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
 
-// out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged by mv_issue.
+  // Warp 0: lane 0 announces `bytes` on slot s's mbarrier; then lanes issue their ranges.
+  __device__ __forceinline__ void expect(int s, uint32_t bytes) const {
+    if (threadIdx.x == 0) {
+      // generic-proxy reads of the slot (ordered by an earlier __syncthreads) before async writes
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(mbar + s)), "r"(bytes)
+                   : "memory");
+    }
+    __syncwarp();
+  }
+  // One range: bytes (multiple of 16) from global src to slot s at byte offset off.
+  __device__ __forceinline__ void copy(int s, uint32_t off, const void* src, uint32_t bytes) const {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(slot[s]) + off),
+                 "l"(src), "r"(bytes), "r"(smem_u32(mbar + s))
+                 : "memory");
+  }
+  // Every thread: wait until slot s's slice has landed.
+  __device__ __forceinline__ void wait(int s) {
+    const uint32_t par = (parity >> s) & 1u;
+    const uint32_t a = smem_u32(mbar + s);
+    uint32_t ok = 0;
+    while (!ok)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(ok)
+                   : "r"(a), "r"(par)
+                   : "memory");
+    parity ^= 1u << s;
+  }
+};
+
+// out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged in `stage`
+// (row-major, K bf16 per row).
 //   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); out_s: smem fp32 [nrows * T].
 // Warp w owns rows w, w + NW, ...: it accumulates a row's K/256 units in registers and reduces
-// once, in a fixed order, so results are bitwise reproducible. Ends with __syncthreads() (the stage
-// may be refilled after it).
+// once, in a fixed order, so results are bitwise reproducible. The caller has waited for the
+// slot. Ends with __syncthreads() (the slot may be refilled after it).
 template <int T, int K>
 __device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
   constexpr int S = K / 256;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
   for (int r = warp; r < nrows; r += NW) {
     float acc[T];
 #pragma unroll
