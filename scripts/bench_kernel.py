@@ -359,7 +359,7 @@ def trace_labels(fused: bool) -> list[tuple[str, str]]:
     return lab
 
 
-def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100) -> dict:
+def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False) -> dict:
     """A QMK_TRACE build: per-barrier cycle stamps of blocks 0, G/2, G-1 over one sampled frame ->
     per phase type: busy (wait end -> next arrive), wait (spin) and issue (arrive -> wait start)."""
     from tts_server.kernels import megakernel as mk
@@ -367,7 +367,8 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100) -> dict:
     prev = os.environ.get("QMK_LIB")
     os.environ["QMK_LIB"] = str(lib)
     eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64, dump_logits=True)
-    eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3))
+    s = SamplingConfig(do_sample=False, subtalker_do_sample=False) if greedy else SamplingConfig(seed=3)
+    eng.prefill(0, make_prompt(5, length=ctx), s)
     frame_us = time_us(lambda: eng.launch(0, mk.FLAG_NO_COMMIT), iters=10, warm=3)
     eng.dump.zero_()
     eng.launch(0, mk.FLAG_NO_COMMIT)
@@ -404,7 +405,8 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100) -> dict:
         out[key] = dict(n=a["n"], **{f"{m}_us": [round(v / k * us_per_cyc, 3) for v in a[m]]
                                      for m in ("busy", "wait", "issue")})
     res["phases"] = out
-    print("trace (per phase type, mean µs for blocks 0, G/2, G-1):", flush=True)
+    print(f"trace {Path(lib).stem} {'greedy' if greedy else 'sampled'} (per phase type, mean µs for blocks 0, G/2, G-1):",
+          flush=True)
     for key, v in out.items():
         print(f"  {key:16s} n={v['n']:4d} busy {v['busy_us']} wait {v['wait_us']} issue {v['issue_us']}", flush=True)
     return res
@@ -424,6 +426,7 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
     for lib in [x for x in libs if "trace" in Path(x).stem]:
         try:
             out[Path(lib).stem] = trace_frame(w, lib, ctx)
+            out[Path(lib).stem + "_greedy"] = trace_frame(w, lib, ctx, greedy=True)
         except Exception as e:  # noqa: BLE001
             out[Path(lib).stem] = dict(error=repr(e))
     libs = [x for x in libs if "trace" not in Path(x).stem]

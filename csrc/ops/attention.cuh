@@ -48,9 +48,41 @@ __device__ __forceinline__ int attn_chunks(int ctx, int T) {
   return max(1, min(n, cap));
 }
 
-// T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1.
+// Cached keys/values (positions < p0, written in earlier launches or phases) of the first
+// ATTN_KH keys each warp walks in this block's (first) item: loaded before the barrier wait.
+constexpr int ATTN_KH = 4;
+struct AttnPrefetch {
+  float k[ATTN_KH][4], v[ATTN_KH][4];
+};
 template <int T, typename KV>
-__device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
+__device__ __forceinline__ void attention_prefetch(const AttnLayer<KV>& a, int p0, AttnPrefetch& pf) {
+  const int ctx = p0 + T;
+  const int nchunks = attn_chunks(ctx, T);
+  const int chunk = (ctx + nchunks - 1) / nchunks;
+  const int item = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < ATTN_KH; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pf.k[i][e] = pf.v[i][e] = 0.f;
+  if (item >= QMK_NKV * nchunks) return;
+  const int h = item % QMK_NKV, c = item / QMK_NKV;
+  const int c0 = c * chunk, c1 = min(ctx, c0 + chunk);
+  const KV* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+  const KV* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
+#pragma unroll
+  for (int i = 0; i < ATTN_KH; ++i) {
+    const int j = c0 + warp + NW * i;
+    if (j < c1 && j < p0) {
+      kv_load4(kbase + (size_t)j * QMK_HD, pf.k[i]);
+      kv_load4(vbase + (size_t)j * QMK_HD, pf.v[i]);
+    }
+  }
+}
+
+// T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1. pf: attention_prefetch's registers.
+template <int T, typename KV>
+__device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, const AttnPrefetch& pf) {
   const int ctx = p0 + T;
   const int nchunks = attn_chunks(ctx, T);
   const int chunk = (ctx + nchunks - 1) / nchunks;
@@ -64,7 +96,14 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
     const bool owner = (c == nchunks - 1);  // holds the new positions: appends K/V
     const int nrows = NQ + (owner ? T : 0);
 
-    // 1) per-head RMSNorm of the q rows (and the new k rows): fp32, cast, times weight.
+    // 1) per-head RMSNorm of the q rows (and the new k rows): fp32, cast, times weight. The
+    //    owner's next T warps append the new v rows.
+    if (owner && warp >= nrows && warp < nrows + T) {
+      const int t = warp - nrows;
+      const float4 v4 = __ldcg(reinterpret_cast<const float4*>(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD) + lane);
+      KV* dst = a.vc + ((size_t)h * a.ld_pos + p0 + t) * QMK_HD + lane * 4;
+      kv_store(dst + 0, v4.x); kv_store(dst + 1, v4.y); kv_store(dst + 2, v4.z); kv_store(dst + 3, v4.w);
+    }
     if (warp < nrows) {
       const bool isq = warp < NQ;
       const int t = isq ? warp / 2 : warp - NQ;
@@ -94,7 +133,6 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
       } else {
         const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + d;
         kv_store(a.kc + off, r);
-        kv_store(a.vc + off, __ldcg(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD + d));
       }
     }
     __syncthreads();
@@ -110,11 +148,8 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
     }
     const KV* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
     const KV* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
-#pragma unroll 2
-    for (int j = c0 + warp; j < c1; j += NW) {
-      float kf[4], vf[4];
-      kv_load4(kbase + (size_t)j * QMK_HD, kf);
-      kv_load4(vbase + (size_t)j * QMK_HD, vf);
+    const bool first = item == (int)blockIdx.x;  // pf holds this item's first keys
+    const auto key = [&](int j, const float* kf, const float* vf) {
 #pragma unroll
       for (int r = 0; r < NQ; ++r) {
         float s = qv[r][0] * kf[0];
@@ -132,6 +167,28 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
           m[r] = mn;
         }
       }
+    };
+    // keys c0 + warp + NW * i in order: the first ATTN_KH from registers where prefetched.
+#pragma unroll
+    for (int i = 0; i < ATTN_KH; ++i) {
+      const int j = c0 + warp + NW * i;
+      if (j < c1) {
+        if (first && j < p0) {
+          key(j, pf.k[i], pf.v[i]);
+        } else {
+          float kf[4], vf[4];
+          kv_load4(kbase + (size_t)j * QMK_HD, kf);
+          kv_load4(vbase + (size_t)j * QMK_HD, vf);
+          key(j, kf, vf);
+        }
+      }
+    }
+#pragma unroll 2
+    for (int j = c0 + warp + NW * ATTN_KH; j < c1; j += NW) {
+      float kf[4], vf[4];
+      kv_load4(kbase + (size_t)j * QMK_HD, kf);
+      kv_load4(vbase + (size_t)j * QMK_HD, vf);
+      key(j, kf, vf);
     }
 #pragma unroll
     for (int r = 0; r < NQ; ++r) {
@@ -176,8 +233,10 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm) {
           const int t = r / 2, head = 2 * h + (r & 1);
           const float* pp = a.part + (size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS * (QMK_HD + 2);
           float mx = neg_inf();
+#pragma unroll 4
           for (int cc = 0; cc < nchunks; ++cc) mx = fmaxf(mx, __ldcg(pp + cc * (QMK_HD + 2)));
           float L = 0.f, A = 0.f;
+#pragma unroll 4
           for (int cc = 0; cc < nchunks; ++cc) {
             const float* q = pp + cc * (QMK_HD + 2);
             const float e = expf(__ldcg(q) - mx);

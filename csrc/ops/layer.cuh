@@ -143,12 +143,12 @@ __device__ __forceinline__ float4 norm_w4(const qmk_bf16* w) { return ld_bf4(w +
 // Issue this block's slices (warp 0; each contiguous row range is one bulk copy).
 // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> slot X.
 __device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
-  if (threadIdx.x >= 32) return;
+  if (!is_issuer()) return;
   int q0, qn;
   rows_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
   constexpr uint32_t RB = QMK_H * 2;
   c.sg.expect(SLOT_X, qn * RB);
-  const int lane = threadIdx.x;
+  const int lane = issue_lane();
   if (lane < 3) {
     const int lo = lane == 0 ? 0 : lane == 1 ? QMK_QD : QMK_QD + QMK_KVD;
     const int hi = lane == 0 ? QMK_QD : lane == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
@@ -161,18 +161,18 @@ __device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
 }
 // gate rows then up rows [i0, i0 + in_) -> slot X.
 __device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, int i0, int in_) {
-  if (threadIdx.x >= 32) return;
+  if (!is_issuer()) return;
   constexpr uint32_t RB = QMK_H * 2;
   c.sg.expect(SLOT_X, 2 * in_ * RB);
-  if (threadIdx.x < 2)
-    c.sg.copy(SLOT_X, threadIdx.x * in_ * RB, (threadIdx.x == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
+  const int lane = issue_lane();
+  if (lane < 2) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
 }
 // rows [r0, r0 + n) of a [*, K] matrix -> slot s.
 template <int K>
 __device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n) {
-  if (threadIdx.x >= 32) return;
+  if (!is_issuer()) return;
   c.sg.expect(s, n * K * 2);
-  if (threadIdx.x == 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
+  if (issue_lane() == 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
 }
 // The final-head slice that follows a stack: rows of `head` [V, H] -> slot s.
 struct HeadSlice {
@@ -262,8 +262,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
-    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase).
-    issue_gate_up(c, w, i0, in_);
+    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase). In the talker the
+    // blocks that run attention items issue it after their attention (a prefetch in flight
+    // slows the attention's KV loads, which are the critical path of that phase).
+    const bool attn_block = !FUSED && (int)blockIdx.x < QMK_NKV * attn_chunks(p0 + T, T);
+    if (!attn_block) issue_gate_up(c, w, i0, in_);
     if constexpr (FUSED) {
       // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
       if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
@@ -271,11 +274,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
         return false;
     } else {
 
-    // P2: q/k norm + RoPE + KV append + attention.
-    if (!c.g.wait(c.flag)) return false;
+    // P2: q/k norm + RoPE + KV append + attention (cached keys loaded before the wait).
     const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
                           st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
-    attention_phase<T, KV>(a, p0, c.sm.at);
+    AttnPrefetch pf;
+    attention_prefetch<T, KV>(a, p0, pf);
+    if (!c.g.wait(c.flag)) return false;
+    attention_phase<T, KV>(a, p0, c.sm.at, pf);
+    if (attn_block) issue_gate_up(c, w, i0, in_);  // X is free; attention_phase ended with __syncthreads
     c.g.arrive();
 
     // P3: o_proj + residual on this block's rows.

@@ -122,8 +122,15 @@ def check_shapes(w: DecodeWeights) -> None:
         raise ValueError("megakernel needs bf16 weights on a CUDA device")
 
 
-def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
-    """csrc/layout.h QmkModel as an int64 device tensor of pointers."""
+def grouped_o(o_proj: torch.Tensor) -> torch.Tensor:
+    """o_proj [H, NH*HD] -> head-group major [NKV, H, 2*HD]: out[g, r, c] = o_proj[r, 2*HD*g + c]
+    (csrc/ops/cp_attention.cuh: one contiguous slice per block)."""
+    return o_proj.view(H, NKV, 2 * HD).permute(1, 0, 2).contiguous()
+
+
+def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> torch.Tensor:
+    """csrc/layout.h QmkModel as an int64 device tensor of pointers. cp_o_grouped: the library
+    wants the code predictor's o_proj head-group major (qmk_cp_o_layout() == 1)."""
     ptrs: list[int] = []
 
     def p(t: torch.Tensor) -> int:
@@ -133,8 +140,9 @@ def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
 
     for lm in (w.talker, w.predictor):
         for lw in lm.layers:
+            o = grouped_o(lw.o_proj) if (cp_o_grouped and lm is w.predictor) else lw.o_proj
             ptrs += [p(lw.input_norm), p(lw.q_proj), p(lw.k_proj), p(lw.v_proj), p(lw.q_norm),
-                     p(lw.k_norm), p(lw.o_proj), p(lw.post_norm), p(lw.gate_proj), p(lw.up_proj),
+                     p(lw.k_norm), p(o), p(lw.post_norm), p(lw.gate_proj), p(lw.up_proj),
                      p(lw.down_proj)]
     dev = w.codec_head.device
     ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), p(w.codec_head)]
@@ -210,7 +218,8 @@ class MegakernelEngine:
             raise RuntimeError(f"megakernel grid: {self.lib.qmk_error_string(err).decode()}")
         self.blocks, self.sms = blocks.value, sms.value
         self._keep: list = []
-        self.model_dev = model_table(weights, self._keep)
+        grouped = bool(hasattr(self.lib, "qmk_cp_o_layout") and self.lib.qmk_cp_o_layout() == 1)
+        self.model_dev = model_table(weights, self._keep, cp_o_grouped=grouped)
         if self.model_dev.numel() * 8 != self.lib.qmk_model_size():
             raise RuntimeError("QmkModel layout differs from megakernel.py")
         bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
