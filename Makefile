@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench bench-kernel kernel-gpu-check clean
+.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench soak bench-kernel kernel-gpu-check clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,14 @@ bench: setup
 			--warmup 1 --max-duration 2 --baseline qwen-tts --baseline-requests 3 \
 			--json out/bench-cpu.json --plot out/bench-cpu.png; \
 	fi
+
+# Soak: mixed load with random cancels against a self-started loopback server (tiny synthetic
+# model) for SOAK_MINUTES; the report goes to out/soak.json; exit 1 on an unexpected status
+# code, a leaked stream or descriptor, or memory growth. `make soak SOAK_MINUTES=1` for a quick one.
+SOAK_MINUTES ?= 10
+soak: setup
+	@mkdir -p out
+	$(BIN)/tts-soak --minutes $(SOAK_MINUTES) --json out/soak.json
 
 # The megakernel's own benchmark (GPU): copy bandwidth, talker/predictor/frame times vs torch.
 bench-kernel: kernel

@@ -192,6 +192,8 @@ async def test_1000_random_cancellations_leave_nothing_behind(make_server):
     for c in clients:
         await c.close()
     _assert_clean(app)
+    internal = app.worker.metrics.registry.get_sample_value("tts_requests_total", {"code": "INTERNAL"})
+    assert not internal, f"{internal} cancelled calls ended as INTERNAL on the server"
     assert len(asyncio.all_tasks()) <= tasks_before
     assert sum(outcomes.values()) == 1000
     assert {"before_first_chunk", "mid_stream", "at_last_chunk", "complete"} <= outcomes.keys()

@@ -47,18 +47,22 @@ class Progress:
             sys.stderr.flush()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerProcess:
     """`tts-server` as a subprocess on a free loopback port; stop() always reaps it."""
 
-    def __init__(self, model: str, engine: str, max_streams: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    def __init__(self, model: str, engine: str, max_streams: int, extra_args=(), max_queue: int = 0):
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         exe = os.path.join(os.path.dirname(sys.executable), "tts-server")
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tts_server"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--model", model, "--engine", engine,
-                "--max-streams", str(max_streams)]
+                "--max-streams", str(max_streams), "--max-queue", str(max_queue), *extra_args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tts-bench-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -317,7 +321,8 @@ def main(argv=None) -> int:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     load_start = os.getloadavg()[0]
-    server = None if a.address else ServerProcess(a.model, a.engine, a.max_streams or max(levels))
+    server = None if a.address else ServerProcess(a.model, a.engine, a.max_streams or max(levels),
+                                                  ("--metrics-port", "-1"))
     try:
         info, voice, records = asyncio.run(run_grpc(a.address or server.address, items, a, server))
         if server:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               start_http_server)
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU
         self.active_streams = Gauge("tts_active_streams", "Streams holding an engine slot", registry=r)
         self.queued_streams = Gauge("tts_queued_streams", "Streams waiting for an engine slot",
                                     registry=r)

@@ -24,6 +24,12 @@ from . import convert
 log = logging.getLogger(__name__)
 
 
+try:  # raised by context.write when the call has already ended on the client's side
+    from grpc._cython.cygrpc import ExecuteBatchError as _WRITE_FAILED
+except ImportError:  # pragma: no cover - other grpcio builds
+    _WRITE_FAILED = ()
+
+
 class _Abort(Exception):
     """Raised inside a handler to end the call with `code`; Synthesize counts and aborts."""
 
@@ -60,11 +66,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             code = e.code.name
             await context.abort(e.code, e.details)
         except asyncio.CancelledError:
+            # the client's own deadline fires a moment before the server's copy of it
             remaining = context.time_remaining()
-            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            code = ("DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.1
+                    else "CANCELLED")
             raise
         except Exception:
             code = "INTERNAL"
+            log.exception("Synthesize failed")
             raise
         finally:
             self.metrics.requests.labels(code=code).inc()
@@ -106,6 +115,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             # pauses in the engine once max_buffer_s of audio waits, and ends after `stall`.
             try:
                 await asyncio.wait_for(context.write(message), stall)
+            except _WRITE_FAILED as e:
+                # the client hung up (or its deadline passed) while this write was in flight:
+                # the same as the CancelledError that would otherwise reach us at the next await
+                log.debug("write failed (client gone: %s): %r", context.cancelled(), e)
+                raise asyncio.CancelledError() from None
             except asyncio.TimeoutError:
                 log.warning("request %s: client read nothing for %.0f s; ending the stream",
                             req.request_id, stall)
