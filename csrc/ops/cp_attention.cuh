@@ -53,10 +53,11 @@ __device__ __forceinline__ void cp_issue_oproj(const Stage& sg, const QmkLayer& 
 // kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions p0 ..; out: part.
 // The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
 // grid barrier, computes, arrives.
-template <int T>
+// late(): issues the next phase's slice once this phase's q|k|v loads have returned.
+template <int T, class Late>
 __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
                               const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
-                              CpAttnSmem& s) {
+                              CpAttnSmem& s, Late late) {
   constexpr int NQ = 2 * T;
   int g, gi, r0, n;
   cp_oproj_rows(g, gi, r0, n);
@@ -127,6 +128,7 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     }
   }
   __syncthreads();
+  late();
 
   // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
   const float scale = 0.08838834764831845f;  // head_dim ** -0.5

@@ -20,6 +20,13 @@
 #ifndef QMK_HOIST
 #define QMK_HOIST 1
 #endif
+// QMK_LATE_ISSUE: where a phase issues the next phase's weight slice. 0: before its barrier wait.
+// 1: the CP's attention phase issues gate|up after its q|k|v loads have returned (a bulk prefetch
+// in flight slows the phase's latency-critical loads). 2: every phase issues after its
+// activation loads.
+#ifndef QMK_LATE_ISSUE
+#define QMK_LATE_ISSUE 2
+#endif
 
 namespace qmk {
 
@@ -236,8 +243,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
     if (L == 0 && !preissued) issue_qkv(c, w);
-    if constexpr (FUSED) cp_issue_oproj(c.sg, w);                 // -> Y, for P2+P3
-    else issue_rows<QMK_QD>(c, SLOT_Y, w.o, h0, hn);              // -> Y, for P3
+    const auto issue_o = [&]() {
+      if constexpr (FUSED) cp_issue_oproj(c.sg, w);               // -> Y, for P2+P3
+      else issue_rows<QMK_QD>(c, SLOT_Y, w.o, h0, hn);            // -> Y, for P3
+    };
+    if (QMK_LATE_ISSUE < 2) issue_o();
     float4 wn = QMK_HOIST ? norm_w4(w.in_norm) : float4{};
     if (L == 0) {
       load_input<T>(c, in0);
@@ -250,6 +260,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       if (!c.g.wait(c.flag)) return false;
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
+    if (QMK_LATE_ISSUE >= 2) issue_o();
     if constexpr (FUSED) {  // keep the raw residual: the next phase adds the o_proj partials to it
 #pragma unroll
       for (int t = 0; t < T; ++t)
@@ -266,11 +277,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     // blocks that run attention items issue it after their attention (a prefetch in flight
     // slows the attention's KV loads, which are the critical path of that phase).
     const bool attn_block = !FUSED && (int)blockIdx.x < QMK_NKV * attn_chunks(p0 + T, T);
-    if (!attn_block) issue_gate_up(c, w, i0, in_);
+    if (!attn_block && !(FUSED && QMK_LATE_ISSUE >= 1)) issue_gate_up(c, w, i0, in_);
     if constexpr (FUSED) {
       // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
+      const auto late = [&]() {
+        if (QMK_LATE_ISSUE >= 1) issue_gate_up(c, w, i0, in_);
+      };
       if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
-                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca))
+                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca, late))
         return false;
     } else {
 
@@ -294,7 +308,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     }
 
     // P4: post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (Y was consumed in P2+P3 / P3)
+    if (QMK_LATE_ISSUE < 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2+P3 / P3)
     wn = QMK_HOIST ? norm_w4(w.post_norm) : float4{};
     if (!c.g.wait(c.flag)) return false;
     if constexpr (FUSED) {
@@ -323,6 +337,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     } else {
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
+    if (QMK_LATE_ISSUE >= 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
     if (!QMK_HOIST) wn = norm_w4(w.post_norm);
     rmsnorm_xs<T>(c, wn);
     c.sg.wait(SLOT_X);
@@ -336,10 +351,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 
     // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
     // the head (X, consumed in P4).
-    if (L + 1 < nlayers) issue_qkv(c, layers[L + 1]);
-    else issue_head(c, head);
+    const auto issue_next = [&]() {
+      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1]);
+      else issue_head(c, head);
+    };
+    if (QMK_LATE_ISSUE < 2) issue_next();
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
+    if (QMK_LATE_ISSUE >= 2) issue_next();
     c.sg.wait(SLOT_Y);
     mv_finish<T, QMK_I>(hn, c.sg.slot[SLOT_Y], xs0, out);
     residual_add<T>(c, h0, hn, out);
@@ -358,12 +377,13 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows_of(b, G, h.V, r0, n);
-  if (next != nullptr) issue_qkv(c, *next);
+  if (next != nullptr && QMK_LATE_ISSUE < 2) issue_qkv(c, *next);
   float4 wn = QMK_HOIST ? norm_w4(norm_w) : float4{};
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
   __syncthreads();
+  if (next != nullptr && QMK_LATE_ISSUE >= 2) issue_qkv(c, *next);
   if (!QMK_HOIST) wn = norm_w4(norm_w);
   rmsnorm_xs<1>(c, wn);
   if (hidden_out != nullptr && b == 0)
