@@ -60,6 +60,26 @@ def test_sampling_bytes_layout():
     assert int.from_bytes(b[40:48], "little") == 2**40 + 5
 
 
+def test_grouped_o_proj_layout():
+    """The CP o_proj handed to the kernel is head-group major: o[g, r, c] = o_proj[r, 256 g + c]
+    (csrc/ops/cp_attention.cuh reads one contiguous slice per block)."""
+    import torch
+
+    o = torch.randn(mk.H, mk.NH * mk.HD)
+    g = mk.grouped_o(o)
+    assert g.shape == (mk.NKV, mk.H, 2 * mk.HD) and g.is_contiguous()
+    for grp, row, col in ((0, 0, 0), (3, 17, 5), (7, 1023, 255)):
+        assert g[grp, row, col] == o[row, 2 * mk.HD * grp + col]
+
+
+def test_trace_labels_count_barriers():
+    """One label per grid barrier of a frame: 456 with the fused CP layers (4 barriers per CP
+    layer), 531 with 5 (the QMK_TRACE analysis in bench_kernel depends on it)."""
+    bk = _bench_module()
+    assert len(bk.trace_labels(True)) == 15 * (5 * 4 + 1) + 28 * 5 + 1
+    assert len(bk.trace_labels(False)) == 531
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed: CUDA build not checked")
 def test_kernel_compiles_for_sm90():
     r = subprocess.run(["make", "-C", str(ROOT / "csrc"), "check"], capture_output=True, text=True)
