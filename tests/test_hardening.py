@@ -11,7 +11,6 @@ import io
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import soundfile
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tts_client.bench import free_port
 from tts_client.client import TTSClient, build_request
 from tts_client.pb.tts.v1 import tts_pb2
 
@@ -37,6 +37,7 @@ async def make_server(tiny_custom):
 
     from tts_server.app import build_app
     from tts_server.config import ServerConfig
+    from tts_server.engine.faults import FaultInjectingEngine
     from tts_server.model.loader import LoadedModel
     from tts_server.rpc.server import TTSServer
 
@@ -54,7 +55,7 @@ async def make_server(tiny_custom):
     yield start
     for app, server in started:
         await server.stop(grace=0.5)
-        if app.worker.failure is not None and app.worker.engine.__class__.__name__ == "FaultInjectingEngine":
+        if isinstance(app.worker.engine, FaultInjectingEngine):
             app.worker.engine.released.set()  # let a deliberately hung step return
         await asyncio.to_thread(app.worker.stop, 10.0)
 
@@ -386,15 +387,9 @@ def test_json_log_lines_carry_the_request_id():
 
 
 # ---- watchdog (a real process: it must exit) -----------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_hung_step_flips_health_and_exits_nonzero(tmp_path):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as out:
         proc = subprocess.Popen(

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pipecat.workers.runner import WorkerRunner
 
 from pipecat_service import QwenTTSService, QwenTTSSettings
 from pipecat_service.agent import AgentConfig, AgentSetupError, check_tts_server
+from tts_client.bench import free_port
 
 RATE = 16000  # the pipeline's output rate; the server resamples to it
 FRAME_BYTES = 1280 * 2  # one 80 ms codec frame of 16-bit PCM at RATE
@@ -99,12 +99,6 @@ async def wait_idle(worker, timeout=5.0):
     while worker.num_outstanding and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     return worker.num_outstanding
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

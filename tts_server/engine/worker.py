@@ -62,10 +62,9 @@ class Worker:
         self.max_buffer_s = config.max_buffer_s
         self.watchdog_s = config.watchdog_s
         self.metrics = Metrics()
-        self.metrics.active_streams.set_function(lambda: len(self._active))
+        self.metrics.active_streams.set_function(lambda: self.num_active)
         self.metrics.queued_streams.set_function(lambda: len(self._waiting) + len(self._incoming))
-        self.metrics.paused_streams.set_function(
-            lambda: sum(1 for s in list(self._active.values()) if s.handle.paused))
+        self.metrics.paused_streams.set_function(lambda: self.num_paused)
         self.failure: EngineFailure | None = None  # set once the engine is unusable
         self._fatal_listeners: list = []
         self.busy_since: float | None = None  # monotonic start of the engine call in progress

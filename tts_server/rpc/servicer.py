@@ -39,7 +39,7 @@ class _Abort(Exception):
 
 
 def _status_of(error: BaseException | None) -> tuple[grpc.StatusCode, str]:
-    """The status a stream that the engine ended with `error` gets."""
+    """The status for a request refused at submission or a stream the engine ended with `error`."""
     if isinstance(error, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, Overloaded):
@@ -86,13 +86,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             req = convert.to_request(request, self.info, self.config)
             request_id_var.set(req.request_id)
             handle = self.worker.submit(req, asyncio.get_running_loop())
-        except InvalidRequest as e:
-            log.info("request rejected: %s", e.field, extra={"field": e.field})
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except Overloaded as e:
-            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        except (ShuttingDown, EngineFailure) as e:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        except (InvalidRequest, Overloaded, ShuttingDown, EngineFailure) as e:
+            if isinstance(e, InvalidRequest):
+                log.info("request rejected: %s", e.field, extra={"field": e.field})
+            raise _Abort(*_status_of(e)) from None
         try:
             await self._stream(req, handle, request, context, t0)
         finally:
