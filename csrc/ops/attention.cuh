@@ -150,23 +150,7 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
     const KV* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
     const bool first = item == (int)blockIdx.x;  // pf holds this item's first keys
     const auto key = [&](int j, const float* kf, const float* vf) {
-#pragma unroll
-      for (int r = 0; r < NQ; ++r) {
-        float s = qv[r][0] * kf[0];
-        s = fmaf(qv[r][1], kf[1], s);
-        s = fmaf(qv[r][2], kf[2], s);
-        s = fmaf(qv[r][3], kf[3], s);
-        s = warp_sum(s) * scale;
-        if (j <= p0 + r / 2) {  // causal: token t sees keys <= its position
-          const float mn = fmaxf(m[r], s);
-          const float corr = expf(m[r] - mn);
-          const float p = expf(s - mn);
-          l[r] = l[r] * corr + p;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[r][i] = fmaf(acc[r][i], corr, p * vf[i]);
-          m[r] = mn;
-        }
-      }
+      attend_key<NQ>(qv, kf, vf, j, p0, scale, m, l, acc);
     };
     // keys c0 + warp + NW * i in order: the first ATTN_KH from registers where prefetched.
 #pragma unroll

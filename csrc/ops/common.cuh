@@ -48,6 +48,32 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// One key of a causal attention walk with an online softmax, for NQ (token, q head) rows of
+// 4 dims per lane: score q.k (summed over the warp), then the running max m, sum l and
+// output acc. Row r belongs to token p0 + r / 2 and sees keys j <= its position.
+template <int NQ>
+__device__ __forceinline__ void attend_key(const float (&qv)[NQ][4], const float* kk, const float* vv,
+                                           int j, int p0, float scale, float (&m)[NQ], float (&l)[NQ],
+                                           float (&acc)[NQ][4]) {
+#pragma unroll
+  for (int r = 0; r < NQ; ++r) {
+    float sc = qv[r][0] * kk[0];
+    sc = fmaf(qv[r][1], kk[1], sc);
+    sc = fmaf(qv[r][2], kk[2], sc);
+    sc = fmaf(qv[r][3], kk[3], sc);
+    sc = warp_sum(sc) * scale;
+    if (j <= p0 + r / 2) {  // causal: token t sees keys <= its position
+      const float mn = fmaxf(m[r], sc);
+      const float corr = expf(m[r] - mn);
+      const float p = expf(sc - mn);
+      l[r] = l[r] * corr + p;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][e] = fmaf(acc[r][e], corr, p * vv[e]);
+      m[r] = mn;
+    }
+  }
+}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -150,23 +150,7 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
         v4 = *reinterpret_cast<const float4*>(&s.vn[j - p0][lane * 4]);
       }
       const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-      for (int r = 0; r < NQ; ++r) {
-        float sc = qv[r][0] * kk[0];
-        sc = fmaf(qv[r][1], kk[1], sc);
-        sc = fmaf(qv[r][2], kk[2], sc);
-        sc = fmaf(qv[r][3], kk[3], sc);
-        sc = warp_sum(sc) * scale;
-        if (j <= p0 + r / 2) {  // causal: token t sees keys <= its position
-          const float mn = fmaxf(m[r], sc);
-          const float corr = expf(m[r] - mn);
-          const float p = expf(sc - mn);
-          l[r] = l[r] * corr + p;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][e] = fmaf(acc[r][e], corr, p * vv[e]);
-          m[r] = mn;
-        }
-      }
+      attend_key<NQ>(qv, kk, vv, j, p0, scale, m, l, acc);
     }
   }
 #pragma unroll
