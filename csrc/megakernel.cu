@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   {
     const int G = gridDim.x, b = blockIdx.x;
     const int slot3 = b == 0 ? 0 : b == G / 2 ? 1 : b == G - 1 ? 2 : -1;
-    g.tr = (st.dump != nullptr && slot3 >= 0) ? reinterpret_cast<uint32_t*>(st.dump) + slot3 * QMK_TRACE_EPOCHS * 3
+    g.tr = (st.dump != nullptr && slot3 >= 0) ? reinterpret_cast<uint32_t*>(st.dump) + slot3 * QMK_TRACE_EPOCHS * QMK_TRACE_MARKS
                                                : nullptr;
     g.t0 = clock64();
   }

@@ -14,6 +14,7 @@ Results go to --out (JSON) and a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -348,10 +349,11 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
     return res
 
 
-def trace_labels(fused: bool) -> list[tuple[str, str]]:
-    """(stack, phase) that starts after each grid barrier of one sampled frame, in order."""
+def trace_labels() -> list[tuple[str, str]]:
+    """(stack, phase) of each phase of one sampled frame after the first, in order (the CP's
+    attention and o_proj are one phase, P2F)."""
     lab = []
-    l0 = ["P2F", "P4", "P5"] if fused else ["P2", "P3", "P4", "P5"]
+    l0 = ["P2F", "P4", "P5"]
     for _ in range(15):
         lab += [("cp", p) for p in l0 + (["P1"] + l0) * 4 + ["HEAD", "SAMP+P1"]]
     t0 = ["P2", "P3", "P4", "P5"]
@@ -359,9 +361,15 @@ def trace_labels(fused: bool) -> list[tuple[str, str]]:
     return lab
 
 
+TRACE_EPOCHS, TRACE_MARKS = 1024, 6  # csrc/ops/common.cuh
+
+
 def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False) -> dict:
-    """A QMK_TRACE build: per-barrier cycle stamps of blocks 0, G/2, G-1 over one sampled frame ->
-    per phase type: busy (wait end -> next arrive), wait (spin) and issue (arrive -> wait start)."""
+    """A QMK_TRACE build: cycle stamps of blocks 0, G/2, G-1 in every phase of one frame -> per
+    phase type, mean µs of: issue (end of the previous phase -> start of the input wait), wait
+    (polling for the inputs), busy (inputs in -> end), and inside busy: prep (inputs in -> the
+    weight wait: norms, prefetch issue), slot (waiting for the staged weights), mv (the matvec) and
+    epi (matvec done -> end: outputs)."""
     from tts_server.kernels import megakernel as mk
 
     prev = os.environ.get("QMK_LIB")
@@ -373,42 +381,44 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
     eng.dump.zero_()
     eng.launch(0, mk.FLAG_NO_COMMIT)
     torch.cuda.synchronize()
-    tr = eng.dump.view(-1)[: 3 * 1024 * 3].view(torch.int32).cpu().numpy().astype(np.int64).reshape(3, 1024, 3)
+    n_words = 3 * TRACE_EPOCHS * TRACE_MARKS
+    tr = eng.dump.view(-1)[:n_words].view(torch.int32).cpu().numpy().astype(np.int64)
+    tr = tr.reshape(3, TRACE_EPOCHS, TRACE_MARKS)
     os.environ.pop("QMK_LIB", None)
-    fused = "nofused" not in Path(lib).stem
     if prev is not None:
         os.environ["QMK_LIB"] = prev
-    lab = trace_labels(fused)
+    lab = trace_labels()
     n = len(lab)
     res = dict(frame_us=frame_us, epochs=n)
-    total_cyc = int(tr[0, n, 0]) if n < 1024 else 0  # block 0's last arrive
-    res["cycles_last_arrive_b0"] = total_cyc
+    total_cyc = int(tr[0, n, 0]) if n < TRACE_EPOCHS else 0  # block 0's last phase end
+    res["cycles_last_end_b0"] = total_cyc
     us_per_cyc = frame_us / total_cyc if total_cyc > 0 else float("nan")
     res["mhz_est"] = 1.0 / us_per_cyc if total_cyc else None
+    parts = ("issue", "wait", "busy", "prep", "slot", "mv", "epi")
     agg: dict = {}
     for blk in range(3):
-        for e in range(1, n + 1):
-            if e + 1 > n:
-                break
-            A, W, E = tr[blk, e]
-            A1 = tr[blk, e + 1, 0]
+        for e in range(1, n):
+            A, W, E, S0, S1, M = (int(v) for v in tr[blk, e])
+            A1 = int(tr[blk, e + 1, 0])
             key = "/".join(lab[e - 1])
-            a = agg.setdefault(key, dict(n=0, busy=[0, 0, 0], wait=[0, 0, 0], issue=[0, 0, 0]))
+            a = agg.setdefault(key, dict(n=0, cnt={p: [0, 0, 0] for p in parts}, **{p: [0, 0, 0] for p in parts}))
             if blk == 0:
                 a["n"] += 1
-            a["busy"][blk] += int(A1 - E)
-            a["wait"][blk] += int(E - W)
-            a["issue"][blk] += int(W - A)
+            vals = dict(issue=W - A, wait=E - W, busy=A1 - E)
+            if S0 > 0 and S1 >= S0 and M >= S1:
+                vals.update(prep=S0 - E, slot=S1 - S0, mv=M - S1, epi=A1 - M)
+            for p, v in vals.items():
+                a[p][blk] += v
+                a["cnt"][p][blk] += 1
     out = {}
     for key, a in agg.items():
-        k = max(a["n"], 1)
-        out[key] = dict(n=a["n"], **{f"{m}_us": [round(v / k * us_per_cyc, 3) for v in a[m]]
-                                     for m in ("busy", "wait", "issue")})
+        out[key] = dict(n=a["n"], **{f"{p}_us": [round(a[p][b] / max(a["cnt"][p][b], 1) * us_per_cyc, 3)
+                                                 for b in range(3)] for p in parts})
     res["phases"] = out
     print(f"trace {Path(lib).stem} {'greedy' if greedy else 'sampled'} (per phase type, mean µs for blocks 0, G/2, G-1):",
           flush=True)
     for key, v in out.items():
-        print(f"  {key:16s} n={v['n']:4d} busy {v['busy_us']} wait {v['wait_us']} issue {v['issue_us']}", flush=True)
+        print(f"  {key:12s} n={v['n']:3d} " + " ".join(f"{p} {v[p + '_us']}" for p in parts), flush=True)
     return res
 
 
@@ -439,6 +449,12 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
                 if rnd == 0 and frames > 0:
                     t = teacher_forced(w, frames, seed=11)
                     r.update(rel_err_max=t["rel_err_max"], top1=t["top1"])
+                    # sampled codes of a few frames: identical across variants whose sampling is exact
+                    e2 = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64)
+                    e2.prefill(0, make_prompt(9, length=ctx), SamplingConfig(seed=5))
+                    codes = np.stack([e2.step([0])[0].codes for _ in range(frames)])
+                    r["sampled_codes_digest"] = hashlib.sha256(codes.tobytes()).hexdigest()[:16]
+                    del e2
                 eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64)
                 eng.prefill(0, make_prompt(5, length=ctx), s)
                 talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
@@ -446,10 +462,12 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
                 frame = time_us(lambda: eng.launch(0, nc))
                 eng.prefill(0, make_prompt(5, length=ctx), greedy)
                 fg = time_us(lambda: eng.launch(0, nc), iters=30)
+                eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3, top_k=0, subtalker_top_k=0))
+                fnk = time_us(lambda: eng.launch(0, nc), iters=30)  # sampled without the top-k select
                 if eng.kernel_error():
                     raise RuntimeError(f"kernel error {eng.kernel_error()}")
                 r.setdefault("runs", []).append(dict(talker_us=talker, cp_pass_us=cp, frame_us=frame,
-                                                     frame_greedy_us=fg))
+                                                     frame_greedy_us=fg, frame_no_topk_us=fnk))
                 del eng
             except Exception as e:  # noqa: BLE001
                 r["error"] = repr(e)

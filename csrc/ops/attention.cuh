@@ -40,10 +40,14 @@ struct AttnSmem {
   int last;
 };
 
-// Key chunks per kv head: enough items to spread long contexts over the grid.
+// Key chunks per kv head: enough items to spread long contexts over the grid, at least
+// QMK_ATTN_CHUNK keys each (a context of up to QMK_ATTN_CHUNK keys needs no split-K merge).
+#ifndef QMK_ATTN_CHUNK
+#define QMK_ATTN_CHUNK 32
+#endif
 __device__ __forceinline__ int attn_chunks(int ctx, int T) {
   if (T > 1) return 1;  // the 2-token CP pass (ctx 2): both new keys must sit in one chunk
-  int n = (ctx + 31) / 32;
+  int n = (ctx + QMK_ATTN_CHUNK - 1) / QMK_ATTN_CHUNK;
   const int cap = min((int)gridDim.x / QMK_NKV, QMK_MAX_CHUNKS);
   return max(1, min(n, cap));
 }

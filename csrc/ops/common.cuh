@@ -6,12 +6,15 @@
 #include "../layout.h"
 
 // QMK_TRACE (diagnostic builds only): thread 0 of blocks 0, G/2 and G-1 records clock64 cycles
-// (relative to its block's start) at every barrier arrive, wait start and wait end, into
-// st.dump (reinterpreted as uint32 [3][QMK_TRACE_EPOCHS][3]); the logits dump is then off.
+// (relative to its block's start) in every phase: 0 its barrier arrive, 1 start and 2 end of the
+// barrier wait, 3 start and 4 end of the wait for the phase's staged weight slice, 5 end of the
+// matvec; into st.dump (reinterpreted as uint32 [3][QMK_TRACE_EPOCHS][QMK_TRACE_MARKS]); the
+// logits dump is then off.
 #ifndef QMK_TRACE
 #define QMK_TRACE 0
 #endif
 #define QMK_TRACE_EPOCHS 1024
+#define QMK_TRACE_MARKS 6
 
 namespace qmk {
 
@@ -135,12 +138,12 @@ struct Grid {
 #if QMK_TRACE
   uint32_t* tr;  // this block's trace rows, or nullptr
   long long t0;
-  __device__ void mark(int k) {
+  __device__ void mark(int k) const {
     if (tr != nullptr && threadIdx.x == 0 && epoch < QMK_TRACE_EPOCHS)
-      tr[epoch * 3 + k] = (uint32_t)(clock64() - t0);
+      tr[epoch * QMK_TRACE_MARKS + k] = (uint32_t)(clock64() - t0);
   }
 #else
-  __device__ void mark(int) {}
+  __device__ void mark(int) const {}
 #endif
 
   __device__ void arrive() {

@@ -173,7 +173,9 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     s.a[r / 2][(r & 1) * QMK_HD + d] = rnd(A / L, exact);
   }
   __syncthreads();
+  grid.mark(3);
   sg.wait(SLOT_Y);
+  grid.mark(4);
 
   // 3) o_proj partial: 8 lanes per row (4 rows per warp at a time), 256 columns per row.
   const int rr = lane >> 3, sub = lane & 7;
@@ -200,6 +202,7 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
       if (valid && sub == 0) __stcg(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, v);
     }
   }
+  grid.mark(5);
   grid.arrive();
   return true;
 }

@@ -234,6 +234,7 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
   float* xs0 = &c.sm.mv.xs[0][0];
+  constexpr bool SEGS = FUSED ? QMK_MV_CP : QMK_MV_TALKER;  // matvec form (ops/matvec.cuh)
   int h0, hn, i0, in_, q0, qn;  // this block's rows of the H-, I- and QKV-row matrices
   rows_of(b, G, QMK_H, h0, hn);
   rows_of(b, G, QMK_I, i0, in_);
@@ -268,8 +269,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     }
     if (!QMK_HOIST) wn = norm_w4(w.in_norm);
     rmsnorm_xs<T>(c, wn);
+    c.g.mark(3);
     c.sg.wait(SLOT_X);
-    mv_finish<T, QMK_H>(qn, c.sg.slot[SLOT_X], xs0, out);
+    c.g.mark(4);
+    mv_finish<T, QMK_H, rows_per_warp(QMK_QKV), SEGS>(qn, c.sg.slot[SLOT_X], xs0, out);
+    c.g.mark(5);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
@@ -301,8 +305,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     // P3: o_proj + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
+    c.g.mark(3);
     c.sg.wait(SLOT_Y);
-    mv_finish<T, QMK_QD>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    c.g.mark(4);
+    mv_finish<T, QMK_QD, rows_per_warp(QMK_H), SEGS>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
     }
@@ -340,8 +347,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     if (QMK_LATE_ISSUE >= 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
     if (!QMK_HOIST) wn = norm_w4(w.post_norm);
     rmsnorm_xs<T>(c, wn);
+    c.g.mark(3);
     c.sg.wait(SLOT_X);
-    mv_finish<T, QMK_H>(2 * in_, c.sg.slot[SLOT_X], xs0, out);
+    c.g.mark(4);
+    mv_finish<T, QMK_H, rows_per_warp(QMK_I, 2), SEGS>(2 * in_, c.sg.slot[SLOT_X], xs0, out);
+    c.g.mark(5);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
       const float gt = rnd(out[r * T + t], c.exact), up = rnd(out[(in_ + r) * T + t], c.exact);
@@ -359,8 +369,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
     if (QMK_LATE_ISSUE >= 2) issue_next();
+    c.g.mark(3);
     c.sg.wait(SLOT_Y);
-    mv_finish<T, QMK_I>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    c.g.mark(4);
+    mv_finish<T, QMK_I, rows_per_warp(QMK_H), SEGS>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
   }
@@ -388,8 +401,12 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   rmsnorm_xs<1>(c, wn);
   if (hidden_out != nullptr && b == 0)
     for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
+  c.g.mark(3);
   c.sg.wait(h.slot);
-  mv_finish<1, QMK_H>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
+  c.g.mark(4);
+  if (h.V == QMK_VC) mv_finish<1, QMK_H, rows_per_warp(QMK_VC), QMK_MV_CP>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
+  else mv_finish<1, QMK_H, rows_per_warp(QMK_VT), QMK_MV_TALKER>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
+  c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);

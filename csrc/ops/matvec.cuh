@@ -32,6 +32,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // Slots: X (q|k|v, gate|up, talker head), Y (o_proj, down), H (CP head, upper part of X).
 enum { SLOT_X = 0, SLOT_Y = 1, SLOT_H = 2, NSLOTS = 3 };
 
+
 // The warp that issues the bulk copies. Warp 1 (so that thread 0's barrier release and poll
 // would not wait behind the issue) measured slower on the H100 than warp 0: frame 2890 vs
 // 2660 us, same run.
@@ -93,7 +94,7 @@ struct Stage {
 // once, in a fixed order, so results are bitwise reproducible. The caller has waited for the
 // slot. Ends with __syncthreads() (the slot may be refilled after it).
 template <int T, int K>
-__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* out_s) {
+__device__ __forceinline__ void mv_rows(int nrows, const uint4* stage, const float* xs, float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
   constexpr int S = K / 256;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -115,6 +116,91 @@ __device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const f
     }
   }
   __syncthreads();
+}
+
+// 8 bf16 weights dot 8 fp32 activations held in registers (same order of operations as dot8).
+__device__ __forceinline__ float dot8r(const uint4 w, const float4 a, const float4 b) {
+  float s = lo_bf(w.x) * a.x;
+  s = fmaf(hi_bf(w.x), a.y, s);
+  s = fmaf(lo_bf(w.y), a.z, s);
+  s = fmaf(hi_bf(w.y), a.w, s);
+  s = fmaf(lo_bf(w.z), b.x, s);
+  s = fmaf(hi_bf(w.z), b.y, s);
+  s = fmaf(lo_bf(w.w), b.z, s);
+  s = fmaf(hi_bf(w.w), b.w, s);
+  return s;
+}
+
+// The same product, segment-major: warp w owns rows w, w + NW, ... (at most R of them). It walks the K/256 column segments once:
+// each segment's activations are read from shared memory once per warp (not once per row) and
+// applied to all of the warp's rows, whose partial sums stay in registers; one shuffle reduction
+// per row at the end. Per row the additions happen in the same order as a row-by-row walk, so
+// results are bitwise reproducible. With one or two rows per warp (o_proj, down: K = 2048, 3072)
+// the segment loop is unrolled so that several weight loads are in flight. The caller has waited
+// for the slot. Ends with __syncthreads() (the slot may be refilled after it).
+template <int T, int K, int R>
+__device__ __forceinline__ void mv_segs(int nrows, const uint4* stage, const float* xs, float* out_s) {
+  static_assert(K % 256 == 0, "K must be a multiple of 256");
+  constexpr int S = K / 256;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float acc[R][T];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[j][t] = 0.f;
+  constexpr int UNROLL = R <= 2 ? 4 : 1;
+#pragma unroll UNROLL
+  for (int seg = 0; seg < S; ++seg) {
+    float4 xa[T], xb[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float* xp = xs + t * QMK_I + seg * 256 + lane * 8;
+      xa[t] = *reinterpret_cast<const float4*>(xp);
+      xb[t] = *reinterpret_cast<const float4*>(xp + 4);
+    }
+    uint4 w[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int r = warp + NW * j;
+      if (r < nrows) w[j] = stage[(r * S + seg) * 32 + lane];
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (warp + NW * j < nrows) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[j][t] += dot8r(w[j], xa[t], xb[t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int r = warp + NW * j;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float v = warp_sum(acc[j][t]);
+      if (lane == 0 && r < nrows) out_s[r * T + t] = v;
+    }
+  }
+  __syncthreads();
+}
+
+// QMK_MV_CP / QMK_MV_TALKER: the code predictor's / talker's matrix products segment-major
+// (mv_segs, 1) or row by row (mv_rows, 0). Both give bitwise the same results.
+#ifndef QMK_MV_CP
+#define QMK_MV_CP 1
+#endif
+#ifndef QMK_MV_TALKER
+#define QMK_MV_TALKER 0
+#endif
+template <int T, int K, int R, bool SEGS>
+__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* out_s) {
+  if constexpr (SEGS) mv_segs<T, K, R>(nrows, stage, xs, out_s);
+  else mv_rows<T, K>(nrows, stage, xs, out_s);
+}
+
+// Most rows per warp of a slice of `copies` x rows_of(rows) rows (grids of >= QMK_MIN_BLOCKS blocks).
+constexpr int rows_per_warp(int rows, int copies = 1) {
+  return (copies * ((rows + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS) + NW - 1) / NW;
 }
 
 }  // namespace qmk

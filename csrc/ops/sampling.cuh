@@ -5,6 +5,10 @@
 #pragma once
 #include "common.cuh"
 
+// QMK_TOPK_BUCKET: the top-k threshold from bucket_kth (1) or the radix select alone (0).
+#ifndef QMK_TOPK_BUCKET
+#define QMK_TOPK_BUCKET 1
+#endif
 #ifndef QMK_SAMPLE_AGG
 #define QMK_SAMPLE_AGG 0  // measured: +8 us per draw (__match_any_sync costs more than the contention)
 #endif
@@ -24,7 +28,11 @@ struct SampleSmem {
   uint32_t hist[256];
   float fred[NW];
   int ired[NW];
+  float fred2[NW];
   int bin, rank, result;
+  int ncand;
+  float kth;
+  float cand[512];          // bucket_kth: the boundary bucket's values
 };
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
@@ -142,6 +150,95 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
   return fkey_inv(prefix);
 }
 
+// Value of the k-th largest l[i] (counting multiplicity), the same value as kth_largest, in fewer
+// block barriers and without its contended first histogram pass (there, ~all logits share a few
+// top-byte bins): bucket b(i) = floor((M - l[i]) / D) with M the max and D = (M - mean) / 32 over
+// the finite logits (b is monotone in l, so every value of a lower bucket is larger than every
+// value of a higher one); count buckets 0..255 (farther values are not counted); the scan finds
+// the bucket holding the k-th largest, and its few values are ranked exactly. Falls back to
+// kth_largest when the counted buckets hold fewer than k values, the boundary bucket more than 512,
+// or D is not a positive finite number.
+__device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // 1) max, sum and count of the finite logits in one block reduction; zero the histogram.
+  float mx = neg_inf(), sum = 0.f, cnt = 0.f;
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float v = l[i];
+    if (v != neg_inf()) { mx = fmaxf(mx, v); sum += v; cnt += 1.f; }
+  }
+  for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
+  mx = warp_max(mx);
+  sum = warp_sum(sum);
+  cnt = warp_sum(cnt);
+  if (lane == 0) { sm.fred[w] = mx; sm.fred2[w] = sum; sm.ired[w] = (int)cnt; }
+  if (threadIdx.x == 0) sm.ncand = 0;
+  __syncthreads();
+  mx = lane < NW ? sm.fred[lane] : neg_inf();
+  sum = lane < NW ? sm.fred2[lane] : 0.f;
+  cnt = lane < NW ? (float)sm.ired[lane] : 0.f;
+  mx = warp_max(mx);
+  sum = warp_sum(sum);
+  cnt = warp_sum(cnt);
+  const float d = (mx - sum / fmaxf(cnt, 1.f)) * (1.0f / 32.0f);
+  if (!(d > 0.f) || !isfinite(d) || cnt < (float)k) return kth_largest(l, V, k, sm);  // same in every thread
+  const float inv = 1.0f / d;
+  // 2) histogram of the near buckets.
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float b = (mx - l[i]) * inv;  // -inf logits give +inf: not counted
+    if (b < 256.f) atomicAdd(&sm.hist[(int)b], 1u);
+  }
+  __syncthreads();
+  // 3) warp 0: the bucket where the count from the top reaches k, and k's rank inside it.
+  if (w == 0) {
+    uint32_t c[8], tot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { c[i] = sm.hist[lane * 8 + i]; tot += c[i]; }
+    uint32_t incl = tot;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const uint32_t hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)k);
+    if (lane == 0) sm.bin = -1;
+    __syncwarp();
+    if (hit != 0 && lane == __ffs(hit) - 1) {
+      uint32_t cum = incl - tot;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (cum + c[i] >= (uint32_t)k) {
+          sm.bin = c[i] <= 512u ? lane * 8 + i : -1;
+          sm.rank = k - (int)cum;
+          break;
+        }
+        cum += c[i];
+      }
+    }
+  }
+  __syncthreads();
+  const int bin = sm.bin, rank = sm.rank;
+  if (bin < 0) return kth_largest(l, V, k, sm);
+  // 4) the boundary bucket's values, then the rank-th largest among them.
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float b = (mx - l[i]) * inv;
+    if (b < 256.f && (int)b == bin) sm.cand[atomicAdd(&sm.ncand, 1)] = l[i];
+  }
+  __syncthreads();
+  const int nc = sm.ncand;
+  for (int i = threadIdx.x; i < nc; i += NT) {
+    const float v = sm.cand[i];
+    int gt = 0, ge = 0;
+    for (int j = 0; j < nc; ++j) {
+      const float u = sm.cand[j];
+      gt += u > v;
+      ge += u >= v;
+    }
+    if (gt < rank && rank <= ge) sm.kth = v;  // every writer holds the same value
+  }
+  __syncthreads();
+  return sm.kth;
+}
+
 // Draw one token from processed logits l[0..V) (smem; overwritten). Same result in every thread.
 __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t seed, uint32_t counter,
                             uint32_t stream, SampleSmem& sm) {
@@ -150,7 +247,7 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
     for (int i = threadIdx.x; i < V; i += NT) l[i] = l[i] / p.temperature;
   __syncthreads();
   if (p.top_k > 0 && p.top_k < V) {
-    const float kth = kth_largest(l, V, p.top_k, sm);
+    const float kth = QMK_TOPK_BUCKET ? bucket_kth(l, V, p.top_k, sm) : kth_largest(l, V, p.top_k, sm);
     for (int i = threadIdx.x; i < V; i += NT)
       if (l[i] < kth) l[i] = neg_inf();
     __syncthreads();
