@@ -32,7 +32,9 @@ struct SampleSmem {
   int bin, rank, result;
   int ncand;
   float kth;
-  float cand[512];          // bucket_kth: the boundary bucket's values
+  // bucket_kth: the boundary bucket's values. 16-byte aligned: the rank loop's vector loads of
+  // cand[j..j+3] must not also cover kth, which another thread writes in that loop.
+  __align__(16) float cand[512];
 };
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
