@@ -4,19 +4,9 @@
 # Logs and kernel_results.json land in $OUT; a short table is printed last.
 #   STAGES="build sanitize check bench" (default: all)   FRAMES=200   GREEDY_FRAMES=40   VARIANTS=libs
 # Wheels for qwen-tts and transformers 4.57.3 (the GPU image has 5.x) may be carried in .whl/.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 STAGES=${STAGES:-"build sanitize check bench"}
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 
 [[ " $STAGES " == *" build "* ]] && make -C csrc 2>&1 | tee "$OUT/build.log" | tail -5

@@ -7,19 +7,9 @@
 #                  same-run baseline across ABI changes
 #   MODEL=synthetic|random   FRAMES=16 (teacher-forced check per variant; 0 = none)
 # Logs and JSON land in $OUT. Wheels (qwen-tts, transformers 4.57.3, ...) may be carried in .whl/.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 SM90="-gencode arch=compute_90,code=sm_90"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 MODEL=${MODEL:-synthetic}
 if [ "$MODEL" = synthetic ] && ! $PY -c "import sys; sys.path.insert(0, 'scripts'); import bench_kernel as b; \

@@ -4,13 +4,7 @@
 # attributed to CUDA source lines through nvdisasm's line table (scripts/profile_lines.py), plus the
 # warp-state, scheduler and memory sections. The report, the CSVs and the SASS land in $OUT.
 #   DEFS="-DQMK_..."   build switches (default: none)   TOP=40   lines to print
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 
 make -C csrc LIB=build/prof.so DEFS="${DEFS:-}" ARCHS="-gencode arch=compute_90,code=sm_90" \
   NVCCFLAGS="-O3 -std=c++17 -Xcompiler -fPIC -Xptxas -v --expt-relaxed-constexpr -lineinfo" >"$OUT/build.log" 2>&1 \

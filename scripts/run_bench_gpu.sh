@@ -6,18 +6,8 @@
 #   BUILD_KERNEL=1 (make -C csrc first, so --engine auto can pick the megakernel)
 # Wheels missing from the GPU image (qwen-tts, transformers 4.57.3, grpcio-health-checking, ...) may be
 # carried in .whl/, as for scripts/gpu_kernel_check.sh.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 missing=$($PY - <<'EOF'

@@ -17,10 +17,8 @@ __device__ __forceinline__ void ld_x8(const float* x, float4& a, float4& b) {
   b = sw ? p : q;
 }
 
-// 8 bf16 weights (one uint4) dot 8 fp32 activations.
-__device__ __forceinline__ float dot8(const uint4 w, const float* x) {
-  float4 a, b;
-  ld_x8(x, a, b);
+// 8 bf16 weights dot 8 fp32 activations held in registers.
+__device__ __forceinline__ float dot8r(const uint4 w, const float4 a, const float4 b) {
   float s = lo_bf(w.x) * a.x;
   s = fmaf(hi_bf(w.x), a.y, s);
   s = fmaf(lo_bf(w.y), a.z, s);
@@ -30,6 +28,13 @@ __device__ __forceinline__ float dot8(const uint4 w, const float* x) {
   s = fmaf(lo_bf(w.w), b.z, s);
   s = fmaf(hi_bf(w.w), b.w, s);
   return s;
+}
+
+// 8 bf16 weights (one uint4) dot the 8 fp32 activations at x (shared memory).
+__device__ __forceinline__ float dot8(const uint4 w, const float* x) {
+  float4 a, b;
+  ld_x8(x, a, b);
+  return dot8r(w, a, b);
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -130,18 +135,6 @@ __device__ __forceinline__ void mv_rows(int nrows, const uint4* stage, const flo
   __syncthreads();
 }
 
-// 8 bf16 weights dot 8 fp32 activations held in registers (same order of operations as dot8).
-__device__ __forceinline__ float dot8r(const uint4 w, const float4 a, const float4 b) {
-  float s = lo_bf(w.x) * a.x;
-  s = fmaf(hi_bf(w.x), a.y, s);
-  s = fmaf(lo_bf(w.y), a.z, s);
-  s = fmaf(hi_bf(w.y), a.w, s);
-  s = fmaf(lo_bf(w.z), b.x, s);
-  s = fmaf(hi_bf(w.z), b.y, s);
-  s = fmaf(lo_bf(w.w), b.z, s);
-  s = fmaf(hi_bf(w.w), b.w, s);
-  return s;
-}
 
 // The same product, segment-major: warp w owns rows w, w + NW, ... (at most R of them). It walks the K/256 column segments once:
 // each segment's activations are read from shared memory once per warp (not once per row) and

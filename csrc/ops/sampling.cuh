@@ -93,11 +93,44 @@ __device__ int block_argmax(const float* l, int V, SampleSmem& sm) {
   return sm.result;
 }
 
+// Warp 0 (every lane): walks the 256 counts of sm.hist from bin 255 down to 0 (down) or from 0 up,
+// and writes the first bin where the running count reaches k to sm.bin, k's rank inside that bin to
+// sm.rank; sm.bin = -1 when the counts never reach k. The caller synchronizes before reading them.
+__device__ __forceinline__ void warp_find_bin(SampleSmem& sm, int k, bool down) {
+  const int lane = threadIdx.x & 31;
+  uint32_t c[8], tot = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = sm.hist[down ? 255 - lane * 8 - i : lane * 8 + i];
+    tot += c[i];
+  }
+  uint32_t incl = tot;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const uint32_t hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)k);
+  if (hit == 0) {
+    if (lane == 0) sm.bin = -1;
+  } else if (lane == __ffs(hit) - 1) {
+    uint32_t cum = incl - tot;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (cum + c[i] >= (uint32_t)k) {
+        sm.bin = down ? 255 - lane * 8 - i : lane * 8 + i;
+        sm.rank = k - (int)cum;
+        break;
+      }
+      cum += c[i];
+    }
+  }
+}
+
 // Value of the k-th largest l[i] (counting multiplicity): radix select over 4 bytes of the key.
 __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
   uint32_t prefix = 0, mask = 0;
   int kk = k;
-  const int lane = threadIdx.x & 31;
   static_assert(QMK_VC % NT == 0 && QMK_VT % NT == 0, "full warps in the histogram loop");
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
@@ -105,6 +138,7 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
 #if QMK_SAMPLE_AGG
     // Warp-aggregated: lanes with the same bin add once (the logits crowd into a few top-byte
     // bins, and same-address shared atomics serialize). V is a multiple of NT: full warps.
+    const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < V; i += NT) {
       const uint32_t key = fkey(l[i]);
       const bool in = (key & mask) == prefix;
@@ -119,30 +153,7 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
     }
 #endif
     __syncthreads();
-    if (threadIdx.x < 32) {
-      uint32_t c[8], tot = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) { c[i] = sm.hist[255 - lane * 8 - i]; tot += c[i]; }
-      uint32_t incl = tot;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const uint32_t hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)kk);
-      if (lane == __ffs(hit) - 1) {
-        uint32_t cum = incl - tot;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (cum + c[i] >= (uint32_t)kk) {
-            sm.bin = 255 - lane * 8 - i;
-            sm.rank = kk - (int)cum;
-            break;
-          }
-          cum += c[i];
-        }
-      }
-    }
+    if (threadIdx.x < 32) warp_find_bin(sm, kk, true);
     __syncthreads();
     prefix |= (uint32_t)sm.bin << shift;
     mask |= 255u << shift;
@@ -191,35 +202,10 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
   }
   __syncthreads();
   // 3) warp 0: the bucket where the count from the top reaches k, and k's rank inside it.
-  if (w == 0) {
-    uint32_t c[8], tot = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { c[i] = sm.hist[lane * 8 + i]; tot += c[i]; }
-    uint32_t incl = tot;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    const uint32_t hit = __ballot_sync(0xffffffffu, incl >= (uint32_t)k);
-    if (lane == 0) sm.bin = -1;
-    __syncwarp();
-    if (hit != 0 && lane == __ffs(hit) - 1) {
-      uint32_t cum = incl - tot;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (cum + c[i] >= (uint32_t)k) {
-          sm.bin = c[i] <= 512u ? lane * 8 + i : -1;
-          sm.rank = k - (int)cum;
-          break;
-        }
-        cum += c[i];
-      }
-    }
-  }
+  if (w == 0) warp_find_bin(sm, k, false);
   __syncthreads();
   const int bin = sm.bin, rank = sm.rank;
-  if (bin < 0) return kth_largest(l, V, k, sm);
+  if (bin < 0 || sm.hist[bin] > 512u) return kth_largest(l, V, k, sm);  // cand[] holds 512
   // 4) the boundary bucket's values, then the rank-th largest among them.
   for (int i = threadIdx.x; i < V; i += NT) {
     const float b = (mx - l[i]) * inv;
