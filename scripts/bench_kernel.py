@@ -466,8 +466,9 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
                 fnk = time_us(lambda: eng.launch(0, nc), iters=30)  # sampled without the top-k select
                 if eng.kernel_error():
                     raise RuntimeError(f"kernel error {eng.kernel_error()}")
+                bar = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
                 r.setdefault("runs", []).append(dict(talker_us=talker, cp_pass_us=cp, frame_us=frame,
-                                                     frame_greedy_us=fg, frame_no_topk_us=fnk))
+                                                     frame_greedy_us=fg, frame_no_topk_us=fnk, barrier_us=bar))
                 del eng
             except Exception as e:  # noqa: BLE001
                 r["error"] = repr(e)
