@@ -305,36 +305,53 @@ def time_us(fn, iters: int = 50, warm: int = 5) -> float:
     return float(np.median(ts))
 
 
+def time_frame(eng, ctx: int, greedy_iters: int = 20, no_topk: bool = False) -> dict:
+    """Medians (µs) of one engine's launches at context `ctx`, slot 0 left unchanged (no commit):
+    talker step, code-predictor pass (CP-only launch / 15), sampled frame, greedy frame and, with
+    no_topk, a sampled frame without the top-k select."""
+    from tts_server.kernels import megakernel as mk
+
+    nc = mk.FLAG_NO_COMMIT
+    eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3))
+    r = dict(talker_us=time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc)),
+             cp_pass_us=time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15,
+             frame_us=time_us(lambda: eng.launch(0, nc)))
+    eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(do_sample=False, subtalker_do_sample=False))
+    r["frame_greedy_us"] = time_us(lambda: eng.launch(0, nc), iters=greedy_iters)
+    if no_topk:
+        eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3, top_k=0, subtalker_top_k=0))
+        r["frame_no_topk_us"] = time_us(lambda: eng.launch(0, nc), iters=greedy_iters)
+    if eng.kernel_error():
+        raise RuntimeError(f"kernel error {eng.kernel_error()}")
+    return r
+
+
+def barrier_us(eng) -> float:
+    """One grid barrier (arrive + wait) of the engine's grid, from a launch of 1000 of them."""
+    from tts_server.kernels import megakernel as mk
+
+    return time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
+
+
 def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dict:
     from tts_server.kernels import megakernel as mk
     from tts_server.kernels.reference import TorchEngine
 
     res = dict(copy_gbps=copy_gbps())
-    s = SamplingConfig(seed=3)
-    greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
-    nc = mk.FLAG_NO_COMMIT
     for kv in (torch.float32, torch.bfloat16):
         eng = mk.MegakernelEngine(w, max_streams=1, max_positions=max(contexts) + 64, kv_dtype=kv)
         res["blocks"] = eng.blocks
-        res["barrier_us"] = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
+        res["barrier_us"] = barrier_us(eng)
         kv_pos = 28 * 8 * 128 * 2 * kv.itemsize
         for ctx in contexts:
-            eng.prefill(0, make_prompt(5, length=ctx), s)
-            talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
-            cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
-            frame = time_us(lambda: eng.launch(0, nc))
-            eng.prefill(0, make_prompt(5, length=ctx), greedy)
-            frame_greedy = time_us(lambda: eng.launch(0, nc), iters=20)
-            if eng.kernel_error():
-                raise RuntimeError(f"kernel error {eng.kernel_error()}")
-            gbs = (TALKER_BYTES + ctx * kv_pos) / (talker * 1e-6) / 1e9
+            t = time_frame(eng, ctx)
+            gbs = (TALKER_BYTES + ctx * kv_pos) / (t["talker_us"] * 1e-6) / 1e9
             key = f"ctx{ctx}" + ("" if kv == torch.float32 else "_kvbf16")
-            res[key] = dict(talker_us=talker, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
-                            cp_pass_us=cp, cp_gbps=CP_PASS_BYTES / (cp * 1e-6) / 1e9, frame_us=frame,
-                            frame_greedy_us=frame_greedy)
+            res[key] = dict(t, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
+                            cp_gbps=CP_PASS_BYTES / (t["cp_pass_us"] * 1e-6) / 1e9)
         del eng
     ref = TorchEngine(w, max_streams=1, max_positions=256)
-    ref.prefill(0, make_prompt(5, length=100), s)
+    ref.prefill(0, make_prompt(5, length=100), SamplingConfig(seed=3))
     for _ in range(2):
         ref.step([0])
     ts = []
@@ -430,9 +447,6 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
 
     prev = os.environ.get("QMK_LIB")
     out = {}
-    s = SamplingConfig(seed=3)
-    greedy = SamplingConfig(do_sample=False, subtalker_do_sample=False)
-    nc = mk.FLAG_NO_COMMIT
     for lib in [x for x in libs if "trace" in Path(x).stem]:
         try:
             out[Path(lib).stem] = trace_frame(w, lib, ctx)
@@ -456,19 +470,8 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
                     r["sampled_codes_digest"] = hashlib.sha256(codes.tobytes()).hexdigest()[:16]
                     del e2
                 eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64)
-                eng.prefill(0, make_prompt(5, length=ctx), s)
-                talker = time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc))
-                cp = time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15
-                frame = time_us(lambda: eng.launch(0, nc))
-                eng.prefill(0, make_prompt(5, length=ctx), greedy)
-                fg = time_us(lambda: eng.launch(0, nc), iters=30)
-                eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3, top_k=0, subtalker_top_k=0))
-                fnk = time_us(lambda: eng.launch(0, nc), iters=30)  # sampled without the top-k select
-                if eng.kernel_error():
-                    raise RuntimeError(f"kernel error {eng.kernel_error()}")
-                bar = time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
-                r.setdefault("runs", []).append(dict(talker_us=talker, cp_pass_us=cp, frame_us=frame,
-                                                     frame_greedy_us=fg, frame_no_topk_us=fnk, barrier_us=bar))
+                r.setdefault("runs", []).append(dict(time_frame(eng, ctx, greedy_iters=30, no_topk=True),
+                                                     barrier_us=barrier_us(eng)))
                 del eng
             except Exception as e:  # noqa: BLE001
                 r["error"] = repr(e)
