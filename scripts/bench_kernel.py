@@ -368,7 +368,7 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
 
 def trace_labels() -> list[tuple[str, str]]:
     """(stack, phase) of each phase of one sampled frame after the first, in order (the CP's
-    attention and o_proj are one phase, P2F)."""
+    attention and o_proj are one phase, P2F: the default QMK_CP_FUSED=1 layout)."""
     lab = []
     l0 = ["P2F", "P4", "P5"]
     for _ in range(15):
@@ -383,10 +383,10 @@ TRACE_EPOCHS, TRACE_MARKS = 1024, 6  # csrc/ops/common.cuh
 
 def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False) -> dict:
     """A QMK_TRACE build: cycle stamps of blocks 0, G/2, G-1 in every phase of one frame -> per
-    phase type, mean µs of: issue (end of the previous phase -> start of the input wait), wait
-    (polling for the inputs), busy (inputs in -> end), and inside busy: prep (inputs in -> the
-    weight wait: norms, prefetch issue), slot (waiting for the staged weights), mv (the matvec) and
-    epi (matvec done -> end: outputs)."""
+    phase type, mean µs of: issue (barrier arrive -> start of the barrier wait), wait (barrier spin),
+    busy (barrier passed -> next arrive), and inside busy: prep (activation loads, norm, prefetch
+    issue), slot (waiting for the staged weights), mv (the matvec) and epi (matvec done -> arrive:
+    outputs)."""
     from tts_server.kernels import megakernel as mk
 
     prev = os.environ.get("QMK_LIB")

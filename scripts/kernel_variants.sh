@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side timing of kernel build variants on a CUDA machine, in one call (issue 3 tuning).
-#   VARIANTS="ll:;sleep0:-DQMK_LL_SLEEP=0;trace:-DQMK_TRACE=1"   name:DEFS pairs, ';'-separated
+#   VARIANTS="cur:;radix:-DQMK_TOPK_BUCKET=0;trace:-DQMK_TRACE=1"   name:DEFS pairs, ';'-separated
 #     (a name containing "trace" gets the per-phase trace analysis instead of timings)
 #   BASE=".base .other"  optional: copies of other trees (their csrc/, scripts/, tts_server/) whose
 #                  kernels are built and timed by their own bench_kernel.py in the same call, for a
@@ -19,7 +19,7 @@ b.stub_audio_modules(); import tts_server.model.synthetic" >"$OUT/import.log" 2>
 fi
 
 libs=()
-IFS=';' read -ra specs <<<"${VARIANTS:-ll:}"
+IFS=';' read -ra specs <<<"${VARIANTS:-cur:}"
 for spec in "${specs[@]}"; do
   name=${spec%%:*}
   defs=${spec#*:}

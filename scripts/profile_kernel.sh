@@ -3,7 +3,7 @@
 # weights, context 20, sampled): warp-stall sampling per SASS instruction of a -lineinfo build,
 # attributed to CUDA source lines through nvdisasm's line table (scripts/profile_lines.py), plus the
 # warp-state, scheduler and memory sections. The report, the CSVs and the SASS land in $OUT.
-#   DEFS="-DQMK_..."   build switches (default: none)   TOP=40   lines to print
+#   DEFS="-DQMK_..."   build switches (default: none)   TOP=45   lines to print
 source "$(dirname "$0")/gpu_env.sh"
 
 make -C csrc LIB=build/prof.so DEFS="${DEFS:-}" ARCHS="-gencode arch=compute_90,code=sm_90" \

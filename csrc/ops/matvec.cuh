@@ -49,7 +49,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // Slots: X (q|k|v, gate|up, talker head), Y (o_proj, down), H (CP head, upper part of X).
 enum { SLOT_X = 0, SLOT_Y = 1, SLOT_H = 2, NSLOTS = 3 };
 
-
 // The warp that issues the bulk copies. Warp 1 (so that thread 0's barrier release and poll
 // would not wait behind the issue) measured slower on the H100 than warp 0: frame 2890 vs
 // 2660 us, same run.
@@ -135,12 +134,11 @@ __device__ __forceinline__ void mv_rows(int nrows, const uint4* stage, const flo
   __syncthreads();
 }
 
-
-// The same product, segment-major: warp w owns rows w, w + NW, ... (at most R of them). It walks the K/256 column segments once:
-// each segment's activations are read from shared memory once per warp (not once per row) and
-// applied to all of the warp's rows, whose partial sums stay in registers; one shuffle reduction
-// per row at the end. Per row the additions happen in the same order as a row-by-row walk, so
-// results are bitwise reproducible. With one or two rows per warp (o_proj, down: K = 2048, 3072)
+// The same product, segment-major: warp w owns rows w, w + NW, ... (at most R of them). It walks
+// the K/256 column segments once: each segment's activations are read from shared memory once
+// per warp (not once per row) and applied to all of the warp's rows, whose partial sums stay in
+// registers; one shuffle reduction per row at the end. Per row the additions happen in the same
+// order as a row-by-row walk, so results are bitwise reproducible. With one or two rows per warp (o_proj, down: K = 2048, 3072)
 // the segment loop is unrolled so that several weight loads are in flight. The caller has waited
 // for the slot. Ends with __syncthreads() (the slot may be refilled after it).
 template <int T, int K, int R>
@@ -158,9 +156,7 @@ __device__ __forceinline__ void mv_segs(int nrows, const uint4* stage, const flo
   for (int seg = 0; seg < S; ++seg) {
     float4 xa[T], xb[T];
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      ld_x8(xs + t * QMK_I + seg * 256 + lane * 8, xa[t], xb[t]);
-    }
+    for (int t = 0; t < T; ++t) ld_x8(xs + t * QMK_I + seg * 256 + lane * 8, xa[t], xb[t]);
     uint4 w[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
