@@ -404,8 +404,10 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   c.g.mark(3);
   c.sg.wait(h.slot);
   c.g.mark(4);
-  if (h.V == QMK_VC) mv_finish<1, QMK_H, rows_per_warp(QMK_VC), QMK_MV_CP>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
-  else mv_finish<1, QMK_H, rows_per_warp(QMK_VT), QMK_MV_TALKER>(n, c.sg.slot[h.slot], &c.sm.mv.xs[0][0], c.sm.mv.out);
+  const uint4* hw = c.sg.slot[h.slot];
+  float* xs0 = &c.sm.mv.xs[0][0];
+  if (h.V == QMK_VC) mv_finish<1, QMK_H, rows_per_warp(QMK_VC), QMK_MV_CP>(n, hw, xs0, c.sm.mv.out);  // CP head
+  else mv_finish<1, QMK_H, rows_per_warp(QMK_VT), QMK_MV_TALKER>(n, hw, xs0, c.sm.mv.out);            // codec head
   c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);

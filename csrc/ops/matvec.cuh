@@ -138,9 +138,10 @@ __device__ __forceinline__ void mv_rows(int nrows, const uint4* stage, const flo
 // the K/256 column segments once: each segment's activations are read from shared memory once
 // per warp (not once per row) and applied to all of the warp's rows, whose partial sums stay in
 // registers; one shuffle reduction per row at the end. Per row the additions happen in the same
-// order as a row-by-row walk, so results are bitwise reproducible. With one or two rows per warp (o_proj, down: K = 2048, 3072)
-// the segment loop is unrolled so that several weight loads are in flight. The caller has waited
-// for the slot. Ends with __syncthreads() (the slot may be refilled after it).
+// order as a row-by-row walk, so results are bitwise reproducible. With one or two rows per warp
+// (o_proj, down: K = 2048, 3072) the segment loop is unrolled so that several weight loads are in
+// flight. The caller has waited for the slot. Ends with __syncthreads() (the slot may be refilled
+// after it).
 template <int T, int K, int R>
 __device__ __forceinline__ void mv_segs(int nrows, const uint4* stage, const float* xs, float* out_s) {
   static_assert(K % 256 == 0, "K must be a multiple of 256");
