@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define QMK_ABI_VERSION 1
+#define QMK_ABI_VERSION 2  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
 
 // Qwen3-TTS-12Hz-0.6B decoder stacks (talker and code predictor share the layer shape).
 #define QMK_H 1024            // hidden size
@@ -55,7 +55,8 @@ typedef __nv_bfloat16 qmk_bf16;
 typedef uint16_t qmk_bf16;
 #endif
 
-// One decoder layer; every matrix is an nn.Linear weight [out, in], bf16, row-major.
+// One decoder layer. Every matrix is an nn.Linear weight [out, in] in bf16, permuted by the host
+// into the tensor-core layout (ops/matvec.cuh; megakernel.py mma_layout); norms stay as they are.
 typedef struct {
   const qmk_bf16* in_norm;    // [H]
   const qmk_bf16* q;          // [QD, H]

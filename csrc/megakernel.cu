@@ -37,16 +37,21 @@ __device__ void sample_code0(const QmkState& st, int slot, int commit, SampleSme
 }  // namespace
 
 __global__ void __launch_bounds__(QMK_THREADS, 1)
-    qmk_frame_kernel(const __grid_constant__ QmkState st, const QmkModel* __restrict__ m, int slot, int flags) {
+    qmk_frame_kernel(const __grid_constant__ QmkState st, const __grid_constant__ QmkModel model, int slot, int flags) {
+  // The weight table is a kernel parameter (constant bank): each phase reads its layer's pointers
+  // before its barrier wait, and from global memory that read waited on HBM (the weight stream
+  // evicts the table from L2), before the poll could even start.
+  const QmkModel* m = &model;
   __shared__ Smem sm;
   __shared__ float red32[NW];
+  __shared__ float red[RED_FLOATS];
   __shared__ float xown[QMK_MAX_T][ROWS_H_MAX];
   __shared__ __align__(16) float xres[QMK_MAX_T][QMK_H];
   __shared__ int flag;
   __shared__ int codes[QMK_GROUPS];
   extern __shared__ uint4 stage[];  // [STAGE_BYTES / 16]: slots X | Y
   __shared__ __align__(8) uint64_t mbar[NSLOTS];
-  Stage sg{{stage, stage + X_BYTES / 16, stage + H_OFF / 16}, mbar, 0u};
+  Stage sg{{stage, stage + X_BYTES / 16}, mbar, 0u};
   sg.init();
   Grid g{st.sync, st.timeout_ns, 0u};
 #if QMK_TRACE
@@ -58,7 +63,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
     g.t0 = clock64();
   }
 #endif
-  const Ctx c{st, m, sm, red32, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, sg};
+  const Ctx c{st, m, sm, red32, red, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, sg};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
   if (flags & QMK_FLAG_BARRIER_BENCH) {
     for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
@@ -85,7 +90,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
       const QmkLayer* next = !QMK_HOIST ? nullptr
                              : k < QMK_GROUPS - 2 ? &m->cp[0]
                              : talker_runs ? &m->talker[0] : nullptr;
-      const HeadSlice head{m->cp_head[k], QMK_VC, SLOT_H};
+      const HeadSlice head{m->cp_head[k], QMK_VC, SLOT_X};
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
@@ -100,9 +105,14 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
-      for (int i = threadIdx.x; i < QMK_VC; i += NT) sm.sa.l[i] = __ldcg(st.logits + i);
+      // The temperature is applied as the logits are loaded.
+      const bool scale = sub.do_sample && sub.temperature != 1.0f;
+      for (int i = threadIdx.x; i < QMK_VC; i += NT) {
+        const float v = __ldcg(st.logits + i);
+        sm.sa.l[i] = scale ? v / sub.temperature : v;
+      }
       __syncthreads();
-      const int code = block_sample(sm.sa.l, QMK_VC, sub, sp.seed, (uint32_t)nsamp, (uint32_t)(k + 1), sm.sa);
+      const int code = block_sample(sm.sa.l, QMK_VC, sub, sp.seed, (uint32_t)nsamp, (uint32_t)(k + 1), sm.sa, true);
       if (threadIdx.x == 0) codes[k + 1] = code;
       __syncthreads();
     }
@@ -180,8 +190,9 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
 }
 
 // One decode frame of `slot` on `stream`: zero this instance's sync words, then one cooperative
-// launch. Errors inside the kernel (barrier timeout, full context) land in st->sync[QMK_SYNC_ERR].
-int qmk_frame(const QmkState* st, const QmkModel* model_dev, int slot, int flags, int blocks, void* stream) {
+// launch. model: the weight table in host memory (passed by value as a kernel parameter). Errors
+// inside the kernel (barrier timeout, full context) land in st->sync[QMK_SYNC_ERR].
+int qmk_frame(const QmkState* st, const QmkModel* model, int slot, int flags, int blocks, void* stream) {
   if (blocks < QMK_MIN_BLOCKS || slot < 0 || slot >= st->num_slots) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
@@ -189,7 +200,8 @@ int qmk_frame(const QmkState* st, const QmkModel* model_dev, int slot, int flags
   e = cudaMemsetAsync(st->sync, 0, QMK_SYNC_WORDS * sizeof(uint32_t), s);
   if (e != cudaSuccess) return e;
   QmkState stv = *st;
-  void* args[] = {&stv, &model_dev, &slot, &flags};
+  QmkModel mv = *model;
+  void* args[] = {&stv, &mv, &slot, &flags};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qmk_frame_kernel), dim3(blocks),
                                      dim3(QMK_THREADS), args, STAGE_BYTES, s);
 }

@@ -378,12 +378,13 @@ def trace_labels() -> list[tuple[str, str]]:
     return lab
 
 
-TRACE_EPOCHS, TRACE_MARKS = 1024, 6  # csrc/ops/common.cuh
+TRACE_EPOCHS, TRACE_MARKS = 1024, 7  # csrc/ops/common.cuh
 
 
 def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False) -> dict:
     """A QMK_TRACE build: cycle stamps of blocks 0, G/2, G-1 in every phase of one frame -> per
-    phase type, mean µs of: issue (barrier arrive -> start of the barrier wait), wait (barrier spin),
+    phase type, mean µs of: issue (barrier arrive -> start of the barrier wait; split into fence, the
+    previous phase's release until its fence passed, and pre, the code before the wait), wait (barrier spin),
     busy (barrier passed -> next arrive), and inside busy: prep (activation loads, norm, prefetch
     issue), slot (waiting for the staged weights), mv (the matvec) and epi (matvec done -> arrive:
     outputs)."""
@@ -411,17 +412,19 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
     res["cycles_last_end_b0"] = total_cyc
     us_per_cyc = frame_us / total_cyc if total_cyc > 0 else float("nan")
     res["mhz_est"] = 1.0 / us_per_cyc if total_cyc else None
-    parts = ("issue", "wait", "busy", "prep", "slot", "mv", "epi")
+    parts = ("issue", "fence", "pre", "wait", "busy", "prep", "slot", "mv", "epi")
     agg: dict = {}
     for blk in range(3):
         for e in range(1, n):
-            A, W, E, S0, S1, M = (int(v) for v in tr[blk, e])
+            A, W, E, S0, S1, M, R = (int(v) for v in tr[blk, e])
             A1 = int(tr[blk, e + 1, 0])
             key = "/".join(lab[e - 1])
             a = agg.setdefault(key, dict(n=0, cnt={p: [0, 0, 0] for p in parts}, **{p: [0, 0, 0] for p in parts}))
             if blk == 0:
                 a["n"] += 1
             vals = dict(issue=W - A, wait=E - W, busy=A1 - E)
+            if W >= R >= A > 0:
+                vals.update(fence=R - A, pre=W - R)
             if S0 > 0 and S1 >= S0 and M >= S1:
                 vals.update(prep=S0 - E, slot=S1 - S0, mv=M - S1, epi=A1 - M)
             for p, v in vals.items():

@@ -72,6 +72,63 @@ def test_grouped_o_proj_layout():
         assert g[grp, row, col] == o[row, 2 * mk.HD * grp + col]
 
 
+def _mma_matvec_emulated(wl, xsp, rows: int, k: int):
+    """The kernel's tensor-core matvec (csrc/ops/matvec.cuh mv_mma) replayed in float64 from its
+    inputs as laid out in memory: wl = mma_layout(W) viewed [groups, K/64, 32 lanes, 8], xsp =
+    split activations [K/64, 32 lanes, 4]. Each m16n8k16 is built from the lanes' fragments as
+    the PTX ISA defines them (A row-major 16x16, B 16x8, C 16x8) and the useful products are
+    picked and summed per row exactly as mv_mma does."""
+    import torch
+
+    out = torch.zeros(rows, dtype=torch.float64)
+    for gi in range(rows // 4):
+        for c in range(k // 64):
+            a = torch.zeros(16, 16, dtype=torch.float64)
+            b = torch.zeros(16, 8, dtype=torch.float64)
+            for lane in range(32):
+                g, tq = lane // 4, lane % 4
+                f = wl[gi, c, lane]
+                for e in range(2):  # registers a0a1, a2a3, a4a5, a6a7 in order
+                    a[g, 2 * tq + e], a[g + 8, 2 * tq + e] = f[e], f[2 + e]
+                    a[g, 2 * tq + 8 + e], a[g + 8, 2 * tq + 8 + e] = f[4 + e], f[6 + e]
+                    b[2 * tq + e, g], b[2 * tq + 8 + e, g] = xsp[c, lane, e], xsp[c, lane, 2 + e]
+            cm = a @ b
+            for lane in range(32):
+                g, tq, q = lane // 4, lane % 4, lane // 16
+                c0, c1, c2, c3 = cm[g, 2 * tq], cm[g, 2 * tq + 1], cm[g + 8, 2 * tq], cm[g + 8, 2 * tq + 1]
+                v = c0 + c1 if tq == q else c2 + c3 if tq == q + 2 else 0.0
+                out[4 * gi + g % 4] += v
+    return out
+
+
+def test_mma_layout_and_split_give_the_matvec():
+    """Host weight layout (mma_layout) + activation split (as split_store writes it) + the mma
+    fragment bookkeeping of mv_mma compute W @ x: checks the permutation and the index algebra
+    on the CPU; tests/test_megakernel.py's GPU tests check the kernel against fp32 references."""
+    import torch
+
+    rows, k = 8, 128
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(k, generator=gen)
+    wl = mk.mma_layout(w).view(rows // 4, k // 64, 32, 8).double()
+    assert mk.mma_layout(w).is_contiguous() and mk.mma_layout(w).numel() == w.numel()
+    hi = x.to(torch.bfloat16).float()
+    lo = (x - hi).to(torch.bfloat16).float()
+    xsp = torch.zeros(k // 64, 32, 4, dtype=torch.float64)
+    for d in range(0, k, 4):  # split_store(xsp, d, x[d:d+4])
+        c, hf, tq = d >> 6, (d >> 4) & 3, (d >> 2) & 3
+        xsp[c, 8 * hf + tq] = hi[d:d + 4].double()
+        xsp[c, 8 * hf + 4 + tq] = lo[d:d + 4].double()
+    got = _mma_matvec_emulated(wl, xsp, rows, k)
+    want = w.double() @ (hi.double() + lo.double())
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    # and the split keeps 16 significant bits of x
+    assert torch.allclose(hi + lo, x, rtol=2.0 ** -16, atol=0)
+    # a block's slice of whole 4-row groups is one contiguous range of the layout
+    assert torch.equal(mk.mma_layout(w)[1], mk.mma_layout(w[4:8])[0])
+
+
 def test_trace_labels_count_barriers():
     """One label per grid barrier of a frame: 4 per CP layer (attention and o_proj fused), 5 per
     talker layer, one head per stack (the QMK_TRACE analysis in bench_kernel depends on it)."""

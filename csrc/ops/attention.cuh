@@ -128,7 +128,10 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       const int t = row < NQ ? row / 2 : row - NQ;
       const int pos = p0 + t;
       const float ang = (float)pos * a.inv_freq[d & (QMK_HD / 2 - 1)];
-      const float cs = rnd(cosf(ang), a.exact), sn = rnd(sinf(ang), a.exact);
+      float cs, sn;
+      sincosf(ang, &sn, &cs);  // one argument reduction for both (same values as sinf / cosf)
+      cs = rnd(cs, a.exact);
+      sn = rnd(sn, a.exact);
       const float yv = sm.y[row][d];
       const float rot = d < QMK_HD / 2 ? -sm.y[row][d + QMK_HD / 2] : sm.y[row][d - QMK_HD / 2];
       const float r = rnd(rnd(yv * cs, a.exact) + rnd(rot * sn, a.exact), a.exact);

@@ -8,13 +8,13 @@
 // QMK_TRACE (diagnostic builds only): thread 0 of blocks 0, G/2 and G-1 records clock64 cycles
 // (relative to its block's start) in every phase: 0 its barrier arrive, 1 start and 2 end of the
 // barrier wait, 3 start and 4 end of the wait for the phase's staged weight slice, 5 end of the
-// matvec; into st.dump (reinterpreted as uint32 [3][QMK_TRACE_EPOCHS][QMK_TRACE_MARKS]); the
-// logits dump is then off.
+// matvec, 6 its barrier release done (the release fence passed); into st.dump (reinterpreted as
+// uint32 [3][QMK_TRACE_EPOCHS][QMK_TRACE_MARKS]); the logits dump is then off.
 #ifndef QMK_TRACE
 #define QMK_TRACE 0
 #endif
 #define QMK_TRACE_EPOCHS 1024
-#define QMK_TRACE_MARKS 6
+#define QMK_TRACE_MARKS 7
 
 namespace qmk {
 
@@ -109,6 +109,12 @@ __device__ __forceinline__ void rows_of(int b, int g, int n, int& lo, int& cnt) 
   lo = (int)(((long long)n * b) / g);
   cnt = (int)(((long long)n * (b + 1)) / g) - lo;
 }
+// The same in whole 4-row groups (weight matrices in the tensor-core layout, ops/matvec.cuh).
+__device__ __forceinline__ void rows4_of(int b, int g, int n, int& lo, int& cnt) {
+  rows_of(b, g, n / 4, lo, cnt);
+  lo *= 4;
+  cnt *= 4;
+}
 
 __device__ __forceinline__ uint64_t globaltimer() {
   uint64_t t;
@@ -151,6 +157,7 @@ struct Grid {
     epoch += 1;
     mark(0);
     if (threadIdx.x == 0) red_release_add(sync + QMK_SYNC_BAR, 1u);
+    mark(6);
   }
 
   __device__ bool wait(int* s_flag) {

@@ -23,7 +23,9 @@ struct CpAttnSmem {
   float kn[QMK_MAX_T][QMK_HD];      // new k rows (norm + RoPE)
   float vn[QMK_MAX_T][QMK_HD];      // new v rows
   float merge[NW][2 * QMK_MAX_T][QMK_HD + 2];
-  float a[QMK_MAX_T][2 * QMK_HD];   // attention output of the 2 q heads (o_proj columns 256g..)
+  uint2 a[QMK_MAX_T][QMK_HD];       // attention output of the 2 q heads (o_proj columns 256g..),
+                                    // split for the tensor cores (matvec.cuh split_store)
+  float out[RED_ROWS * QMK_MAX_T];  // this block's o_proj partial rows
 };
 
 // This block's kv-head group g and its o_proj rows [r0, r0 + n) within the group.
@@ -32,7 +34,7 @@ __device__ __forceinline__ void cp_oproj_rows(int& g, int& gi, int& r0, int& n) 
   g = b % QMK_NKV;
   gi = b / QMK_NKV;
   const int gn = (G - g + QMK_NKV - 1) / QMK_NKV;
-  rows_of(gi, gn, QMK_H, r0, n);
+  rows4_of(gi, gn, QMK_H, r0, n);
 }
 
 // The CP layers' o_proj arrives head-group major (host side, megakernel.py): o[g][row][256]
@@ -46,18 +48,19 @@ __device__ __forceinline__ void cp_issue_oproj(const Stage& sg, const QmkLayer& 
   if (is_issuer()) {
     constexpr uint32_t RB = 2 * QMK_HD * 2;  // 512 bytes per row
     sg.expect(SLOT_Y, n * RB);
-    if (issue_lane() == 0) sg.copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * RB);
+    if (issue_lane() == 0 && n > 0) sg.copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * RB);
   }
 }
 
 // kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions p0 ..; out: part.
 // The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
 // grid barrier, computes, arrives.
-// late(): issues the next phase's slice once this phase's q|k|v loads have returned.
+// late(): issues the next phase's slice right after the barrier wait (QMK_X_AT == 1) or once this
+// phase's q|k|v loads have returned (2).
 template <int T, class Late>
 __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
                               const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
-                              CpAttnSmem& s, Late late) {
+                              CpAttnSmem& s, float* red, Late late) {
   constexpr int NQ = 2 * T;
   int g, gi, r0, n;
   cp_oproj_rows(g, gi, r0, n);
@@ -89,6 +92,7 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
   }
 
   if (!grid.wait(flag)) return false;
+  if (QMK_X_AT == 1) late();
 
   // 1) one warp per row: q rows (t, j), new k rows, new v rows of kv head g.
   if (isq || isk || isv) {
@@ -114,7 +118,10 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float ang = ang0 * fr[i];
-        const float cs = rnd(cosf(ang), exact), sn = rnd(sinf(ang), exact);
+        float cs, sn;
+        sincosf(ang, &sn, &cs);  // one argument reduction for both (same values as sinf / cosf)
+        cs = rnd(cs, exact);
+        sn = rnd(sn, exact);
         const float rot = lane < 16 ? -yp[i] : yp[i];
         r[i] = rnd(rnd(y[i] * cs, exact) + rnd(rot * sn, exact), exact);
       }
@@ -128,7 +135,7 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     }
   }
   __syncthreads();
-  late();
+  if (QMK_X_AT == 2) late();
 
   // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
   const float scale = 0.08838834764831845f;  // head_dim ** -0.5
@@ -160,47 +167,31 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     for (int i = 0; i < 4; ++i) s.merge[warp][r][2 + lane * 4 + i] = acc[r][i];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
-    const int r = idx / QMK_HD, d = idx % QMK_HD;
+  // 4 consecutive dims per thread (one split_store each).
+  for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
+    const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
     float mx = neg_inf();
     for (int w2 = 0; w2 < NW; ++w2) mx = fmaxf(mx, s.merge[w2][r][0]);
-    float L = 0.f, A = 0.f;
+    float L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
     for (int w2 = 0; w2 < NW; ++w2) {
       const float e = s.merge[w2][r][0] == neg_inf() ? 0.f : expf(s.merge[w2][r][0] - mx);
       L = fmaf(s.merge[w2][r][1], e, L);
-      A = fmaf(s.merge[w2][r][2 + d], e, A);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) A[i] = fmaf(s.merge[w2][r][2 + d + i], e, A[i]);
     }
-    s.a[r / 2][(r & 1) * QMK_HD + d] = rnd(A / L, exact);
+    split_store(s.a[r / 2], (r & 1) * QMK_HD + d,
+                make_float4(rnd(A[0] / L, exact), rnd(A[1] / L, exact), rnd(A[2] / L, exact), rnd(A[3] / L, exact)));
   }
   __syncthreads();
   grid.mark(3);
   sg.wait(SLOT_Y);
   grid.mark(4);
 
-  // 3) o_proj partial: 8 lanes per row (4 rows per warp at a time), 256 columns per row.
-  const int rr = lane >> 3, sub = lane & 7;
-  for (int base = warp * 4; base < n; base += NW * 4) {
-    const int r = base + rr;
-    const bool valid = r < n;
-    float accp[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) accp[t] = 0.f;
-    if (valid) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 wv = stage[r * 32 + sub + 8 * i];
-#pragma unroll
-        for (int t = 0; t < T; ++t) accp[t] += dot8(wv, &s.a[t][(sub + 8 * i) * 8]);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      float v = accp[t];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      if (valid && sub == 0) __stcg(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, v);
-    }
+  // 3) o_proj partial: this block's rows x the group's 256 columns, on the tensor cores.
+  mv_mma<T, 2 * QMK_HD, QMK_HD, QMK_KW_CPO>(n, stage, &s.a[0][0], s.out, red);
+  for (int idx = threadIdx.x; idx < n * T; idx += NT) {
+    const int r = idx / T, t = idx % T;
+    __stcg(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);
   }
   grid.mark(5);
   grid.arrive();

@@ -20,35 +20,27 @@
 #ifndef QMK_HOIST
 #define QMK_HOIST 1
 #endif
-// QMK_LATE_ISSUE: where a phase issues the next phase's weight slice. 0: before its barrier wait.
-// 1: the CP's attention phase issues gate|up after its q|k|v loads have returned (a bulk prefetch
-// in flight slows the phase's latency-critical loads). 2: every phase issues after its
-// activation loads.
-#ifndef QMK_LATE_ISSUE
-#define QMK_LATE_ISSUE 2
-#endif
-
 namespace qmk {
 
-constexpr int ROWS_MAX = (QMK_I + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;  // most gate (and up) rows of a block
-constexpr int ROWS_H_MAX = (QMK_H + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
+// Blocks own whole 4-row groups of every matrix (the tensor-core layout, ops/matvec.cuh).
+constexpr int ROWS_MAX = rows4_max(QMK_I);  // most gate (and up) rows of a block
+constexpr int ROWS_H_MAX = rows4_max(QMK_H);
 constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
-static_assert((QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_MAX_T <= OUT_MAX, "qkv rows");
-// Weight staging (matvec.cuh Stage): slot X holds q|k|v, gate|up or the talker head; slot Y
-// o_proj or down; slot H (the upper part of X, above the largest q|k|v slice) the CP head, so
-// that the next pass's q|k|v slice can stream into X while the CP head is computed.
-// Consecutive weight phases always use different slots, so each slice is issued one phase ahead.
-constexpr int QKV_ROWS_MAX = (QMK_QKV + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS;
+static_assert(rows4_max(QMK_QKV) * QMK_MAX_T <= OUT_MAX, "qkv rows");
+static_assert(rows4_max(QMK_QKV) <= RED_ROWS && 2 * ROWS_MAX <= RED_ROWS && rows4_max(QMK_VT) <= RED_ROWS, "red");
+// Weight staging (matvec.cuh Stage): slot X holds q|k|v, gate|up or a head; slot Y o_proj or
+// down. Consecutive weight phases use different slots, so each slice is issued one phase ahead;
+// a head phase issues the next stack's first q|k|v slice into X once its own matvec is done.
 constexpr int X_BYTES = 2 * ROWS_MAX * QMK_H * 2;                      // gate + up rows
 constexpr int Y_BYTES = ROWS_H_MAX * QMK_I * 2;                        // down rows
-constexpr int H_OFF = QKV_ROWS_MAX * QMK_H * 2;                        // CP head above q|k|v
 constexpr int STAGE_BYTES = X_BYTES + Y_BYTES;
-static_assert(H_OFF <= X_BYTES, "qkv slice fits in X");
-static_assert(H_OFF + (QMK_VC + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_H * 2 <= X_BYTES, "CP head above qkv in X");
-static_assert((QMK_VT + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS * QMK_H * 2 <= X_BYTES, "talker head in X");
+static_assert(rows4_max(QMK_QKV) * QMK_H * 2 <= X_BYTES, "qkv slice fits in X");
+static_assert(rows4_max(QMK_VC) * QMK_H * 2 <= X_BYTES, "CP head in X");
+static_assert(rows4_max(QMK_VT) * QMK_H * 2 <= X_BYTES, "talker head in X");
 static_assert(ROWS_H_MAX * QMK_QD * 2 <= Y_BYTES, "talker o_proj slice in Y");
-static_assert((QMK_H + QMK_MIN_BLOCKS / QMK_NKV - 1) / (QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES,
-              "CP o_proj partial slice in Y");
+static_assert(rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES, "CP o_proj partial slice in Y");
+// Split activations (matvec.cuh split_store) overwrite xs in place: a token row is XS uint2.
+constexpr int XS = QMK_I / 2;
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
 
 struct MvSmem {
@@ -75,6 +67,7 @@ struct Ctx {
   const QmkModel* m;
   Smem& sm;
   float* red32;                 // smem [NW]
+  float* red;                   // smem [RED_FLOATS]: tensor-core matvec per-warp sums
   float (*xown)[ROWS_H_MAX];    // smem [MAX_T][ROWS_H_MAX]: this block's rows of the residual
   float (*xres)[QMK_H];         // smem [MAX_T][H]: the whole residual (fused CP layers)
   int* flag;
@@ -125,10 +118,11 @@ __device__ void load_input(const Ctx& c, const Input& in) {
   __syncthreads();
 }
 
-// In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm. Each thread
-// owns dims [4*tid, 4*tid + 4).
+// In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm, stored split
+// for the tensor-core matvec (split_store). Each thread owns dims [4*tid, 4*tid + 4). hidden_out
+// (optional): token 0's normed values in fp32.
 template <int T>
-__device__ void rmsnorm_xs(const Ctx& c, const float4 wv) {
+__device__ void rmsnorm_xs(const Ctx& c, const float4 wv, float* hidden_out = nullptr) {
   float(*xs)[QMK_I] = c.sm.mv.xs;
   const int d = threadIdx.x * 4;
 #pragma unroll
@@ -139,20 +133,29 @@ __device__ void rmsnorm_xs(const Ctx& c, const float4 wv) {
     const bool e = c.exact;
     x = make_float4(rnd(wv.x * rnd(x.x * rinv, e), e), rnd(wv.y * rnd(x.y * rinv, e), e),
                     rnd(wv.z * rnd(x.z * rinv, e), e), rnd(wv.w * rnd(x.w * rinv, e), e));
-    *reinterpret_cast<float4*>(&xs[t][d]) = x;
+    // the 16 threads of a 64-dim chunk (one half warp) read their fp32 values before the block
+    // reduction above, so the split can overwrite them
+    split_store(reinterpret_cast<uint2*>(xs[t]), d, x);
+    if (t == 0 && hidden_out != nullptr) *reinterpret_cast<float4*>(hidden_out + d) = x;
   }
   __syncthreads();
 }
 
-// The norm weights of this thread's 4 dims (loaded ahead of a barrier wait where QMK_HOIST).
-__device__ __forceinline__ float4 norm_w4(const qmk_bf16* w) { return ld_bf4(w + threadIdx.x * 4); }
+// The norm weights of this thread's 4 dims: loaded raw (ahead of a barrier wait where QMK_HOIST),
+// unpacked by norm_cvt after the wait.
+__device__ __forceinline__ uint2 norm_raw(const qmk_bf16* w) {
+  return *reinterpret_cast<const uint2*>(w + threadIdx.x * 4);
+}
+__device__ __forceinline__ float4 norm_cvt(uint2 r) {
+  return make_float4(lo_bf(r.x), hi_bf(r.x), lo_bf(r.y), hi_bf(r.y));
+}
 
 // Issue this block's slices (warp 0; each contiguous row range is one bulk copy).
 // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> slot X.
 __device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
   if (!is_issuer()) return;
   int q0, qn;
-  rows_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
+  rows4_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
   constexpr uint32_t RB = QMK_H * 2;
   c.sg.expect(SLOT_X, qn * RB);
   const int lane = issue_lane();
@@ -172,14 +175,14 @@ __device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, i
   constexpr uint32_t RB = QMK_H * 2;
   c.sg.expect(SLOT_X, 2 * in_ * RB);
   const int lane = issue_lane();
-  if (lane < 2) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
+  if (lane < 2 && in_ > 0) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
 }
 // rows [r0, r0 + n) of a [*, K] matrix -> slot s.
 template <int K>
 __device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n) {
   if (!is_issuer()) return;
   c.sg.expect(s, n * K * 2);
-  if (issue_lane() == 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
+  if (issue_lane() == 0 && n > 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
 }
 // The final-head slice that follows a stack: rows of `head` [V, H] -> slot s.
 struct HeadSlice {
@@ -189,11 +192,12 @@ struct HeadSlice {
 };
 __device__ __forceinline__ void issue_head(const Ctx& c, const HeadSlice& h) {
   int r0, n;
-  rows_of(blockIdx.x, gridDim.x, h.V, r0, n);
+  rows4_of(blockIdx.x, gridDim.x, h.V, r0, n);
   issue_rows<QMK_H>(c, h.slot, h.w, r0, n);
 }
 
-// xs[t][0..N*4*NT) = src[t][...] (fp32 scratch published by other blocks: read through L2).
+// xs[t] = src[t][0..N*4*NT), split for the tensor-core matvec (fp32 scratch published by other
+// blocks: read through L2).
 template <int T, int N>
 __device__ void load_scratch(const Ctx& c, const float* src) {
   constexpr int n = N * 4 * NT;
@@ -205,7 +209,7 @@ __device__ void load_scratch(const Ctx& c, const float* src) {
 #pragma unroll
   for (int t = 0; t < T; ++t)
 #pragma unroll
-    for (int i = 0; i < N; ++i) reinterpret_cast<float4*>(c.sm.mv.xs[t])[i * NT + threadIdx.x] = v[t][i];
+    for (int i = 0; i < N; ++i) split_store(reinterpret_cast<uint2*>(c.sm.mv.xs[t]), 4 * (i * NT + threadIdx.x), v[t][i]);
   __syncthreads();
 }
 
@@ -233,12 +237,11 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
-  float* xs0 = &c.sm.mv.xs[0][0];
-  constexpr bool SEGS = FUSED ? QMK_MV_CP : QMK_MV_TALKER;  // matvec form (ops/matvec.cuh)
+  const uint2* xsp = reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]);
   int h0, hn, i0, in_, q0, qn;  // this block's rows of the H-, I- and QKV-row matrices
-  rows_of(b, G, QMK_H, h0, hn);
-  rows_of(b, G, QMK_I, i0, in_);
-  rows_of(b, G, QMK_QKV, q0, qn);
+  rows4_of(b, G, QMK_H, h0, hn);
+  rows4_of(b, G, QMK_I, i0, in_);
+  rows4_of(b, G, QMK_QKV, q0, qn);
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
@@ -248,8 +251,8 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       if constexpr (FUSED) cp_issue_oproj(c.sg, w);               // -> Y, for P2+P3
       else issue_rows<QMK_QD>(c, SLOT_Y, w.o, h0, hn);            // -> Y, for P3
     };
-    if (QMK_LATE_ISSUE < 2) issue_o();
-    float4 wn = QMK_HOIST ? norm_w4(w.in_norm) : float4{};
+    if (QMK_Y_AT == 0 && L > 0) issue_o();
+    uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     if (L == 0) {
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
@@ -259,20 +262,21 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       }
     } else {
       if (!c.g.wait(c.flag)) return false;
+      if (QMK_Y_AT == 1) issue_o();
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (QMK_LATE_ISSUE >= 2) issue_o();
+    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_o();
     if constexpr (FUSED) {  // keep the raw residual: the next phase adds the o_proj partials to it
 #pragma unroll
       for (int t = 0; t < T; ++t)
         *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
     }
-    if (!QMK_HOIST) wn = norm_w4(w.in_norm);
-    rmsnorm_xs<T>(c, wn);
+    if (!QMK_HOIST) wn = norm_raw(w.in_norm);
+    rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
     c.sg.wait(SLOT_X);
     c.g.mark(4);
-    mv_finish<T, QMK_H, rows_per_warp(QMK_QKV), SEGS>(qn, c.sg.slot[SLOT_X], xs0, out);
+    mv_mma<T, QMK_H, XS, QMK_KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
     c.g.mark(5);
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
@@ -281,14 +285,12 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     // blocks that run attention items issue it after their attention (a prefetch in flight
     // slows the attention's KV loads, which are the critical path of that phase).
     const bool attn_block = !FUSED && (int)blockIdx.x < QMK_NKV * attn_chunks(p0 + T, T);
-    if (!attn_block && !(FUSED && QMK_LATE_ISSUE >= 1)) issue_gate_up(c, w, i0, in_);
+    if (FUSED ? QMK_X_AT == 0 : !attn_block) issue_gate_up(c, w, i0, in_);
     if constexpr (FUSED) {
       // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
-      const auto late = [&]() {
-        if (QMK_LATE_ISSUE >= 1) issue_gate_up(c, w, i0, in_);
-      };
+      const auto late = [&]() { issue_gate_up(c, w, i0, in_); };  // at QMK_X_AT 1 or 2
       if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
-                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca, late))
+                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca, c.red, late))
         return false;
     } else {
 
@@ -308,16 +310,17 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     c.g.mark(3);
     c.sg.wait(SLOT_Y);
     c.g.mark(4);
-    mv_finish<T, QMK_QD, rows_per_warp(QMK_H), SEGS>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    mv_mma<T, QMK_QD, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
     }
 
     // P4: post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    if (QMK_LATE_ISSUE < 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2+P3 / P3)
-    wn = QMK_HOIST ? norm_w4(w.post_norm) : float4{};
+    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2+P3 / P3)
+    wn = QMK_HOIST ? norm_raw(w.post_norm) : uint2{};
     if (!c.g.wait(c.flag)) return false;
+    if (QMK_Y_AT == 1) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
     if constexpr (FUSED) {
       // x += part[0] + ... + part[7] (fixed order: every block computes the same residual).
 #pragma unroll
@@ -344,13 +347,13 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     } else {
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (QMK_LATE_ISSUE >= 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
-    if (!QMK_HOIST) wn = norm_w4(w.post_norm);
-    rmsnorm_xs<T>(c, wn);
+    if (QMK_Y_AT == 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
+    if (!QMK_HOIST) wn = norm_raw(w.post_norm);
+    rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
     c.sg.wait(SLOT_X);
     c.g.mark(4);
-    mv_finish<T, QMK_H, rows_per_warp(QMK_I, 2), SEGS>(2 * in_, c.sg.slot[SLOT_X], xs0, out);
+    mv_mma<T, QMK_H, XS, QMK_KW_GU>(2 * in_, c.sg.slot[SLOT_X], xsp, out, c.red);
     c.g.mark(5);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
@@ -365,14 +368,15 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       if (L + 1 < nlayers) issue_qkv(c, layers[L + 1]);
       else issue_head(c, head);
     };
-    if (QMK_LATE_ISSUE < 2) issue_next();
+    if (QMK_X_AT == 0) issue_next();
     if (!c.g.wait(c.flag)) return false;
+    if (QMK_X_AT == 1) issue_next();
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    if (QMK_LATE_ISSUE >= 2) issue_next();
+    if (QMK_X_AT == 2) issue_next();
     c.g.mark(3);
     c.sg.wait(SLOT_Y);
     c.g.mark(4);
-    mv_finish<T, QMK_I, rows_per_warp(QMK_H), SEGS>(hn, c.sg.slot[SLOT_Y], xs0, out);
+    mv_mma<T, QMK_I, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
@@ -383,32 +387,27 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 // Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
 // barrier so every block can read all logits.
 // The head's slice was issued by the stack's last down phase (slot h.slot). next: the stack that
-// follows (its layer 0 q|k|v slice is issued into X now, so it streams in during the head and the
-// sampling), or nullptr.
+// follows; its layer 0 q|k|v slice is issued into X once the head's matvec has consumed X, so it
+// streams in during the sampling (or nullptr).
 __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
                            int dump_row, const QmkLayer* next = nullptr) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
-  rows_of(b, G, h.V, r0, n);
-  if (next != nullptr && QMK_LATE_ISSUE < 2) issue_qkv(c, *next);
-  float4 wn = QMK_HOIST ? norm_w4(norm_w) : float4{};
+  rows4_of(b, G, h.V, r0, n);
+  uint2 wn = QMK_HOIST ? norm_raw(norm_w) : uint2{};
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
   __syncthreads();
-  if (next != nullptr && QMK_LATE_ISSUE >= 2) issue_qkv(c, *next);
-  if (!QMK_HOIST) wn = norm_w4(norm_w);
-  rmsnorm_xs<1>(c, wn);
-  if (hidden_out != nullptr && b == 0)
-    for (int d = threadIdx.x; d < QMK_H; d += NT) hidden_out[d] = c.sm.mv.xs[0][d];
+  if (!QMK_HOIST) wn = norm_raw(norm_w);
+  rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
   c.sg.wait(h.slot);
   c.g.mark(4);
-  const uint4* hw = c.sg.slot[h.slot];
-  float* xs0 = &c.sm.mv.xs[0][0];
-  if (h.V == QMK_VC) mv_finish<1, QMK_H, rows_per_warp(QMK_VC), QMK_MV_CP>(n, hw, xs0, c.sm.mv.out);  // CP head
-  else mv_finish<1, QMK_H, rows_per_warp(QMK_VT), QMK_MV_TALKER>(n, hw, xs0, c.sm.mv.out);            // codec head
+  mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[h.slot], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
+                                     c.red);
   c.g.mark(5);
+  if (next != nullptr) issue_qkv(c, *next);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);

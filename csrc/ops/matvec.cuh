@@ -5,38 +5,6 @@
 
 namespace qmk {
 
-// The 8 activations of this lane's 8 weight columns, x = 32-byte aligned, lane * 8 floats into a
-// 256-column segment. Read in column order, the 16-byte loads of lanes 4 apart hit the same banks
-// (2-way conflicts: 98% of the kernel's excess shared-memory wavefronts in the H100 profile); lanes
-// with bit 2 set read the upper half first, so each quarter warp touches 32 distinct banks.
-__device__ __forceinline__ void ld_x8(const float* x, float4& a, float4& b) {
-  const int sw = (threadIdx.x >> 2) & 1;
-  const float4 p = *reinterpret_cast<const float4*>(x + 4 * sw);
-  const float4 q = *reinterpret_cast<const float4*>(x + 4 - 4 * sw);
-  a = sw ? q : p;
-  b = sw ? p : q;
-}
-
-// 8 bf16 weights dot 8 fp32 activations held in registers.
-__device__ __forceinline__ float dot8r(const uint4 w, const float4 a, const float4 b) {
-  float s = lo_bf(w.x) * a.x;
-  s = fmaf(hi_bf(w.x), a.y, s);
-  s = fmaf(lo_bf(w.y), a.z, s);
-  s = fmaf(hi_bf(w.y), a.w, s);
-  s = fmaf(lo_bf(w.z), b.x, s);
-  s = fmaf(hi_bf(w.z), b.y, s);
-  s = fmaf(lo_bf(w.w), b.z, s);
-  s = fmaf(hi_bf(w.w), b.w, s);
-  return s;
-}
-
-// 8 bf16 weights (one uint4) dot the 8 fp32 activations at x (shared memory).
-__device__ __forceinline__ float dot8(const uint4 w, const float* x) {
-  float4 a, b;
-  ld_x8(x, a, b);
-  return dot8r(w, a, b);
-}
-
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -46,8 +14,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // cp.async.bulk into shared memory that completes on the slot's mbarrier. No thread is held up
 // issuing (unlike per-thread cp.async, whose issue stalled on a full memory queue), so the next
 // phase's slice can stream in while this phase computes and waits at its grid barrier.
-// Slots: X (q|k|v, gate|up, talker head), Y (o_proj, down), H (CP head, upper part of X).
-enum { SLOT_X = 0, SLOT_Y = 1, SLOT_H = 2, NSLOTS = 3 };
+// Slots: X (q|k|v, gate|up, heads), Y (o_proj, down).
+enum { SLOT_X = 0, SLOT_Y = 1, NSLOTS = 2 };
 
 // The warp that issues the bulk copies. Warp 1 (so that thread 0's barrier release and poll
 // would not wait behind the issue) measured slower on the H100 than warp 0: frame 2890 vs
@@ -58,12 +26,34 @@ enum { SLOT_X = 0, SLOT_Y = 1, SLOT_H = 2, NSLOTS = 3 };
 __device__ __forceinline__ bool is_issuer() { return (threadIdx.x >> 5) == QMK_ISSUE_WARP; }
 __device__ __forceinline__ int issue_lane() { return threadIdx.x & 31; }
 
+// Where a phase issues the next weight phase's slice: 0 before its own barrier wait, 1 right after
+// the wait (before its activation loads), 2 once its activation loads have returned. QMK_X_AT:
+// the big slot-X slices (q|k|v 64 KB, gate|up 96 KB per block); QMK_Y_AT: the small slot-Y ones
+// (o_proj, down). Two costs pull in opposite directions: a bulk copy in flight slows the phase's
+// latency-critical L2 loads, and the phase's barrier release (red.release = MEMBAR.GPU + ERRBAR)
+// waits for the SM's bulk copies still in flight (trace: 2.2-3.0 us after phases that issued
+// their X slice at 2, 0.4 us when none is in flight). H100, same call: X at 1 is 100 us per frame
+// faster than at 2, X at 0 100 us slower; Y at 0 or 1 180 us slower than at 2.
+#ifndef QMK_X_AT
+#define QMK_X_AT 1
+#endif
+#ifndef QMK_Y_AT
+#define QMK_Y_AT 2
+#endif
+// QMK_EVICT_FIRST: the weight stream is copied with an L2 evict-first policy, so that it does not
+// push the small, reused data (norm weights, activations, KV caches) out of L2.
+#ifndef QMK_EVICT_FIRST
+#define QMK_EVICT_FIRST 1
+#endif
+
 struct Stage {
   uint4* slot[NSLOTS];  // dynamic smem
   uint64_t* mbar;       // smem [NSLOTS], one arrival (the expect_tx) per use
   uint32_t parity;      // bit s: parity of mbar[s]'s next completion (same in every thread)
+  uint64_t policy;      // L2 cache policy of the copies (QMK_EVICT_FIRST)
 
   __device__ void init() {
+    if (QMK_EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     if (threadIdx.x == 0)
       for (int s = 0; s < NSLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar + s)) : "memory");
@@ -84,10 +74,17 @@ struct Stage {
   }
   // One range: bytes (multiple of 16) from global src to slot s at byte offset off.
   __device__ __forceinline__ void copy(int s, uint32_t off, const void* src, uint32_t bytes) const {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(slot[s]) + off),
-                 "l"(src), "r"(bytes), "r"(smem_u32(mbar + s))
-                 : "memory");
+    if (QMK_EVICT_FIRST)
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+              smem_u32(slot[s]) + off),
+          "l"(src), "r"(bytes), "r"(smem_u32(mbar + s)), "l"(policy)
+          : "memory");
+    else
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       smem_u32(slot[s]) + off),
+                   "l"(src), "r"(bytes), "r"(smem_u32(mbar + s))
+                   : "memory");
   }
   // Every thread: wait until slot s's slice has landed.
   __device__ __forceinline__ void wait(int s) {
@@ -103,104 +100,134 @@ struct Stage {
   }
 };
 
-// out_s[r * T + t] = dot(row r, xs[t]) in fp32 for the block's nrows rows staged in `stage`
-// (row-major, K bf16 per row).
-//   xs: smem fp32 [T][QMK_I] (row stride QMK_I, first K used); out_s: smem fp32 [nrows * T].
-// Warp w owns rows w, w + NW, ...: it accumulates a row's K/256 units in registers and reduces
-// once, in a fixed order, so results are bitwise reproducible. The caller has waited for the
-// slot. Ends with __syncthreads() (the slot may be refilled after it).
-template <int T, int K>
-__device__ __forceinline__ void mv_rows(int nrows, const uint4* stage, const float* xs, float* out_s) {
-  static_assert(K % 256 == 0, "K must be a multiple of 256");
-  constexpr int S = K / 256;
+// ---- Tensor-core matrix x vector (mma.sync m16n8k16, bf16 in, fp32 accumulate) ----------------
+// Rows go in groups of 4 and columns in chunks of 64. One mma multiplies a 4-row x 64-column
+// weight block by the activations: its 16 A rows are (quarter hf of the chunk, row r) and its 8 B
+// columns (quarter hf, part p), so the products with hf(A row) == hf(B column) are the wanted
+// ones and the others are discarded (the 16 x 8 product is free; the bytes are not).
+//
+// Activations are fp32. They enter as two bf16 parts, hi = bf16(x) and lo = bf16(x - hi)
+// (16 significant bits, |x - hi - lo| <= 2^-17 |x|); bf16 x bf16 products are exact in fp32 and
+// accumulate in fp32. In bf16-exact mode the activations are bf16 already, so lo = 0 and the
+// product is exact.
+//
+// Weights (host side, megakernel.py mma_layout): each 4-row group is stored chunk by chunk, 512
+// bytes per chunk, lane l's 16 bytes being its A fragment: with g = l / 4 = 4q + r and tq = l % 4,
+// rows r, columns 64c + 16q + 4tq + {0,1}, 64c + 32 + 16q + 4tq + {0,1}, then + {2,3} of both.
+// A block's slice of whole 4-row groups stays one contiguous range (one bulk copy).
+//
+// Activations (split_store): per token, chunk c is 128 bf16 (32 lanes x 4): lane l = 4(2hf + p) + tq
+// holds part p of x[64c + 16hf + 4tq + 0..3], its B fragment. Same bytes as the fp32 vector, so
+// the split can overwrite it in place.
+
+// Most rows of an n-row matrix a block owns (whole 4-row groups, grids of >= QMK_MIN_BLOCKS).
+constexpr int rows4_max(int n, int blocks = QMK_MIN_BLOCKS) { return 4 * ((n / 4 + blocks - 1) / blocks); }
+
+__device__ __forceinline__ uint32_t pack_bf2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // a in the low half
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Dims d .. d + 3 (d % 4 == 0) of one token's activations, split into hi / lo parts, into the
+// B-fragment layout at xsp (that token's row).
+__device__ __forceinline__ void split_store(uint2* xsp, int d, const float4 v) {
+  const float h0 = rbf(v.x), h1 = rbf(v.y), h2 = rbf(v.z), h3 = rbf(v.w);
+  const int c = d >> 6, hf = (d >> 4) & 3, tq = (d >> 2) & 3;
+  uint2* p = xsp + c * 32 + 8 * hf + tq;
+  p[0] = make_uint2(pack_bf2(h0, h1), pack_bf2(h2, h3));
+  p[4] = make_uint2(pack_bf2(v.x - h0, v.y - h1), pack_bf2(v.z - h2, v.w - h3));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4 a, const uint2 b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+
+// Warps along K per product (0: min(K/64, NW)). Row groups per block (G = 132): q|k|v 7-8,
+// gate|up 10-12, CP o_proj partial 15-16, heads 3-6, down and talker o_proj 1-2. Whole rows per
+// warp (KW = 1) where there are about as many groups as warps: 65 us per frame faster (H100,
+// same call) than splitting K over all 8 warps there.
+#ifndef QMK_KW_QKV
+#define QMK_KW_QKV 1
+#endif
+#ifndef QMK_KW_GU
+#define QMK_KW_GU 1
+#endif
+#ifndef QMK_KW_CPO
+#define QMK_KW_CPO 1
+#endif
+#ifndef QMK_KW_HEAD
+#define QMK_KW_HEAD 2
+#endif
+#ifndef QMK_KW_DOWN
+#define QMK_KW_DOWN 0
+#endif
+
+// Per-warp partial sums of the tensor-core matvec: [NW][RED_ROWS][MAX_T] fp32 (shared memory).
+constexpr int RED_ROWS = 2 * rows4_max(QMK_I) > rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV)
+                             ? 2 * rows4_max(QMK_I) : rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV);
+constexpr int RED_FLOATS = NW * RED_ROWS * QMK_MAX_T;
+
+// out_s[r * T + t] = dot(row r, x[t]) in fp32 for the block's nrows rows (a multiple of 4) staged
+// in `stage` (mma layout, K columns); xsp: the split activations, token rows XS uint2 apart.
+// KW warps split the K/64 chunks and NW / KW split the row groups (KW_ = 0: KW = min(K/64, NW));
+// each keeps its chunks' activation fragments in registers, runs the mma over its row groups and
+// folds each row's useful products with two shuffles; with KW > 1 the per-warp sums are added in
+// a fixed order (shared memory, one more block barrier). Results are bitwise reproducible. The
+// caller has waited for the slot. Ends with __syncthreads() (the slot may be refilled after it).
+template <int T, int K, int XS, int KW_ = 0>
+__device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint2* xsp, float* out_s, float* red) {
+  constexpr int NC = K / 64;
+  constexpr int KW = KW_ ? KW_ : NC < NW ? NC : NW;
+  constexpr int GW = NW / KW;
+  constexpr int CPW = NC / KW;
+  static_assert(K % 64 == 0 && NC % KW == 0 && NW % KW == 0, "K: whole chunks per warp");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int r = warp; r < nrows; r += NW) {
-    float acc[T];
+  const int kw = warp % KW, gw = warp / KW, c0 = kw * CPW;
+  uint2 xb[T][CPW];
 #pragma unroll
-    for (int t = 0; t < T; ++t) acc[t] = 0.f;
-#pragma unroll 4
-    for (int seg = 0; seg < S; ++seg) {
-      const uint4 w = stage[(r * S + seg) * 32 + lane];
-      const float* xp = xs + seg * 256 + lane * 8;
+  for (int t = 0; t < T; ++t)
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[t] += dot8(w, xp + t * QMK_I);
+    for (int j = 0; j < CPW; ++j) xb[t][j] = xsp[t * XS + (c0 + j) * 32 + lane];
+  const int q = lane >> 4, tq = lane & 3;
+  const int ng = nrows >> 2;
+#pragma unroll 2
+  for (int gi = gw; gi < ng; gi += GW) {
+    float acc[T][4];
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    const uint4* wp = stage + ((size_t)gi * NC + c0) * 32 + lane;
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+      const uint4 w = wp[j * 32];
+#pragma unroll
+      for (int t = 0; t < T; ++t) mma_bf16(acc[t], w, xb[t][j]);
     }
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const float v = warp_sum(acc[t]);
-      if (lane == 0) out_s[r * T + t] = v;
-    }
-  }
-  __syncthreads();
-}
-
-// The same product, segment-major: warp w owns rows w, w + NW, ... (at most R of them). It walks
-// the K/256 column segments once: each segment's activations are read from shared memory once
-// per warp (not once per row) and applied to all of the warp's rows, whose partial sums stay in
-// registers; one shuffle reduction per row at the end. Per row the additions happen in the same
-// order as a row-by-row walk, so results are bitwise reproducible. With one or two rows per warp
-// (o_proj, down: K = 2048, 3072) the segment loop is unrolled so that several weight loads are in
-// flight. The caller has waited for the slot. Ends with __syncthreads() (the slot may be refilled
-// after it).
-template <int T, int K, int R>
-__device__ __forceinline__ void mv_segs(int nrows, const uint4* stage, const float* xs, float* out_s) {
-  static_assert(K % 256 == 0, "K must be a multiple of 256");
-  constexpr int S = K / 256;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float acc[R][T];
-#pragma unroll
-  for (int j = 0; j < R; ++j)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[j][t] = 0.f;
-  constexpr int UNROLL = R <= 2 ? 4 : 1;
-#pragma unroll UNROLL
-  for (int seg = 0; seg < S; ++seg) {
-    float4 xa[T], xb[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) ld_x8(xs + t * QMK_I + seg * 256 + lane * 8, xa[t], xb[t]);
-    uint4 w[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int r = warp + NW * j;
-      if (r < nrows) w[j] = stage[(r * S + seg) * 32 + lane];
-    }
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      if (warp + NW * j < nrows) {
-#pragma unroll
-        for (int t = 0; t < T; ++t) acc[j][t] += dot8r(w[j], xa[t], xb[t]);
+      // lane (g = 4q + r, tq): C rows g (quarter q) and g + 8 (quarter q + 2), columns 2tq, 2tq + 1
+      // (quarter tq, parts hi / lo). Row r = the four quarters, in lanes 4r, 4r + 2, 4r + 17, 4r + 19.
+      float v = tq == q ? acc[t][0] + acc[t][1] : tq == q + 2 ? acc[t][2] + acc[t][3] : 0.f;
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 17);
+      if ((lane & 0x13) == 0) {
+        if (KW == 1) out_s[(gi * 4 + (lane >> 2)) * T + t] = v;
+        else red[(kw * RED_ROWS + gi * 4 + (lane >> 2)) * T + t] = v;
       }
     }
   }
+  __syncthreads();
+  if (KW == 1) return;
+  for (int idx = threadIdx.x; idx < nrows * T; idx += NT) {
+    float s = red[idx];
 #pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int r = warp + NW * j;
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float v = warp_sum(acc[j][t]);
-      if (lane == 0 && r < nrows) out_s[r * T + t] = v;
-    }
+    for (int k = 1; k < KW; ++k) s += red[k * RED_ROWS * T + idx];
+    out_s[idx] = s;
   }
   __syncthreads();
-}
-
-// QMK_MV_CP / QMK_MV_TALKER: the code predictor's / talker's matrix products segment-major
-// (mv_segs, 1) or row by row (mv_rows, 0). Both give bitwise the same results.
-#ifndef QMK_MV_CP
-#define QMK_MV_CP 1
-#endif
-#ifndef QMK_MV_TALKER
-#define QMK_MV_TALKER 0
-#endif
-template <int T, int K, int R, bool SEGS>
-__device__ __forceinline__ void mv_finish(int nrows, const uint4* stage, const float* xs, float* out_s) {
-  if constexpr (SEGS) mv_segs<T, K, R>(nrows, stage, xs, out_s);
-  else mv_rows<T, K>(nrows, stage, xs, out_s);
-}
-
-// Most rows per warp of a slice of `copies` x rows_of(rows) rows (grids of >= QMK_MIN_BLOCKS blocks).
-constexpr int rows_per_warp(int rows, int copies = 1) {
-  return (copies * ((rows + QMK_MIN_BLOCKS - 1) / QMK_MIN_BLOCKS) + NW - 1) / NW;
 }
 
 }  // namespace qmk

@@ -60,14 +60,9 @@ __device__ __forceinline__ float fkey_inv(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Index of the largest l[i]; ties -> lowest index. Same result in every thread.
-__device__ int block_argmax(const float* l, int V, SampleSmem& sm) {
-  float bv = neg_inf();
-  int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += NT) {
-    const float v = l[i];
-    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
-  }
+// Block-wide (value, index) maximum of every thread's (bv, bi); ties -> lowest index. Same result
+// in every thread (0 if every value is -inf).
+__device__ int block_argmax_reduce(float bv, int bi, SampleSmem& sm) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -91,6 +86,17 @@ __device__ int block_argmax(const float* l, int V, SampleSmem& sm) {
   }
   __syncthreads();
   return sm.result;
+}
+
+// Index of the largest l[i]; ties -> lowest index. Same result in every thread.
+__device__ int block_argmax(const float* l, int V, SampleSmem& sm) {
+  float bv = neg_inf();
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += NT) {
+    const float v = l[i];
+    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+  }
+  return block_argmax_reduce(bv, bi, sm);
 }
 
 // Warp 0 (every lane): walks the 256 counts of sm.hist from bin 255 down to 0 (down) or from 0 up,
@@ -227,15 +233,37 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
   return sm.kth;
 }
 
+// Gumbel(0, 1) noise of token i of draw (counter, stream).
+__device__ __forceinline__ float gumbel(uint64_t seed, uint32_t counter, uint32_t stream, uint32_t i) {
+  return -logf(-logf(uniform01(seed, counter, stream, i)));
+}
+
 // Draw one token from processed logits l[0..V) (smem; overwritten). Same result in every thread.
+// scaled: the caller has already divided l by p.temperature.
 __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t seed, uint32_t counter,
-                            uint32_t stream, SampleSmem& sm) {
+                            uint32_t stream, SampleSmem& sm, bool scaled = false) {
   if (!p.do_sample) return block_argmax(l, V, sm);
-  if (p.temperature != 1.0f)
+  if (p.temperature != 1.0f && !scaled) {
     for (int i = threadIdx.x; i < V; i += NT) l[i] = l[i] / p.temperature;
-  __syncthreads();
-  if (p.top_k > 0 && p.top_k < V) {
-    const float kth = QMK_TOPK_BUCKET ? bucket_kth(l, V, p.top_k, sm) : kth_largest(l, V, p.top_k, sm);
+    __syncthreads();
+  }
+  const bool topk = p.top_k > 0 && p.top_k < V;
+  const float kth = !topk ? neg_inf() : QMK_TOPK_BUCKET ? bucket_kth(l, V, p.top_k, sm) : kth_largest(l, V, p.top_k, sm);
+  if (p.top_p >= 1.0f) {
+    // One pass: the top-k filter, the Gumbel noise of the kept tokens and their argmax (the same
+    // draw as masking, adding the noise and taking the argmax in separate passes).
+    float bv = neg_inf();
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += NT) {
+      const float v = l[i];
+      if (v != neg_inf() && v >= kth) {
+        const float g = v + gumbel(seed, counter, stream, (uint32_t)i);
+        if (g > bv || (g == bv && i < bi)) { bv = g; bi = i; }
+      }
+    }
+    return block_argmax_reduce(bv, bi, sm);
+  }
+  if (topk) {
     for (int i = threadIdx.x; i < V; i += NT)
       if (l[i] < kth) l[i] = neg_inf();
     __syncthreads();
@@ -269,7 +297,7 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
     __syncthreads();
   }
   for (int i = threadIdx.x; i < V; i += NT) {
-    if (l[i] != neg_inf()) l[i] += -logf(-logf(uniform01(seed, counter, stream, (uint32_t)i)));
+    if (l[i] != neg_inf()) l[i] += gumbel(seed, counter, stream, (uint32_t)i);
   }
   __syncthreads();
   return block_argmax(l, V, sm);

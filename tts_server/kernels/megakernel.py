@@ -29,7 +29,7 @@ from .api import FrameResult, Prompt, SamplingConfig
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LIB_NAME = "libqwen_megakernel.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # csrc/layout.h
 H, NH, NKV, HD, I = 1024, 16, 8, 128, 3072
@@ -128,9 +128,25 @@ def grouped_o(o_proj: torch.Tensor) -> torch.Tensor:
     return o_proj.view(H, NKV, 2 * HD).permute(1, 0, 2).contiguous()
 
 
+def mma_layout(w: torch.Tensor) -> torch.Tensor:
+    """A weight matrix [rows, K] (rows % 4 == 0, K % 64 == 0) in the kernel's tensor-core layout
+    (csrc/ops/matvec.cuh): 4-row groups, each stored as K/64 chunks of 32 lanes x 8 bf16, lane
+    16q + 4r + tq holding row r at columns 64c + 16q + 4tq + {0,1}, 64c + 32 + 16q + 4tq + {0,1},
+    64c + 16q + 4tq + {2,3}, 64c + 32 + 16q + 4tq + {2,3} (its mma A fragment). A permutation:
+    a block's slice of whole 4-row groups stays one contiguous range."""
+    rows, k = w.shape
+    if rows % 4 or k % 64:
+        raise ValueError(f"mma_layout needs rows % 4 == 0 and K % 64 == 0, got {tuple(w.shape)}")
+    # k = 64c + 32j + 16q + 4tq + 2e2 + e  ->  [group, c, q, r, tq, e2, j, e]
+    return w.reshape(rows // 4, 4, k // 64, 2, 2, 4, 2, 2).permute(0, 2, 4, 1, 5, 6, 3, 7).contiguous()
+
+
 def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> torch.Tensor:
-    """csrc/layout.h QmkModel as an int64 device tensor of pointers. cp_o_grouped: the library
-    wants the code predictor's o_proj head-group major (qmk_cp_o_layout() == 1)."""
+    """csrc/layout.h QmkModel as an int64 host tensor of device pointers (qmk_frame passes it
+    to the kernel by value). Every matrix is passed in
+    the tensor-core layout (mma_layout: a permuted copy, ~1.05 GB for the 0.6B model; the
+    nn.Linear tensors stay for the PyTorch prefill). cp_o_grouped: the library wants the code
+    predictor's o_proj head-group major first (qmk_cp_o_layout() == 1)."""
     ptrs: list[int] = []
 
     def p(t: torch.Tensor) -> int:
@@ -138,17 +154,20 @@ def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> tor
         keep.append(t)
         return t.data_ptr()
 
+    def m(t: torch.Tensor) -> int:
+        return p(mma_layout(t.reshape(-1, t.shape[-1])))
+
     for lm in (w.talker, w.predictor):
         for lw in lm.layers:
             o = grouped_o(lw.o_proj) if (cp_o_grouped and lm is w.predictor) else lw.o_proj
-            ptrs += [p(lw.input_norm), p(lw.q_proj), p(lw.k_proj), p(lw.v_proj), p(lw.q_norm),
-                     p(lw.k_norm), p(o), p(lw.post_norm), p(lw.gate_proj), p(lw.up_proj),
-                     p(lw.down_proj)]
+            ptrs += [p(lw.input_norm), m(lw.q_proj), m(lw.k_proj), m(lw.v_proj), p(lw.q_norm),
+                     p(lw.k_norm), m(o), p(lw.post_norm), m(lw.gate_proj), m(lw.up_proj),
+                     m(lw.down_proj)]
     dev = w.codec_head.device
-    ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), p(w.codec_head)]
-    ptrs += [p(e) for e in w.predictor_embeddings] + [p(h) for h in w.predictor_heads]
+    ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), m(w.codec_head)]
+    ptrs += [p(e) for e in w.predictor_embeddings] + [m(h) for h in w.predictor_heads]
     ptrs += [p(inv_freq(w.talker.config).to(dev)), p(inv_freq(w.predictor.config).to(dev))]
-    return torch.tensor(ptrs, dtype=torch.int64, device=dev)
+    return torch.tensor(ptrs, dtype=torch.int64)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,8 +238,8 @@ class MegakernelEngine:
         self.blocks, self.sms = blocks.value, sms.value
         self._keep: list = []
         grouped = bool(hasattr(self.lib, "qmk_cp_o_layout") and self.lib.qmk_cp_o_layout() == 1)
-        self.model_dev = model_table(weights, self._keep, cp_o_grouped=grouped)
-        if self.model_dev.numel() * 8 != self.lib.qmk_model_size():
+        self.model_host = model_table(weights, self._keep, cp_o_grouped=grouped)
+        if self.model_host.numel() * 8 != self.lib.qmk_model_size():
             raise RuntimeError("QmkModel layout differs from megakernel.py")
         bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -273,7 +292,7 @@ class MegakernelEngine:
 
     def launch(self, slot: int, flags: int = 0) -> None:
         """Queue one frame for `slot` on the current stream (no host sync)."""
-        self._check(self.lib.qmk_frame(ctypes.byref(self.state), self.model_dev.data_ptr(), slot,
+        self._check(self.lib.qmk_frame(ctypes.byref(self.state), self.model_host.data_ptr(), slot,
                                        flags | self.base_flags, self.blocks, self._stream()), "launch")
 
     def kernel_error(self) -> int:
