@@ -387,8 +387,9 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
 // Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
 // barrier so every block can read all logits.
 // The head's slice was issued by the stack's last down phase (slot h.slot). next: the stack that
-// follows; its layer 0 q|k|v slice is issued into X once the head's matvec has consumed X, so it
-// streams in during the sampling (or nullptr).
+// follows; its layer 0 q|k|v slice is issued into X after the closing barrier (X was consumed by
+// the head's matvec), so it streams in during the sampling and the barrier's release fence does
+// not wait for it (or nullptr).
 __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
                            int dump_row, const QmkLayer* next = nullptr) {
   const int G = gridDim.x, b = blockIdx.x;
@@ -407,13 +408,14 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[h.slot], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
                                      c.red);
   c.g.mark(5);
-  if (next != nullptr) issue_qkv(c, *next);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);
     __stcg(c.st.logits + r0 + r, v);
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
-  return c.g.sync_all(c.flag);
+  const bool ok = c.g.sync_all(c.flag);
+  if (next != nullptr) issue_qkv(c, *next);
+  return ok;
 }
 
 }  // namespace qmk
