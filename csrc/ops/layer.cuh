@@ -1,8 +1,9 @@
 // One decoder stack (talker or code predictor) over T tokens, as grid-wide phases:
 //   P1 input RMSNorm + q|k|v rows   P2 q/k norm, RoPE, KV append, attention
 //   P3 o_proj + residual            P4 post-norm + gate/up rows -> SwiGLU   P5 down + residual
-// and the final-norm + head phase. Each phase issues its weight loads, then waits at the grid
-// barrier, then reads the activations the previous phase published, then arrives.
+// and the final-norm + head phase. Each phase waits at the grid barrier, issues the next weight
+// phase's slice (QMK_X_AT / QMK_Y_AT, ops/matvec.cuh), reads the activations the previous phase
+// published, waits for its own staged slice, multiplies, publishes and arrives.
 #pragma once
 #include "attention.cuh"
 #include "common.cuh"
@@ -228,7 +229,7 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
 // The caller has no barrier pending; on return the last phase has arrived but not waited.
 // preissued: layer 0's q|k|v slice is already in flight (the previous head phase issued it).
 // head: the head phase that follows; its slice is issued during the last layer's down phase.
-// Each phase issues the NEXT weight phase's slice before its own barrier wait (one phase ahead).
+// Each phase issues the NEXT weight phase's slice (one phase ahead; where: QMK_X_AT / QMK_Y_AT).
 // FUSED (code predictor): attention + o_proj partials in one phase (ops/cp_attention.cuh).
 template <int T, typename KV, bool FUSED = false>
 __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
