@@ -162,7 +162,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4 a, const uin
 #ifndef QMK_KW_HEAD
 #define QMK_KW_HEAD 2
 #endif
-#ifndef QMK_KW_DOWN
+#ifndef QMK_KW_DOWN  // the down and talker o_proj products (K = 3072 / 2048, 1-2 row groups)
 #define QMK_KW_DOWN 0
 #endif
 
