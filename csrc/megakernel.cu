@@ -168,7 +168,7 @@ size_t qmk_model_size() { return sizeof(QmkModel); }
 size_t qmk_sampling_size() { return sizeof(QmkSampling); }
 int qmk_sync_words() { return QMK_SYNC_WORDS; }
 // 1: the CP layers' o_proj pointers must be head-group major, [NKV][H][2 * HD] (see
-// ops/cp_attention.cuh); 0 (or the symbol missing, older builds): the nn.Linear layout.
+// ops/cp_attention.cuh); 0: the nn.Linear layout (QMK_CP_FUSED=0 builds).
 int qmk_cp_o_layout() { return QMK_CP_O_GROUPED; }
 
 // Grid for `device`: one block per SM, checked co-resident. Returns a cudaError_t (0 = ok);

@@ -143,10 +143,10 @@ def mma_layout(w: torch.Tensor) -> torch.Tensor:
 
 def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> torch.Tensor:
     """csrc/layout.h QmkModel as an int64 host tensor of device pointers (qmk_frame passes it
-    to the kernel by value). Every matrix is passed in
-    the tensor-core layout (mma_layout: a permuted copy, ~1.05 GB for the 0.6B model; the
-    nn.Linear tensors stay for the PyTorch prefill). cp_o_grouped: the library wants the code
-    predictor's o_proj head-group major first (qmk_cp_o_layout() == 1)."""
+    to the kernel by value). Every matrix is passed in the tensor-core layout (mma_layout: a
+    permuted copy, ~1.05 GB for the 0.6B model; the nn.Linear tensors stay for the PyTorch
+    prefill). cp_o_grouped: the library wants the code predictor's o_proj head-group major
+    first (qmk_cp_o_layout() == 1)."""
     ptrs: list[int] = []
 
     def p(t: torch.Tensor) -> int:
@@ -237,7 +237,7 @@ class MegakernelEngine:
             raise RuntimeError(f"megakernel grid: {self.lib.qmk_error_string(err).decode()}")
         self.blocks, self.sms = blocks.value, sms.value
         self._keep: list = []
-        grouped = bool(hasattr(self.lib, "qmk_cp_o_layout") and self.lib.qmk_cp_o_layout() == 1)
+        grouped = self.lib.qmk_cp_o_layout() == 1  # every ABI-2 library exports it
         self.model_host = model_table(weights, self._keep, cp_o_grouped=grouped)
         if self.model_host.numel() * 8 != self.lib.qmk_model_size():
             raise RuntimeError("QmkModel layout differs from megakernel.py")
