@@ -4,7 +4,8 @@
 #pragma once
 #include <stdint.h>
 
-#define QMK_ABI_VERSION 2  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
+#define QMK_ABI_VERSION 3  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
+                           // 3: every o_proj head-group major (megakernel.py grouped_o); opart
 
 // Qwen3-TTS-12Hz-0.6B decoder stacks (talker and code predictor share the layer shape).
 #define QMK_H 1024            // hidden size
@@ -45,7 +46,6 @@
 // sync buffer (uint32 words, zeroed by the host before every launch)
 #define QMK_SYNC_BAR 0        // grid barrier arrival counter (monotonic within a launch)
 #define QMK_SYNC_ERR 32       // error code (0 = ok)
-#define QMK_SYNC_HEAD 64      // 8 per-kv-head split-K arrival counters
 #define QMK_SYNC_WORDS 128
 
 #ifdef __cplusplus
@@ -64,7 +64,7 @@ typedef struct {
   const qmk_bf16* v;          // [KVD, H]
   const qmk_bf16* q_norm;     // [HD]
   const qmk_bf16* k_norm;     // [HD]
-  const qmk_bf16* o;          // [H, QD]
+  const qmk_bf16* o;          // [NKV][H][2 * HD]: o_proj head-group major (ops/attn_oproj.cuh)
   const qmk_bf16* post_norm;  // [H]
   const qmk_bf16* gate;       // [I, H]
   const qmk_bf16* up;         // [I, H]
@@ -121,10 +121,10 @@ typedef struct {
   // activations are fp32 (bf16-exact values under QMK_FLAG_BF16_EXACT)
   float* x;                // [MAX_T][H] residual stream
   float* qkv;              // [MAX_T][QKV]
-  float* attn;             // [MAX_T][QD]
+  float* opart;            // [NKV][MAX_T][H] o_proj partial sums per kv-head group
   float* act;              // [MAX_T][I]
   float* logits;           // [VT]
-  float* part;             // [NH][MAX_CHUNKS][HD + 2] split-K attention partials
+  float* part;             // [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K attention partials
   float* cp_k;             // [CP_LAYERS][NKV][CP_POS][HD]
   float* cp_v;             // same
   uint32_t* sync;          // [SYNC_WORDS]

@@ -94,13 +94,13 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
-        ok = run_stack<2, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                               m->inv_freq_cp, false, head);
+        ok = run_stack<2, float, true>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                         m->inv_freq_cp, false, head);
         ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0, next);
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
-        ok = run_stack<1, float, QMK_CP_FUSED>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride,
-                                               QMK_CP_POS, m->inv_freq_cp, QMK_HOIST, head);
+        ok = run_stack<1, float, true>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                         m->inv_freq_cp, QMK_HOIST, head);
         ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k, next);
       }
       if (!ok) return;
@@ -134,13 +134,13 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, float>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker,
-                             QMK_HOIST && cp_runs, thead);
+    ok = run_stack<1, float, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
+                                    m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, qmk_bf16>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
+    ok = run_stack<1, qmk_bf16, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
+                                       m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
   }
   if (!ok) return;
   if (!head_phase(c, m->talker_norm, thead, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
@@ -167,10 +167,6 @@ size_t qmk_state_size() { return sizeof(QmkState); }
 size_t qmk_model_size() { return sizeof(QmkModel); }
 size_t qmk_sampling_size() { return sizeof(QmkSampling); }
 int qmk_sync_words() { return QMK_SYNC_WORDS; }
-// 1: the CP layers' o_proj pointers must be head-group major, [NKV][H][2 * HD] (see
-// ops/cp_attention.cuh); 0: the nn.Linear layout (QMK_CP_FUSED=0 builds).
-int qmk_cp_o_layout() { return QMK_CP_O_GROUPED; }
-
 // Grid for `device`: one block per SM, checked co-resident. Returns a cudaError_t (0 = ok);
 // cudaErrorCooperativeLaunchTooLarge when the device cannot hold the grid.
 int qmk_grid_size(int device, int* blocks, int* sms) {

@@ -179,16 +179,17 @@ class Fp32Reference:
 
 
 def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = False,
-                   precision: str = "fp32", bf16_torch: bool = False) -> dict:
-    """Kernel frames (sampling, seeded) vs the fp32 reference fed the kernel's codes. With
-    bf16_torch, the qwen-tts bf16 computation is measured against the same fp32 reference too."""
+                   precision: str = "fp32", bf16_torch: bool = False, length: int = 12) -> dict:
+    """Kernel frames (sampling, seeded) vs the fp32 reference fed the kernel's codes, from a
+    prompt of `length` positions. With bf16_torch, the qwen-tts bf16 computation is measured
+    against the same fp32 reference too."""
     from tts_server.kernels.megakernel import MegakernelEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    prompt = make_prompt(seed, n_trailing=8)
-    eng = MegakernelEngine(w, max_streams=1, max_positions=frames + 64, dump_logits=True, precision=precision)
-    ref = Fp32Reference(w, frames + 64)
-    r16 = Fp32Reference(w, frames + 64, torch.bfloat16) if bf16_torch else None
+    prompt = make_prompt(seed, length=length, n_trailing=8)
+    eng = MegakernelEngine(w, max_streams=1, max_positions=length + frames + 64, dump_logits=True, precision=precision)
+    ref = Fp32Reference(w, length + frames + 64)
+    r16 = Fp32Reference(w, length + frames + 64, torch.bfloat16) if bf16_torch else None
     t16_err = []
     s = SamplingConfig(do_sample=not greedy, subtalker_do_sample=not greedy, seed=seed)
     eng.prefill(0, prompt, s)
@@ -367,13 +368,14 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
 
 
 def trace_labels() -> list[tuple[str, str]]:
-    """(stack, phase) of each phase of one sampled frame after the first, in order (the CP's
-    attention and o_proj are one phase, P2F: the default QMK_CP_FUSED=1 layout)."""
+    """(stack, phase) of each phase of one sampled frame after the first, in order: attention
+    (code predictor) or the merge of the talker's split-K attention phase P2 and o_proj are one
+    phase, P2F (csrc/ops/layer.cuh)."""
     lab = []
     l0 = ["P2F", "P4", "P5"]
     for _ in range(15):
         lab += [("cp", p) for p in l0 + (["P1"] + l0) * 4 + ["HEAD", "SAMP+P1"]]
-    t0 = ["P2", "P3", "P4", "P5"]
+    t0 = ["P2"] + l0
     lab += [("talker", p) for p in t0 + (["P1"] + t0) * 27 + ["HEAD", "END"]]
     return lab
 

@@ -61,8 +61,8 @@ def test_sampling_bytes_layout():
 
 
 def test_grouped_o_proj_layout():
-    """The CP o_proj handed to the kernel is head-group major: o[g, r, c] = o_proj[r, 256 g + c]
-    (csrc/ops/cp_attention.cuh reads one contiguous slice per block)."""
+    """Every o_proj handed to the kernel is head-group major: o[g, r, c] = o_proj[r, 256 g + c]
+    (csrc/ops/attn_oproj.cuh reads one contiguous slice per block)."""
     import torch
 
     o = torch.randn(mk.H, mk.NH * mk.HD)
@@ -131,7 +131,8 @@ def test_mma_layout_and_split_give_the_matvec():
 
 def test_trace_labels_count_barriers():
     """One label per grid barrier of a frame: 4 per CP layer (attention and o_proj fused), 5 per
-    talker layer, one head per stack (the QMK_TRACE analysis in bench_kernel depends on it)."""
+    talker layer (split-K attention, then its merge fused with o_proj), one head per stack (the
+    QMK_TRACE analysis in bench_kernel depends on it)."""
     bk = _bench_module()
     n = len(bk.trace_labels())
     assert n == 15 * (5 * 4 + 1) + 28 * 5 + 1
@@ -165,6 +166,17 @@ def full_weights():
 @pytest.mark.slow
 def test_teacher_forced_logits_match_fp32(full_weights):
     r = _bench_module().teacher_forced(full_weights, frames=24)
+    assert r["rel_err_max"] <= 1e-2, r
+    assert r["top1"] >= 0.995, r
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_teacher_forced_at_a_long_context(full_weights):
+    """Talker contexts 521..528: the split-K attention at its chunk cap (16 chunks per kv head on
+    132 SMs, 14 on 114) and the merge of all of them."""
+    r = _bench_module().teacher_forced(full_weights, frames=8, length=520)
+    assert r["frames"] == 8, r
     assert r["rel_err_max"] <= 1e-2, r
     assert r["top1"] >= 0.995, r
 

@@ -1,5 +1,7 @@
-// Phase "attention" of one layer: per-head q/k RMSNorm, rotate-half RoPE, KV append, GQA
-// attention with split-K over key chunks (flash-decoding style) and a last-arriver merge.
+// Talker attention at long contexts, phase "split-K attention": per-head q/k RMSNorm, rotate-half
+// RoPE, KV append and GQA attention over key chunks (flash-decoding style). Each item writes its
+// chunk's online-softmax state (m, l, acc); the next phase (ops/attn_oproj.cuh) merges the chunks
+// of its head pair before its o_proj partial. Short contexts skip this phase (direct attention).
 #pragma once
 #include "common.cuh"
 
@@ -27,9 +29,7 @@ struct AttnLayer {
   const qmk_bf16* k_norm;   // [HD]
   const float* inv_freq;    // [HD/2]
   float eps;
-  float* out;               // [T][QD] attention output
-  float* part;              // [NH * MAX_T][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
-  uint32_t* head_cnt;       // [NKV] split-K arrival counters (monotonic within a launch)
+  float* part;              // [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
   bool exact;               // bf16-exact rounding points
 };
 
@@ -37,16 +37,15 @@ struct AttnSmem {
   float y[3 * QMK_MAX_T][QMK_HD];               // normed rows before RoPE: 2T q rows, T k rows
   float q[2 * QMK_MAX_T][QMK_HD];               // q after RoPE, row = t * 2 + j
   float merge[QMK_WARPS][2 * QMK_MAX_T][QMK_HD + 2];  // per-warp online-softmax states
-  int last;
 };
 
 // Key chunks per kv head: enough items to spread long contexts over the grid, at least
-// QMK_ATTN_CHUNK keys each (a context of up to QMK_ATTN_CHUNK keys needs no split-K merge).
+// QMK_ATTN_CHUNK keys each.
 #ifndef QMK_ATTN_CHUNK
 #define QMK_ATTN_CHUNK 32
 #endif
 __device__ __forceinline__ int attn_chunks(int ctx, int T) {
-  if (T > 1) return 1;  // the 2-token CP pass (ctx 2): both new keys must sit in one chunk
+  if (T > 1) return 1;  // T new keys must sit in one chunk (the talker runs T = 1)
   int n = (ctx + QMK_ATTN_CHUNK - 1) / QMK_ATTN_CHUNK;
   const int cap = min((int)gridDim.x / QMK_NKV, QMK_MAX_CHUNKS);
   return max(1, min(n, cap));
@@ -144,7 +143,7 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
     }
     __syncthreads();
 
-    // 3) each warp walks keys c0+warp, c0+warp+16, ...; lanes hold 4 dims; online softmax.
+    // 3) each warp walks keys c0 + warp, c0 + warp + NW, ...; lanes hold 4 dims; online softmax.
     float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
 #pragma unroll
     for (int r = 0; r < NQ; ++r) {
@@ -189,7 +188,7 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
     }
     __syncthreads();
 
-    // 4) merge the 16 warps; one chunk: write the output, else a partial for the last arriver.
+    // 4) merge the warps into this chunk's state (m, l, acc) of each row.
     for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
       const int r = idx / QMK_HD, d = idx % QMK_HD;
       float mx = neg_inf();
@@ -201,42 +200,9 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
         A = fmaf(sm.merge[w][r][2 + d], e, A);
       }
       const int t = r / 2, head = 2 * h + (r & 1);
-      if (nchunks == 1) {
-        __stcg(a.out + t * QMK_QD + head * QMK_HD + d, rnd(A / L, a.exact));
-      } else {
-        float* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
-        if (d == 0) { __stcg(pp, mx); __stcg(pp + 1, L); }
-        __stcg(pp + 2 + d, A);
-      }
-    }
-    if (nchunks > 1) {
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        const uint32_t old = atomicAdd(a.head_cnt + h, 1u);
-        sm.last = ((old + 1) % (uint32_t)nchunks) == 0;
-      }
-      __syncthreads();
-      if (sm.last) {
-        __threadfence();
-        for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
-          const int r = idx / QMK_HD, d = idx % QMK_HD;
-          const int t = r / 2, head = 2 * h + (r & 1);
-          const float* pp = a.part + (size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS * (QMK_HD + 2);
-          float mx = neg_inf();
-#pragma unroll 4
-          for (int cc = 0; cc < nchunks; ++cc) mx = fmaxf(mx, __ldcg(pp + cc * (QMK_HD + 2)));
-          float L = 0.f, A = 0.f;
-#pragma unroll 4
-          for (int cc = 0; cc < nchunks; ++cc) {
-            const float* q = pp + cc * (QMK_HD + 2);
-            const float e = expf(__ldcg(q) - mx);
-            L = fmaf(__ldcg(q + 1), e, L);
-            A = fmaf(__ldcg(q + 2 + d), e, A);
-          }
-          __stcg(a.out + t * QMK_QD + head * QMK_HD + d, rnd(A / L, a.exact));
-        }
-      }
+      float* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
+      if (d == 0) { __stcg(pp, mx); __stcg(pp + 1, L); }
+      __stcg(pp + 2 + d, A);
     }
     __syncthreads();
   }

@@ -1,21 +1,19 @@
 // One decoder stack (talker or code predictor) over T tokens, as grid-wide phases:
-//   P1 input RMSNorm + q|k|v rows   P2 q/k norm, RoPE, KV append, attention
-//   P3 o_proj + residual            P4 post-norm + gate/up rows -> SwiGLU   P5 down + residual
+//   P1 input RMSNorm + q|k|v rows
+//   [P2 talker only: q/k norm, RoPE, KV append, split-K attention (ops/attention.cuh)]
+//   P2F attention (code predictor) or the merge of P2's chunks (talker) + o_proj partial sums
+//       (ops/attn_oproj.cuh)
+//   P4 residual + post-norm + gate/up rows -> SwiGLU   P5 down + residual
 // and the final-norm + head phase. Each phase waits at the grid barrier, issues the next weight
 // phase's slice (QMK_X_AT / QMK_Y_AT, ops/matvec.cuh), reads the activations the previous phase
 // published, waits for its own staged slice, multiplies, publishes and arrives.
 #pragma once
 #include "attention.cuh"
+#include "attn_oproj.cuh"
 #include "common.cuh"
-#include "cp_attention.cuh"
 #include "matvec.cuh"
 #include "sampling.cuh"
 
-// QMK_CP_FUSED: the code predictor's attention is recomputed per kv-head group inside an
-// "attention + o_proj partial" phase (ops/cp_attention.cuh): 4 grid phases per CP layer, not 5.
-#ifndef QMK_CP_FUSED
-#define QMK_CP_FUSED 1
-#endif
 // QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
 // q|k|v slice issued before the head phase's barrier (it streams in during the sampling).
 #ifndef QMK_HOIST
@@ -38,8 +36,7 @@ constexpr int STAGE_BYTES = X_BYTES + Y_BYTES;
 static_assert(rows4_max(QMK_QKV) * QMK_H * 2 <= X_BYTES, "qkv slice fits in X");
 static_assert(rows4_max(QMK_VC) * QMK_H * 2 <= X_BYTES, "CP head in X");
 static_assert(rows4_max(QMK_VT) * QMK_H * 2 <= X_BYTES, "talker head in X");
-static_assert(ROWS_H_MAX * QMK_QD * 2 <= Y_BYTES, "talker o_proj slice in Y");
-static_assert(rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES, "CP o_proj partial slice in Y");
+static_assert(rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES, "o_proj partial slice in Y");
 // Split activations (matvec.cuh split_store) overwrite xs in place: a token row is XS uint2.
 constexpr int XS = QMK_I / 2;
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
@@ -51,7 +48,7 @@ struct MvSmem {
 union Smem {
   MvSmem mv;
   AttnSmem at;
-  CpAttnSmem ca;
+  AttnOSmem ao;
   SampleSmem sa;
 };
 
@@ -70,7 +67,7 @@ struct Ctx {
   float* red32;                 // smem [NW]
   float* red;                   // smem [RED_FLOATS]: tensor-core matvec per-warp sums
   float (*xown)[ROWS_H_MAX];    // smem [MAX_T][ROWS_H_MAX]: this block's rows of the residual
-  float (*xres)[QMK_H];         // smem [MAX_T][H]: the whole residual (fused CP layers)
+  float (*xres)[QMK_H];         // smem [MAX_T][H]: the whole residual (P2F's partials add to it)
   int* flag;
   int* codes;                   // smem [16]: this frame's codes
   Grid& g;
@@ -225,16 +222,16 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
   }
 }
 
-// One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride).
-// The caller has no barrier pending; on return the last phase has arrived but not waited.
-// preissued: layer 0's q|k|v slice is already in flight (the previous head phase issued it).
-// head: the head phase that follows; its slice is issued during the last layer's down phase.
-// Each phase issues the NEXT weight phase's slice (one phase ahead; where: QMK_X_AT / QMK_Y_AT).
-// FUSED (code predictor): attention + o_proj partials in one phase (ops/cp_attention.cuh).
-template <int T, typename KV, bool FUSED = false>
-__device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0, KV* kc,
-                          KV* vc, size_t lstride, int ld_pos, const float* inv_freq, bool preissued,
-                          const HeadSlice& head) {
+// One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride, ld_pos
+// positions per kv head). The caller has no barrier pending; on return the last phase has arrived
+// but not waited. preissued: layer 0's q|k|v slice is already in flight (the previous head phase
+// issued it). head: the head phase that follows; its slice is issued during the last layer's down
+// phase. Each phase issues the NEXT weight phase's slice (one phase ahead; where: QMK_X_AT /
+// QMK_Y_AT). CP: the code predictor (attention recomputed in P2F), else the talker (P2 + merge).
+template <int T, typename KV, bool CP>
+__device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0,
+                                          KV* kc, KV* vc, size_t lstride, int ld_pos, const float* inv_freq,
+                                          bool preissued, const HeadSlice& head) {
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
@@ -243,16 +240,13 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
   rows4_of(b, G, QMK_H, h0, hn);
   rows4_of(b, G, QMK_I, i0, in_);
   rows4_of(b, G, QMK_QKV, q0, qn);
+  const int nchunks = CP ? 0 : attn_chunks(p0 + T, T);
   for (int L = 0; L < nlayers; ++L) {
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
     if (L == 0 && !preissued) issue_qkv(c, w);
-    const auto issue_o = [&]() {
-      if constexpr (FUSED) cp_issue_oproj(c.sg, w);               // -> Y, for P2+P3
-      else issue_rows<QMK_QD>(c, SLOT_Y, w.o, h0, hn);            // -> Y, for P3
-    };
-    if (QMK_Y_AT == 0 && L > 0) issue_o();
+    if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     if (L == 0) {
       load_input<T>(c, in0);
@@ -263,15 +257,14 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
       }
     } else {
       if (!c.g.wait(c.flag)) return false;
-      if (QMK_Y_AT == 1) issue_o();
+      if (QMK_Y_AT == 1) issue_oproj(c.sg, w);
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_o();
-    if constexpr (FUSED) {  // keep the raw residual: the next phase adds the o_proj partials to it
+    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_oproj(c.sg, w);
+    // keep the raw residual: P4 adds the o_proj partials to it
 #pragma unroll
-      for (int t = 0; t < T; ++t)
-        *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
-    }
+    for (int t = 0; t < T; ++t)
+      *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
     if (!QMK_HOIST) wn = norm_raw(w.in_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
@@ -282,71 +275,57 @@ __device__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, con
     for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
     c.g.arrive();
 
-    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase). In the talker the
-    // blocks that run attention items issue it after their attention (a prefetch in flight
-    // slows the attention's KV loads, which are the critical path of that phase).
-    const bool attn_block = !FUSED && (int)blockIdx.x < QMK_NKV * attn_chunks(p0 + T, T);
-    if (FUSED ? QMK_X_AT == 0 : !attn_block) issue_gate_up(c, w, i0, in_);
-    if constexpr (FUSED) {
-      // P2+P3 (CP): attention of this block's kv-head group + o_proj partial sums -> st.part.
-      const auto late = [&]() { issue_gate_up(c, w, i0, in_); };  // at QMK_X_AT 1 or 2
-      if (!cp_attn_oproj<T>(st, w, reinterpret_cast<float*>(kc + L * lstride), reinterpret_cast<float*>(vc + L * lstride),
-                            p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ca, c.red, late))
+    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase): in the code
+    // predictor P2F issues it (QMK_X_AT); in the talker the blocks that run split-K items issue it
+    // after their attention (a prefetch in flight slows the attention's KV loads, its critical
+    // path), the others before P2's wait.
+    const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_); };
+    KV* kcl = kc + L * lstride;
+    KV* vcl = vc + L * lstride;
+    if constexpr (CP) {
+      if (QMK_X_AT == 0) gate_up();
+      if (!cp_attn_oproj<T>(st, w, kcl, vcl, p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red, gate_up))
         return false;
     } else {
-
-    // P2: q/k norm + RoPE + KV append + attention (cached keys loaded before the wait).
-    const AttnLayer<KV> a{st.qkv, kc + L * lstride, vc + L * lstride, ld_pos, w.q_norm, w.k_norm, inv_freq,
-                          st.eps, st.attn, st.part, st.sync + QMK_SYNC_HEAD, c.exact};
-    AttnPrefetch pf;
-    attention_prefetch<T, KV>(a, p0, pf);
-    if (!c.g.wait(c.flag)) return false;
-    attention_phase<T, KV>(a, p0, c.sm.at, pf);
-    if (attn_block) issue_gate_up(c, w, i0, in_);  // X is free; attention_phase ended with __syncthreads
-    c.g.arrive();
-
-    // P3: o_proj + residual on this block's rows.
-    if (!c.g.wait(c.flag)) return false;
-    load_scratch<T, QMK_QD / (4 * NT)>(c, st.attn);
-    c.g.mark(3);
-    c.sg.wait(SLOT_Y);
-    c.g.mark(4);
-    mv_mma<T, QMK_QD, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
-    c.g.mark(5);
-    residual_add<T>(c, h0, hn, out);
-    c.g.arrive();
+      // P2: split-K attention (cached keys loaded before the wait); P2F merges the chunks.
+      const bool attn_block = (int)blockIdx.x < QMK_NKV * nchunks;
+      if (!attn_block) gate_up();
+      const AttnLayer<KV> a{st.qkv, kcl, vcl, ld_pos, w.q_norm, w.k_norm, inv_freq, st.eps, st.part, c.exact};
+      AttnPrefetch pf;
+      attention_prefetch<T, KV>(a, p0, pf);
+      if (!c.g.wait(c.flag)) return false;
+      attention_phase<T, KV>(a, p0, c.sm.at, pf);
+      if (attn_block) gate_up();  // X is free; attention_phase ended with __syncthreads
+      c.g.arrive();
+      if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red)) return false;
     }
 
-    // P4: post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2+P3 / P3)
+    // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),
+    // post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
+    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2F)
     wn = QMK_HOIST ? norm_raw(w.post_norm) : uint2{};
     if (!c.g.wait(c.flag)) return false;
     if (QMK_Y_AT == 1) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
-    if constexpr (FUSED) {
-      // x += part[0] + ... + part[7] (fixed order: every block computes the same residual).
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float4 p[QMK_NKV];
+    for (int t = 0; t < T; ++t) {
+      float4 p[QMK_NKV];
 #pragma unroll
-        for (int g = 0; g < QMK_NKV; ++g)
-          p[g] = __ldcg(reinterpret_cast<const float4*>(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + d4));
-        float4 o = p[0];
+      for (int g = 0; g < QMK_NKV; ++g)
+        p[g] = __ldcg(reinterpret_cast<const float4*>(st.opart + ((size_t)g * QMK_MAX_T + t) * QMK_H + d4));
+      float4 o = p[0];
 #pragma unroll
-        for (int g = 1; g < QMK_NKV; ++g) { o.x += p[g].x; o.y += p[g].y; o.z += p[g].z; o.w += p[g].w; }
-        const float4 xr = *reinterpret_cast<const float4*>(&c.xres[t][d4]);
-        const bool e = c.exact;
-        const float4 xn = make_float4(rnd(xr.x + rnd(o.x, e), e), rnd(xr.y + rnd(o.y, e), e),
-                                      rnd(xr.z + rnd(o.z, e), e), rnd(xr.w + rnd(o.w, e), e));
-        *reinterpret_cast<float4*>(&c.xres[t][d4]) = xn;
-        *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d4]) = xn;
-      }
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
-        const int t = idx / hn, r = idx % hn;
-        c.xown[t][r] = c.xres[t][h0 + r];
-      }
-    } else {
-      load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
+      for (int g = 1; g < QMK_NKV; ++g) { o.x += p[g].x; o.y += p[g].y; o.z += p[g].z; o.w += p[g].w; }
+      const float4 xr = *reinterpret_cast<const float4*>(&c.xres[t][d4]);
+      const bool e = c.exact;
+      const float4 xn = make_float4(rnd(xr.x + rnd(o.x, e), e), rnd(xr.y + rnd(o.y, e), e),
+                                    rnd(xr.z + rnd(o.z, e), e), rnd(xr.w + rnd(o.w, e), e));
+      *reinterpret_cast<float4*>(&c.xres[t][d4]) = xn;
+      *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d4]) = xn;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
+      const int t = idx / hn, r = idx % hn;
+      c.xown[t][r] = c.xres[t][h0 + r];
     }
     if (QMK_Y_AT == 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
     if (!QMK_HOIST) wn = norm_raw(w.post_norm);

@@ -29,7 +29,7 @@ from .api import FrameResult, Prompt, SamplingConfig
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LIB_NAME = "libqwen_megakernel.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # csrc/layout.h
 H, NH, NKV, HD, I = 1024, 16, 8, 128, 3072
@@ -48,7 +48,7 @@ class QmkState(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing", "past_hidden",
-        "trailing", "pad_embed", "seen", "samp", "out", "x", "qkv", "attn", "act", "logits",
+        "trailing", "pad_embed", "seen", "samp", "out", "x", "qkv", "opart", "act", "logits",
         "part", "cp_k", "cp_v", "sync", "dump")] + [
         ("max_pos", ctypes.c_int32), ("max_trailing", ctypes.c_int32), ("num_slots", ctypes.c_int32),
         ("eos", ctypes.c_int32), ("suppress_start", ctypes.c_int32), ("min_new_tokens", ctypes.c_int32),
@@ -124,7 +124,7 @@ def check_shapes(w: DecodeWeights) -> None:
 
 def grouped_o(o_proj: torch.Tensor) -> torch.Tensor:
     """o_proj [H, NH*HD] -> head-group major [NKV, H, 2*HD]: out[g, r, c] = o_proj[r, 2*HD*g + c]
-    (csrc/ops/cp_attention.cuh: one contiguous slice per block)."""
+    (csrc/ops/attn_oproj.cuh: one contiguous slice per block)."""
     return o_proj.view(H, NKV, 2 * HD).permute(1, 0, 2).contiguous()
 
 
@@ -141,12 +141,11 @@ def mma_layout(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(rows // 4, 4, k // 64, 2, 2, 4, 2, 2).permute(0, 2, 4, 1, 5, 6, 3, 7).contiguous()
 
 
-def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> torch.Tensor:
+def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
     """csrc/layout.h QmkModel as an int64 host tensor of device pointers (qmk_frame passes it
     to the kernel by value). Every matrix is passed in the tensor-core layout (mma_layout: a
     permuted copy, ~1.05 GB for the 0.6B model; the nn.Linear tensors stay for the PyTorch
-    prefill). cp_o_grouped: the library wants the code predictor's o_proj head-group major
-    first (qmk_cp_o_layout() == 1)."""
+    prefill), every o_proj head-group major first (grouped_o)."""
     ptrs: list[int] = []
 
     def p(t: torch.Tensor) -> int:
@@ -159,9 +158,8 @@ def model_table(w: DecodeWeights, keep: list, cp_o_grouped: bool = False) -> tor
 
     for lm in (w.talker, w.predictor):
         for lw in lm.layers:
-            o = grouped_o(lw.o_proj) if (cp_o_grouped and lm is w.predictor) else lw.o_proj
             ptrs += [p(lw.input_norm), m(lw.q_proj), m(lw.k_proj), m(lw.v_proj), p(lw.q_norm),
-                     p(lw.k_norm), m(o), p(lw.post_norm), m(lw.gate_proj), m(lw.up_proj),
+                     p(lw.k_norm), m(grouped_o(lw.o_proj)), p(lw.post_norm), m(lw.gate_proj), m(lw.up_proj),
                      m(lw.down_proj)]
     dev = w.codec_head.device
     ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), m(w.codec_head)]
@@ -237,8 +235,7 @@ class MegakernelEngine:
             raise RuntimeError(f"megakernel grid: {self.lib.qmk_error_string(err).decode()}")
         self.blocks, self.sms = blocks.value, sms.value
         self._keep: list = []
-        grouped = self.lib.qmk_cp_o_layout() == 1  # every ABI-2 library exports it
-        self.model_host = model_table(weights, self._keep, cp_o_grouped=grouped)
+        self.model_host = model_table(weights, self._keep)
         if self.model_host.numel() * 8 != self.lib.qmk_model_size():
             raise RuntimeError("QmkModel layout differs from megakernel.py")
         bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
@@ -258,10 +255,10 @@ class MegakernelEngine:
         self.out = torch.zeros(s, OUT_WORDS, **i32)
         self.x = torch.zeros(MAX_T, H, **f32)
         self.qkv = torch.zeros(MAX_T, 4096, **f32)
-        self.attn = torch.zeros(MAX_T, NH * HD, **f32)
+        self.opart = torch.zeros(NKV, MAX_T, H, **f32)
         self.act = torch.zeros(MAX_T, I, **f32)
         self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
-        self.part = torch.zeros(NH * MAX_T, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
+        self.part = torch.zeros(MAX_T * NH, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
         cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
         self.cp_k, self.cp_v = torch.zeros(cp_shape, **f32), torch.zeros(cp_shape, **f32)
         self.sync = torch.zeros(SYNC_WORDS, **i32)
@@ -270,7 +267,7 @@ class MegakernelEngine:
         st = QmkState()
         for name in ("kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing",
                      "past_hidden", "trailing", "pad_embed", "seen", "samp", "out", "x", "qkv",
-                     "attn", "act", "logits", "part", "cp_k", "cp_v", "sync"):
+                     "opart", "act", "logits", "part", "cp_k", "cp_v", "sync"):
             setattr(st, name, getattr(self, name).data_ptr())
         st.dump = self.dump.data_ptr() if self.dump is not None else None
         st.max_pos, st.max_trailing, st.num_slots = max_positions, max_trailing, s

@@ -1,14 +1,19 @@
-// Code-predictor phase "attention + o_proj partial" (replaces the separate attention phase and the
-// o_proj phase of the CP: one grid barrier less per CP layer, and every block has work).
+// Phase "attention + o_proj partial" of every layer (code predictor and talker): one grid barrier
+// less per layer than an o_proj phase of its own, and every block has work.
 //
-// Blocks are split into 8 groups by kv head (g = block % 8). Every block of group g recomputes,
-// from the raw q|k|v linear outputs, the per-head q/k RMSNorm + RoPE and the tiny attention
-// (<= 16 keys) of kv head g (its 2 q heads, T tokens), then multiplies its share of o_proj rows,
-// restricted to the 256 columns of those 2 heads, into a partial sum part[g][t][row]. The next
-// phase adds x + (part[0] + ... + part[7]) in a fixed order in every block (deterministic).
-// Block g (first of its group) appends the new K/V rows to the CP cache. Keys of earlier
-// positions were written in earlier passes (many barriers ago), so they are loaded before the
-// barrier wait together with the o_proj weight slice.
+// Blocks are split into 8 groups by kv head (g = block % 8). Every block of group g gets the
+// attention output of kv head g (its 2 q heads, T tokens), then multiplies its share of o_proj
+// rows, restricted to the 256 columns of those 2 heads, into a partial sum opart[g][t][row]. The
+// next phase adds x + (opart[0] + ... + opart[7]) in a fixed order in every block
+// (deterministic). The attention output comes one of two ways:
+// - code predictor (cp_attn_oproj): every block of the group recomputes, from the raw q|k|v
+//   linear outputs, the per-head q/k RMSNorm + RoPE and the tiny attention (<= 16 keys); block g
+//   (first of its group) appends the new K/V rows. Keys of earlier positions were written in
+//   earlier passes (many barriers ago), so they are loaded before the barrier wait together with
+//   the o_proj weight slice.
+// - talker (merge_oproj): the split-K phase before (ops/attention.cuh) left one online-softmax
+//   state per key chunk; every block of the group merges its head pair's chunks. (Recomputing
+//   the talker's attention over ~100 keys in every block instead measured slower: frame +60 us.)
 #pragma once
 #include "common.cuh"
 #include "matvec.cuh"
@@ -18,7 +23,7 @@ namespace qmk {
 constexpr int CP_KPW = (QMK_CP_POS + NW - 1) / NW;  // keys per warp (16 positions / 8 warps)
 static_assert(2 * QMK_MAX_T + 2 * QMK_MAX_T <= NW, "one warp per q / k / v row of a kv head");
 
-struct CpAttnSmem {
+struct AttnOSmem {
   float q[2 * QMK_MAX_T][QMK_HD];   // q after norm + RoPE, row = t * 2 + j
   float kn[QMK_MAX_T][QMK_HD];      // new k rows (norm + RoPE)
   float vn[QMK_MAX_T][QMK_HD];      // new v rows
@@ -29,7 +34,7 @@ struct CpAttnSmem {
 };
 
 // This block's kv-head group g and its o_proj rows [r0, r0 + n) within the group.
-__device__ __forceinline__ void cp_oproj_rows(int& g, int& gi, int& r0, int& n) {
+__device__ __forceinline__ void oproj_rows(int& g, int& gi, int& r0, int& n) {
   const int G = gridDim.x, b = blockIdx.x;
   g = b % QMK_NKV;
   gi = b / QMK_NKV;
@@ -37,14 +42,13 @@ __device__ __forceinline__ void cp_oproj_rows(int& g, int& gi, int& r0, int& n) 
   rows4_of(gi, gn, QMK_H, r0, n);
 }
 
-// The CP layers' o_proj arrives head-group major (host side, megakernel.py): o[g][row][256]
+// Every o_proj arrives head-group major (host side, megakernel.py grouped_o): o[g][row][256]
 // = o_proj[row][256 g + .], so a block's slice (n rows x the 256 columns of group g) is one
 // contiguous range: a single bulk copy into slot Y (row by row it was 64 small copies, 2.5 us
-// to issue). qmk_cp_o_layout() tells the host which layout the library expects.
-#define QMK_CP_O_GROUPED QMK_CP_FUSED
-__device__ __forceinline__ void cp_issue_oproj(const Stage& sg, const QmkLayer& w) {
+// to issue).
+__device__ __forceinline__ void issue_oproj(const Stage& sg, const QmkLayer& w) {
   int g, gi, r0, n;
-  cp_oproj_rows(g, gi, r0, n);
+  oproj_rows(g, gi, r0, n);
   if (is_issuer()) {
     constexpr uint32_t RB = 2 * QMK_HD * 2;  // 512 bytes per row
     sg.expect(SLOT_Y, n * RB);
@@ -52,19 +56,36 @@ __device__ __forceinline__ void cp_issue_oproj(const Stage& sg, const QmkLayer& 
   }
 }
 
-// kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions p0 ..; out: part.
-// The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
-// grid barrier, computes, arrives.
-// late(): issues the next phase's slice right after the barrier wait (QMK_X_AT == 1) or once this
-// phase's q|k|v loads have returned (2).
+// The phase's end: this block's o_proj rows x the group's 256 columns (the attention output split
+// in s.a), on the tensor cores, -> opart[g]; then the barrier arrive.
+template <int T>
+__device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, Stage& sg, AttnOSmem& s, float* red) {
+  int g, gi, r0, n;
+  oproj_rows(g, gi, r0, n);
+  __syncthreads();
+  grid.mark(3);
+  sg.wait(SLOT_Y);
+  grid.mark(4);
+  mv_mma<T, 2 * QMK_HD, QMK_HD, QMK_KW_CPO>(n, sg.slot[SLOT_Y], &s.a[0][0], s.out, red);
+  for (int idx = threadIdx.x; idx < n * T; idx += NT) {
+    const int r = idx / T, t = idx % T;
+    __stcg(st.opart + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);
+  }
+  grid.mark(5);
+  grid.arrive();
+}
+
+// Code predictor. kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions
+// p0 ... The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
+// grid barrier, computes, arrives. late(): issues the next phase's slice right after the barrier
+// wait (QMK_X_AT == 1) or once this phase's q|k|v loads have returned (2).
 template <int T, class Late>
-__device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
-                              const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
-                              CpAttnSmem& s, float* red, Late late) {
+__device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
+                                              const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
+                                              AttnOSmem& s, float* red, Late late) {
   constexpr int NQ = 2 * T;
   int g, gi, r0, n;
-  cp_oproj_rows(g, gi, r0, n);
-  const uint4* stage = sg.slot[SLOT_Y];
+  oproj_rows(g, gi, r0, n);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ctx = p0 + T;
@@ -182,19 +203,41 @@ __device__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, 
     split_store(s.a[r / 2], (r & 1) * QMK_HD + d,
                 make_float4(rnd(A[0] / L, exact), rnd(A[1] / L, exact), rnd(A[2] / L, exact), rnd(A[3] / L, exact)));
   }
-  __syncthreads();
-  grid.mark(3);
-  sg.wait(SLOT_Y);
-  grid.mark(4);
+  oproj_partial<T>(st, grid, sg, s, red);
+  return true;
+}
 
-  // 3) o_proj partial: this block's rows x the group's 256 columns, on the tensor cores.
-  mv_mma<T, 2 * QMK_HD, QMK_HD, QMK_KW_CPO>(n, stage, &s.a[0][0], s.out, red);
-  for (int idx = threadIdx.x; idx < n * T; idx += NT) {
-    const int r = idx / T, t = idx % T;
-    __stcg(st.part + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);
+// Talker: merge the nchunks split-K states of heads 2g, 2g + 1 (st.part, written by the split-K
+// phase; every chunk holds >= 1 visible key) in one online pass, then the o_proj partial.
+template <int T>
+__device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, bool exact, Grid& grid, int* flag,
+                                            Stage& sg, AttnOSmem& s, float* red) {
+  constexpr int NQ = 2 * T;
+  const int g = blockIdx.x % QMK_NKV;
+  if (!grid.wait(flag)) return false;
+  for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
+    const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
+    const float* pp = st.part + (size_t)((r / 2) * QMK_NH + 2 * g + (r & 1)) * QMK_MAX_CHUNKS * (QMK_HD + 2);
+    float mx = neg_inf(), L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int cc = 0; cc < nchunks; ++cc) {
+      const float* q = pp + cc * (QMK_HD + 2);
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(q));
+      const float2 a01 = __ldcg(reinterpret_cast<const float2*>(q + 2 + d));
+      const float2 a23 = __ldcg(reinterpret_cast<const float2*>(q + 4 + d));
+      const float mn = fmaxf(mx, ml.x);
+      const float co = expf(mx - mn), e = expf(ml.x - mn);  // co = 0 on the first chunk
+      L = fmaf(L, co, ml.y * e);
+      A[0] = fmaf(A[0], co, a01.x * e);
+      A[1] = fmaf(A[1], co, a01.y * e);
+      A[2] = fmaf(A[2], co, a23.x * e);
+      A[3] = fmaf(A[3], co, a23.y * e);
+      mx = mn;
+    }
+    split_store(s.a[r / 2], (r & 1) * QMK_HD + d,
+                make_float4(rnd(A[0] / L, exact), rnd(A[1] / L, exact), rnd(A[2] / L, exact), rnd(A[3] / L, exact)));
   }
-  grid.mark(5);
-  grid.arrive();
+  oproj_partial<T>(st, grid, sg, s, red);
   return true;
 }
 
