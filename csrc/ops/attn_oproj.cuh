@@ -209,12 +209,14 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
 
 // Talker: merge the nchunks split-K states of heads 2g, 2g + 1 (st.part, written by the split-K
 // phase; every chunk holds >= 1 visible key) in one online pass, then the o_proj partial.
-template <int T>
+// late(): runs right after the barrier wait.
+template <int T, class Late>
 __device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, bool exact, Grid& grid, int* flag,
-                                            Stage& sg, AttnOSmem& s, float* red) {
+                                            Stage& sg, AttnOSmem& s, float* red, Late late) {
   constexpr int NQ = 2 * T;
   const int g = blockIdx.x % QMK_NKV;
   if (!grid.wait(flag)) return false;
+  late();
   for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
     const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
     const float* pp = st.part + (size_t)((r / 2) * QMK_NH + 2 * g + (r & 1)) * QMK_MAX_CHUNKS * (QMK_HD + 2);

@@ -14,6 +14,12 @@
 #include "matvec.cuh"
 #include "sampling.cuh"
 
+// QMK_GU_LATE: the talker blocks that run split-K items issue their gate|up slice after P2F's
+// barrier wait, not right after their attention, where P2's release fence waited for it (1.4 us,
+// on the critical path: these blocks arrive last). H100, same call: talker 574-582 vs 601-602 us.
+#ifndef QMK_GU_LATE
+#define QMK_GU_LATE 1
+#endif
 // QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
 // q|k|v slice issued before the head phase's barrier (it streams in during the sampling).
 #ifndef QMK_HOIST
@@ -278,7 +284,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase): in the code
     // predictor P2F issues it (QMK_X_AT); in the talker the blocks that run split-K items issue it
     // after their attention (a prefetch in flight slows the attention's KV loads, its critical
-    // path), the others before P2's wait.
+    // path; where: QMK_GU_LATE), the others before P2's wait.
     const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_); };
     KV* kcl = kc + L * lstride;
     KV* vcl = vc + L * lstride;
@@ -295,9 +301,12 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       attention_prefetch<T, KV>(a, p0, pf);
       if (!c.g.wait(c.flag)) return false;
       attention_phase<T, KV>(a, p0, c.sm.at, pf);
-      if (attn_block) gate_up();  // X is free; attention_phase ended with __syncthreads
+      if (attn_block && !QMK_GU_LATE) gate_up();  // X is free; attention_phase ended with __syncthreads
       c.g.arrive();
-      if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red)) return false;
+      if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red, [&]() {
+            if (attn_block && QMK_GU_LATE) gate_up();
+          }))
+        return false;
     }
 
     // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),
