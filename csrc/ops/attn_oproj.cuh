@@ -46,13 +46,13 @@ __device__ __forceinline__ void oproj_rows(int& g, int& gi, int& r0, int& n) {
 // = o_proj[row][256 g + .], so a block's slice (n rows x the 256 columns of group g) is one
 // contiguous range: a single bulk copy into slot Y (row by row it was 64 small copies, 2.5 us
 // to issue).
-__device__ __forceinline__ void issue_oproj(const Stage& sg, const QmkLayer& w) {
+__device__ __forceinline__ void issue_oproj(const Stage& sg, const QmkLayer& w, bool keep) {
   int g, gi, r0, n;
   oproj_rows(g, gi, r0, n);
   if (is_issuer()) {
     constexpr uint32_t RB = 2 * QMK_HD * 2;  // 512 bytes per row
     sg.expect(SLOT_Y, n * RB);
-    if (issue_lane() == 0 && n > 0) sg.copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * RB);
+    if (issue_lane() == 0 && n > 0) sg.copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * RB, keep);
   }
 }
 

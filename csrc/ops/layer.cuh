@@ -156,7 +156,7 @@ __device__ __forceinline__ float4 norm_cvt(uint2 r) {
 
 // Issue this block's slices (warp 0; each contiguous row range is one bulk copy).
 // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> slot X.
-__device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
+__device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w, bool keep) {
   if (!is_issuer()) return;
   int q0, qn;
   rows4_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
@@ -169,24 +169,24 @@ __device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w) {
     const int a = max(q0, lo), e = min(q0 + qn, hi);
     if (a < e) {
       const qmk_bf16* base = lane == 0 ? w.q : lane == 1 ? w.k : w.v;
-      c.sg.copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB);
+      c.sg.copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB, keep);
     }
   }
 }
 // gate rows then up rows [i0, i0 + in_) -> slot X.
-__device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, int i0, int in_) {
+__device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, int i0, int in_, bool keep) {
   if (!is_issuer()) return;
   constexpr uint32_t RB = QMK_H * 2;
   c.sg.expect(SLOT_X, 2 * in_ * RB);
   const int lane = issue_lane();
-  if (lane < 2 && in_ > 0) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB);
+  if (lane < 2 && in_ > 0) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB, keep);
 }
 // rows [r0, r0 + n) of a [*, K] matrix -> slot s.
 template <int K>
-__device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n) {
+__device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n, bool keep = false) {
   if (!is_issuer()) return;
   c.sg.expect(s, n * K * 2);
-  if (issue_lane() == 0 && n > 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2);
+  if (issue_lane() == 0 && n > 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2, keep);
 }
 // The final-head slice that follows a stack: rows of `head` [V, H] -> slot s.
 struct HeadSlice {
@@ -251,8 +251,10 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
-    if (L == 0 && !preissued) issue_qkv(c, w);
-    if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w);  // -> Y, for P2F
+    // this layer's slices that stay in L2 (QMK_L2_KEEP: all; QMK_L2_KEEP_BIG: q|k|v, gate|up)
+    const bool keep = CP && L < QMK_L2_KEEP, keep_big = CP && (L < QMK_L2_KEEP || L < QMK_L2_KEEP_BIG);
+    if (L == 0 && !preissued) issue_qkv(c, w, keep_big);
+    if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     if (L == 0) {
       load_input<T>(c, in0);
@@ -263,10 +265,10 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       }
     } else {
       if (!c.g.wait(c.flag)) return false;
-      if (QMK_Y_AT == 1) issue_oproj(c.sg, w);
+      if (QMK_Y_AT == 1) issue_oproj(c.sg, w, keep);
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_oproj(c.sg, w);
+    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_oproj(c.sg, w, keep);
     // keep the raw residual: P4 adds the o_proj partials to it
 #pragma unroll
     for (int t = 0; t < T; ++t)
@@ -285,7 +287,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // predictor P2F issues it (QMK_X_AT); in the talker the blocks that run split-K items issue it
     // after their attention (a prefetch in flight slows the attention's KV loads, its critical
     // path; where: QMK_GU_LATE), the others before P2's wait.
-    const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_); };
+    const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_, keep_big); };
     KV* kcl = kc + L * lstride;
     KV* vcl = vc + L * lstride;
     if constexpr (CP) {
@@ -311,10 +313,10 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
 
     // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),
     // post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);  // -> Y for P5 (consumed in P2F)
+    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);  // -> Y for P5 (consumed in P2F)
     wn = QMK_HOIST ? norm_raw(w.post_norm) : uint2{};
     if (!c.g.wait(c.flag)) return false;
-    if (QMK_Y_AT == 1) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
+    if (QMK_Y_AT == 1) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       float4 p[QMK_NKV];
@@ -336,7 +338,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       const int t = idx / hn, r = idx % hn;
       c.xown[t][r] = c.xres[t][h0 + r];
     }
-    if (QMK_Y_AT == 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn);
+    if (QMK_Y_AT == 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);
     if (!QMK_HOIST) wn = norm_raw(w.post_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
@@ -354,7 +356,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
     // the head (X, consumed in P4).
     const auto issue_next = [&]() {
-      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1]);
+      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && (L + 1 < QMK_L2_KEEP || L + 1 < QMK_L2_KEEP_BIG));
       else issue_head(c, head);
     };
     if (QMK_X_AT == 0) issue_next();
@@ -380,7 +382,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
 // the head's matvec), so it streams in during the sampling and the barrier's release fence does
 // not wait for it (or nullptr).
 __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
-                           int dump_row, const QmkLayer* next = nullptr) {
+                           int dump_row, const QmkLayer* next = nullptr, bool next_keep = false) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows4_of(b, G, h.V, r0, n);
@@ -403,7 +405,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
   const bool ok = c.g.sync_all(c.flag);
-  if (next != nullptr) issue_qkv(c, *next);
+  if (next != nullptr) issue_qkv(c, *next, next_keep);
   return ok;
 }
 
