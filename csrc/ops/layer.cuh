@@ -21,7 +21,8 @@
 #define QMK_GU_LATE 1
 #endif
 // QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
-// q|k|v slice issued before the head phase's barrier (it streams in during the sampling).
+// q|k|v slice issued by the head phase after its closing barrier (it streams in during the
+// sampling).
 #ifndef QMK_HOIST
 #define QMK_HOIST 1
 #endif
