@@ -1,7 +1,7 @@
-// Talker attention at long contexts, phase "split-K attention": per-head q/k RMSNorm, rotate-half
-// RoPE, KV append and GQA attention over key chunks (flash-decoding style). Each item writes its
-// chunk's online-softmax state (m, l, acc); the next phase (ops/attn_oproj.cuh) merges the chunks
-// of its head pair before its o_proj partial. Short contexts skip this phase (direct attention).
+// The talker's phase "split-K attention": per-head q/k RMSNorm, rotate-half RoPE, KV append and
+// GQA attention over key chunks (flash-decoding style). Each item writes its chunk's
+// online-softmax state (m, l, acc); the next phase (ops/attn_oproj.cuh) merges the chunks of its
+// head pair before its o_proj partial.
 #pragma once
 #include "common.cuh"
 

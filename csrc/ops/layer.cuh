@@ -252,8 +252,8 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
-    // this layer's slices that stay in L2 (QMK_L2_KEEP: all; QMK_L2_KEEP_BIG: q|k|v, gate|up)
-    const bool keep = CP && L < QMK_L2_KEEP, keep_big = CP && (L < QMK_L2_KEEP || L < QMK_L2_KEEP_BIG);
+    // this layer's slices that stay in L2 (matvec.cuh l2_keep)
+    const bool keep = CP && l2_keep(L, false), keep_big = CP && l2_keep(L, true);
     if (L == 0 && !preissued) issue_qkv(c, w, keep_big);
     if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
@@ -357,7 +357,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
     // the head (X, consumed in P4).
     const auto issue_next = [&]() {
-      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && (L + 1 < QMK_L2_KEEP || L + 1 < QMK_L2_KEEP_BIG));
+      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && l2_keep(L + 1, true));
       else issue_head(c, head);
     };
     if (QMK_X_AT == 0) issue_next();

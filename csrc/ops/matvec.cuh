@@ -56,17 +56,22 @@ __device__ __forceinline__ int issue_lane() { return threadIdx.x & 31; }
 #ifndef QMK_L2_KEEP_BIG
 #define QMK_L2_KEEP_BIG 1
 #endif
+constexpr bool L2_KEEPS = QMK_L2_KEEP > 0 || QMK_L2_KEEP_BIG > 0;
+// Whether CP layer L's slices (big: q|k|v, gate|up) are copied evict-last.
+__host__ __device__ constexpr bool l2_keep(int L, bool big) {
+  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG);
+}
 
 struct Stage {
   uint4* slot[NSLOTS];  // dynamic smem
   uint64_t* mbar;       // smem [NSLOTS], one arrival (the expect_tx) per use
   uint32_t parity;      // bit s: parity of mbar[s]'s next completion (same in every thread)
   uint64_t policy;      // L2 cache policy of the copies (QMK_EVICT_FIRST)
-  uint64_t keep_policy; // L2 evict-last (QMK_L2_KEEP)
+  uint64_t keep_policy; // L2 evict-last (QMK_L2_KEEP / QMK_L2_KEEP_BIG)
 
   __device__ void init() {
     if (QMK_EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    if (QMK_L2_KEEP || QMK_L2_KEEP_BIG) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
+    if (L2_KEEPS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
     if (threadIdx.x == 0)
       for (int s = 0; s < NSLOTS; ++s)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar + s)) : "memory");
@@ -86,13 +91,13 @@ struct Stage {
     __syncwarp();
   }
   // One range: bytes (multiple of 16) from global src to slot s at byte offset off. keep: the
-  // evict-last policy (QMK_L2_KEEP).
+  // evict-last policy (l2_keep).
   __device__ __forceinline__ void copy(int s, uint32_t off, const void* src, uint32_t bytes, bool keep = false) const {
-    if (QMK_EVICT_FIRST || ((QMK_L2_KEEP || QMK_L2_KEEP_BIG) && keep))
+    if (QMK_EVICT_FIRST || (L2_KEEPS && keep))
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
               smem_u32(slot[s]) + off),
-          "l"(src), "r"(bytes), "r"(smem_u32(mbar + s)), "l"((QMK_L2_KEEP || QMK_L2_KEEP_BIG) && keep ? keep_policy : policy)
+          "l"(src), "r"(bytes), "r"(smem_u32(mbar + s)), "l"(L2_KEEPS && keep ? keep_policy : policy)
           : "memory");
     else
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
