@@ -96,12 +96,12 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
                        nullptr};
         ok = run_stack<2, float, true>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
                                          m->inv_freq_cp, false, head);
-        ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0, next, next == &m->cp[0] && l2_keep(0, true));
+        ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0, next, next == &m->cp[0] && l2_keep(0, true, true));
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
         ok = run_stack<1, float, true>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
                                          m->inv_freq_cp, QMK_HOIST, head);
-        ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k, next, next == &m->cp[0] && l2_keep(0, true));
+        ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k, next, next == &m->cp[0] && l2_keep(0, true, true));
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.

@@ -254,7 +254,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
     // this layer's slices that stay in L2 (matvec.cuh l2_keep)
     const bool keep = CP && l2_keep(L, false), keep_big = CP && l2_keep(L, true);
-    if (L == 0 && !preissued) issue_qkv(c, w, keep_big);
+    if (L == 0 && !preissued) issue_qkv(c, w, CP && l2_keep(L, true, true));
     if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     if (L == 0) {
@@ -357,7 +357,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
     // the head (X, consumed in P4).
     const auto issue_next = [&]() {
-      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && l2_keep(L + 1, true));
+      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && l2_keep(L + 1, true, true));
       else issue_head(c, head);
     };
     if (QMK_X_AT == 0) issue_next();

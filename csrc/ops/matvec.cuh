@@ -45,21 +45,26 @@ __device__ __forceinline__ int issue_lane() { return threadIdx.x & 31; }
 #ifndef QMK_EVICT_FIRST
 #define QMK_EVICT_FIRST 1
 #endif
-// QMK_L2_KEEP_BIG / QMK_L2_KEEP: the big slices (q|k|v, gate|up) / all slices of the first
-// code-predictor layers are copied with an L2 evict-last policy instead, since each of the frame's
-// 15 passes reads them again; their copies then come from L2 and complete sooner. H100, same call,
-// ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs 92.8-93.6 us, frame 1934-1943 vs 1945-1953;
-// KEEP=1 (32 MB) CP pass 89.0-91.3; KEEP_BIG=2 (42 MB) or more thrash the 50 MB L2 (slower).
+// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
+// / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
+// instead, since each of the frame's 15 passes reads them again; their copies then come from L2
+// and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
+// 92.8-93.6 us, frame 1934-1943 vs 1945-1953; with KEEP_QKV=2 (+8.4 MB) CP pass 88.4-88.6 vs
+// 89.3-90.3, frame 1920-1927 vs 1941-1947; KEEP=1 (32 MB) CP pass 89.0-91.3; KEEP_QKV=3 (38 MB),
+// KEEP_BIG=2 (42 MB) or more thrash the 50 MB L2 (slower).
 #ifndef QMK_L2_KEEP
 #define QMK_L2_KEEP 0
 #endif
 #ifndef QMK_L2_KEEP_BIG
 #define QMK_L2_KEEP_BIG 1
 #endif
-constexpr bool L2_KEEPS = QMK_L2_KEEP > 0 || QMK_L2_KEEP_BIG > 0;
-// Whether CP layer L's slices (big: q|k|v, gate|up) are copied evict-last.
-__host__ __device__ constexpr bool l2_keep(int L, bool big) {
-  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG);
+#ifndef QMK_L2_KEEP_QKV
+#define QMK_L2_KEEP_QKV 2
+#endif
+constexpr bool L2_KEEPS = QMK_L2_KEEP > 0 || QMK_L2_KEEP_BIG > 0 || QMK_L2_KEEP_QKV > 0;
+// Whether CP layer L's slices (big: q|k|v or gate|up; qkv: q|k|v) are copied evict-last.
+__host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
+  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG) || (qkv && L < QMK_L2_KEEP_QKV);
 }
 
 struct Stage {
