@@ -145,13 +145,7 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
 
     // 3) each warp walks keys c0 + warp, c0 + warp + NW, ...; lanes hold 4 dims; online softmax.
     float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
-#pragma unroll
-    for (int r = 0; r < NQ; ++r) {
-      m[r] = neg_inf();
-      l[r] = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) { qv[r][i] = sm.q[r][lane * 4 + i]; acc[r][i] = 0.f; }
-    }
+    softmax_begin<NQ>(sm.q, lane, qv, m, l, acc);
     const KV* kbase = a.kc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
     const KV* vbase = a.vc + (size_t)h * a.ld_pos * QMK_HD + lane * 4;
     const bool first = item == (int)blockIdx.x;  // pf holds this item's first keys
@@ -180,12 +174,7 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       kv_load4(vbase + (size_t)j * QMK_HD, vf);
       key(j, kf, vf);
     }
-#pragma unroll
-    for (int r = 0; r < NQ; ++r) {
-      if (lane == 0) { sm.merge[warp][r][0] = m[r]; sm.merge[warp][r][1] = l[r]; }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sm.merge[warp][r][2 + lane * 4 + i] = acc[r][i];
-    }
+    softmax_save<NQ>(sm.merge[warp], lane, m, l, acc);
     __syncthreads();
 
     // 4) merge the warps into this chunk's state (m, l, acc) of each row.

@@ -162,13 +162,7 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
   // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
   const float scale = 0.08838834764831845f;  // head_dim ** -0.5
   float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
-#pragma unroll
-  for (int r = 0; r < NQ; ++r) {
-    m[r] = neg_inf();
-    l[r] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { qv[r][i] = s.q[r][lane * 4 + i]; acc[r][i] = 0.f; }
-  }
+  softmax_begin<NQ>(s.q, lane, qv, m, l, acc);
 #pragma unroll
   for (int i = 0; i < CP_KPW; ++i) {
     const int j = warp + NW * i;
@@ -182,12 +176,7 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
       attend_key<NQ>(qv, kk, vv, j, p0, scale, m, l, acc);
     }
   }
-#pragma unroll
-  for (int r = 0; r < NQ; ++r) {
-    if (lane == 0) { s.merge[warp][r][0] = m[r]; s.merge[warp][r][1] = l[r]; }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.merge[warp][r][2 + lane * 4 + i] = acc[r][i];
-  }
+  softmax_save<NQ>(s.merge[warp], lane, m, l, acc);
   __syncthreads();
   // 4 consecutive dims per thread (one split_store each).
   for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {

@@ -77,6 +77,31 @@ __device__ __forceinline__ void attend_key(const float (&qv)[NQ][4], const float
     }
   }
 }
+// A warp's key walk over NQ rows starts from this lane's 4 dims of each q row (q: shared rows
+// [NQ][HD]), max -inf, sum and output 0 ...
+template <int NQ>
+__device__ __forceinline__ void softmax_begin(const float (*q)[QMK_HD], int lane, float (&qv)[NQ][4], float (&m)[NQ],
+                                              float (&l)[NQ], float (&acc)[NQ][4]) {
+#pragma unroll
+  for (int r = 0; r < NQ; ++r) {
+    m[r] = neg_inf();
+    l[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { qv[r][i] = q[r][lane * 4 + i]; acc[r][i] = 0.f; }
+  }
+}
+// ... and ends by saving the state for the block's merge: merge[r] = (m, l, acc[0..HD)) (shared,
+// this warp's rows).
+template <int NQ>
+__device__ __forceinline__ void softmax_save(float (*merge)[QMK_HD + 2], int lane, const float (&m)[NQ],
+                                             const float (&l)[NQ], const float (&acc)[NQ][4]) {
+#pragma unroll
+  for (int r = 0; r < NQ; ++r) {
+    if (lane == 0) { merge[r][0] = m[r]; merge[r][1] = l[r]; }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) merge[r][2 + lane * 4 + i] = acc[r][i];
+  }
+}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
