@@ -4,8 +4,9 @@
 #pragma once
 #include <stdint.h>
 
-#define QMK_ABI_VERSION 3  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
+#define QMK_ABI_VERSION 4  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
                            // 3: every o_proj head-group major (megakernel.py grouped_o); opart
+                           // 4: qkv and part are LL words (ops/common.cuh), ll_seq
 
 // Qwen3-TTS-12Hz-0.6B decoder stacks (talker and code predictor share the layer shape).
 #define QMK_H 1024            // hidden size
@@ -47,6 +48,12 @@
 #define QMK_SYNC_BAR 0        // grid barrier arrival counter (monotonic within a launch)
 #define QMK_SYNC_ERR 32       // error code (0 = ok)
 #define QMK_SYNC_WORDS 128
+
+// LL words (ops/common.cuh): flag = (ll_seq << QMK_LL_USE_BITS) | use, use = the index of the
+// q|k|v phase within the launch (15 x 5 code-predictor layers + 28 talker layers < 128). qmk_frame
+// advances ll_seq before every launch and zeroes the LL buffers when it wraps.
+#define QMK_LL_USE_BITS 7
+#define QMK_LL_SEQ_MAX ((1u << (32 - QMK_LL_USE_BITS)) - 1)
 
 #ifdef __cplusplus
 #include <cuda_bf16.h>
@@ -120,11 +127,11 @@ typedef struct {
   // instance scratch
   // activations are fp32 (bf16-exact values under QMK_FLAG_BF16_EXACT)
   float* x;                // [MAX_T][H] residual stream
-  float* qkv;              // [MAX_T][QKV]
+  uint64_t* qkv;           // [MAX_T][QKV] LL words: q|k|v linear outputs
   float* opart;            // [NKV][MAX_T][H] o_proj partial sums per kv-head group
   float* act;              // [MAX_T][I]
   float* logits;           // [VT]
-  float* part;             // [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K attention partials
+  uint64_t* part;          // [MAX_T * NH][MAX_CHUNKS][HD + 2] LL words: split-K attention partials
   float* cp_k;             // [CP_LAYERS][NKV][CP_POS][HD]
   float* cp_v;             // same
   uint32_t* sync;          // [SYNC_WORDS]
@@ -136,7 +143,7 @@ typedef struct {
   int32_t suppress_start;  // 2048
   int32_t min_new_tokens;  // 2
   float eps;               // rms_norm_eps (1e-6)
-  int32_t pad0;
+  uint32_t ll_seq;         // LL flag sequence, advanced by qmk_frame (0: the LL buffers get zeroed)
   uint64_t timeout_ns;     // bounded spin: a barrier wait longer than this reports QMK_ERR_TIMEOUT
 } QmkState;
 

@@ -2,7 +2,7 @@
 // 15 code-predictor passes (the first over 2 positions) with on-GPU sampling of codes 1..15,
 // the 16-codebook embedding sum plus the text-track vector, one 28-layer talker step, the codec
 // head and the code-0 draw. Phases (ops/layer.cuh) are separated by a per-instance split-phase grid
-// barrier (ops/common.cuh).
+// barrier, or hand their outputs to the few blocks that read them as LL words (ops/common.cuh).
 // Host interface: a C ABI (qmk_*), loaded with ctypes by tts_server/kernels/megakernel.py.
 #include <cuda_runtime.h>
 
@@ -49,12 +49,14 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   __shared__ __align__(16) float xres[QMK_MAX_T][QMK_H];
   __shared__ int flag;
   __shared__ int codes[QMK_GROUPS];
+  __shared__ __align__(16) AttnStatic astat;
   extern __shared__ uint4 stage[];  // [STAGE_BYTES / 16]: slots X | Y
   __shared__ __align__(8) uint64_t mbar[NSLOTS];
   Stage sg{{stage, stage + X_BYTES / 16}, mbar, 0u};
   sg.init();
-  Grid g{st.sync, st.timeout_ns, 0u};
+  Grid g{st.sync, st.timeout_ns, 0u, st.ll_seq << QMK_LL_USE_BITS, 0u};
 #if QMK_TRACE
+  g.tep = 0;
   {
     const int G = gridDim.x, b = blockIdx.x;
     const int slot3 = b == 0 ? 0 : b == G / 2 ? 1 : b == G - 1 ? 2 : -1;
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
     g.t0 = clock64();
   }
 #endif
-  const Ctx c{st, m, sm, red32, red, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, sg};
+  const Ctx c{st, m, sm, red32, red, xown, xres, &flag, codes, g, (flags & QMK_FLAG_BF16_EXACT) != 0, sg, astat};
   const int commit = !(flags & QMK_FLAG_NO_COMMIT);
   if (flags & QMK_FLAG_BARRIER_BENCH) {
     for (int i = 0; i < QMK_BARRIER_BENCH_N; ++i)
@@ -185,14 +187,24 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
   return cudaSuccess;
 }
 
-// One decode frame of `slot` on `stream`: zero this instance's sync words, then one cooperative
-// launch. model: the weight table in host memory (passed by value as a kernel parameter). Errors
-// inside the kernel (barrier timeout, full context) land in st->sync[QMK_SYNC_ERR].
-int qmk_frame(const QmkState* st, const QmkModel* model, int slot, int flags, int blocks, void* stream) {
+// One decode frame of `slot` on `stream`: advance the instance's LL sequence (zeroing its LL
+// buffers when it wraps, so that no flag of an older launch can match), zero its sync words, then
+// one cooperative launch. model: the weight table in host memory (passed by value as a kernel
+// parameter). Errors inside the kernel (a wait or poll past the timeout, full context) land in
+// st->sync[QMK_SYNC_ERR].
+int qmk_frame(QmkState* st, const QmkModel* model, int slot, int flags, int blocks, void* stream) {
   if (blocks < QMK_MIN_BLOCKS || slot < 0 || slot >= st->num_slots) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
   if (e != cudaSuccess) return e;
+  if (st->ll_seq == 0 || st->ll_seq >= QMK_LL_SEQ_MAX) {
+    e = cudaMemsetAsync(st->qkv, 0, (size_t)QMK_MAX_T * QMK_QKV * sizeof(uint64_t), s);
+    if (e == cudaSuccess)
+      e = cudaMemsetAsync(st->part, 0, (size_t)QMK_MAX_T * QMK_NH * QMK_MAX_CHUNKS * (QMK_HD + 2) * sizeof(uint64_t), s);
+    if (e != cudaSuccess) return e;
+    st->ll_seq = 0;
+  }
+  st->ll_seq += 1;
   e = cudaMemsetAsync(st->sync, 0, QMK_SYNC_WORDS * sizeof(uint32_t), s);
   if (e != cudaSuccess) return e;
   QmkState stv = *st;

@@ -429,6 +429,9 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
                 vals.update(fence=R - A, pre=W - R)
             if S0 > 0 and S1 >= S0 and M >= S1:
                 vals.update(prep=S0 - E, slot=S1 - S0, mv=M - S1, epi=A1 - M)
+            elif W > 0 and E >= S1 >= S0 >= W and R == 0:  # an LL poll (ops/attention.cuh): 5 = rounds
+                vals.update(prep=S0 - W, slot=S1 - S0, epi=E - S1)
+                a.setdefault("rounds", [0, 0, 0])[blk] += M
             for p, v in vals.items():
                 a[p][blk] += v
                 a["cnt"][p][blk] += 1
@@ -436,11 +439,14 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
     for key, a in agg.items():
         out[key] = dict(n=a["n"], **{f"{p}_us": [round(a[p][b] / max(a["cnt"][p][b], 1) * us_per_cyc, 3)
                                                  for b in range(3)] for p in parts})
+        if "rounds" in a:  # LL poll rounds (the talker's split-K phase)
+            out[key]["poll_rounds"] = [round(a["rounds"][b] / max(a["cnt"]["slot"][b], 1), 2) for b in range(3)]
     res["phases"] = out
     print(f"trace {Path(lib).stem} {'greedy' if greedy else 'sampled'} (per phase type, mean µs for blocks 0, G/2, G-1):",
           flush=True)
     for key, v in out.items():
-        print(f"  {key:12s} n={v['n']:3d} " + " ".join(f"{p} {v[p + '_us']}" for p in parts), flush=True)
+        print(f"  {key:12s} n={v['n']:3d} " + " ".join(f"{p} {v[p + '_us']}" for p in parts)
+              + (f" poll_rounds {v['poll_rounds']}" if "poll_rounds" in v else ""), flush=True)
     return res
 
 

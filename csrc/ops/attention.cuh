@@ -1,7 +1,8 @@
 // The talker's phase "split-K attention": per-head q/k RMSNorm, rotate-half RoPE, KV append and
-// GQA attention over key chunks (flash-decoding style). Each item writes its chunk's
-// online-softmax state (m, l, acc); the next phase (ops/attn_oproj.cuh) merges the chunks of its
-// head pair before its o_proj partial.
+// GQA attention over key chunks (flash-decoding style). Each item polls its head's q|k|v rows (LL
+// words of the q|k|v phase: no grid barrier before this phase) and publishes its chunk's
+// online-softmax state (m, l, acc) as LL words; the next phase (ops/attn_oproj.cuh) polls and
+// merges the chunks of its head pair before its o_proj partial.
 #pragma once
 #include "common.cuh"
 
@@ -21,7 +22,7 @@ __device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
 
 template <typename KV>
 struct AttnLayer {
-  const float* qkv;         // scratch [T][QKV]: raw q | k | v linear outputs
+  const uint64_t* qkv;      // LL [T][QKV]: raw q | k | v linear outputs
   KV* kc;                   // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
   KV* vc;                   // this layer's V cache [NKV][ld_pos][HD]
   int ld_pos;               // positions per head in the cache
@@ -29,12 +30,11 @@ struct AttnLayer {
   const qmk_bf16* k_norm;   // [HD]
   const float* inv_freq;    // [HD/2]
   float eps;
-  float* part;              // [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
+  uint64_t* part;           // LL [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
   bool exact;               // bf16-exact rounding points
 };
 
 struct AttnSmem {
-  float y[3 * QMK_MAX_T][QMK_HD];               // normed rows before RoPE: 2T q rows, T k rows
   float q[2 * QMK_MAX_T][QMK_HD];               // q after RoPE, row = t * 2 + j
   float merge[QMK_WARPS][2 * QMK_MAX_T][QMK_HD + 2];  // per-warp online-softmax states
 };
@@ -52,7 +52,7 @@ __device__ __forceinline__ int attn_chunks(int ctx, int T) {
 }
 
 // Cached keys/values (positions < p0, written in earlier launches or phases) of the first
-// ATTN_KH keys each warp walks in this block's (first) item: loaded before the barrier wait.
+// ATTN_KH keys each warp walks in this block's (first) item: loaded before the poll.
 constexpr int ATTN_KH = 4;
 struct AttnPrefetch {
   float k[ATTN_KH][4], v[ATTN_KH][4];
@@ -83,65 +83,107 @@ __device__ __forceinline__ void attention_prefetch(const AttnLayer<KV>& a, int p
   }
 }
 
+// What the split-K phase needs before its q|k|v rows arrive, prepared by its blocks during the
+// q|k|v phase (the loads are issued right after that phase's barrier wait and stored once they
+// have returned), so that the phase starts with its poll: the q/k norm weights and RoPE's cos/sin
+// of the new positions (bf16-rounded where the model rounds).
+struct AttnStatic {
+  float nq[QMK_HD], nk[QMK_HD];
+  float cs[QMK_MAX_T][QMK_HD], sn[QMK_MAX_T][QMK_HD];
+};
+struct AttnStaticRaw {
+  float nw, fr;
+};
+__device__ __forceinline__ AttnStaticRaw attention_static_load(const qmk_bf16* q_norm, const qmk_bf16* k_norm,
+                                                               const float* inv_freq) {
+  const int i = threadIdx.x;
+  AttnStaticRaw r{0.f, 0.f};
+  if (i < 2 * QMK_HD) r.nw = bf2f(i < QMK_HD ? q_norm[i] : k_norm[i - QMK_HD]);
+  if (i < QMK_HD) r.fr = inv_freq[i & (QMK_HD / 2 - 1)];
+  return r;
+}
+template <int T>
+__device__ __forceinline__ void attention_static_store(const AttnStaticRaw& r, int p0, bool exact, AttnStatic& s) {
+  const int i = threadIdx.x;
+  if (i < QMK_HD) s.nq[i] = r.nw;
+  else if (i < 2 * QMK_HD) s.nk[i - QMK_HD] = r.nw;
+  if (i < QMK_HD) {
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float sn, cs;
+      sincosf((float)(p0 + t) * r.fr, &sn, &cs);  // one argument reduction for both (same values as sinf / cosf)
+      s.cs[t][i] = rnd(cs, exact);
+      s.sn[t][i] = rnd(sn, exact);
+    }
+  }
+}
+
 // T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1. pf: attention_prefetch's registers.
-template <int T, typename KV>
-__device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, const AttnPrefetch& pf) {
+// f: the flag of the q|k|v words to poll and of the partials to publish. False (every thread) on a
+// poll timeout or an error raised elsewhere.
+// after_poll(): runs once the first item's rows have arrived.
+template <int T, typename KV, class AfterPoll>
+__device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, const AttnPrefetch& pf,
+                                const AttnStatic& as, const Grid& g, uint32_t f, AfterPoll after_poll) {
   const int ctx = p0 + T;
   const int nchunks = attn_chunks(ctx, T);
   const int chunk = (ctx + nchunks - 1) / nchunks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = 0.08838834764831845f;  // head_dim ** -0.5
   constexpr int NQ = 2 * T;                  // (token, q head) pairs per kv head
+  static_assert(NQ + 2 * T <= NW, "one warp per q / new k / new v row");
 
   for (int item = blockIdx.x; item < QMK_NKV * nchunks; item += gridDim.x) {
     const int h = item % QMK_NKV, c = item / QMK_NKV;
     const int c0 = c * chunk, c1 = min(ctx, c0 + chunk);
     const bool owner = (c == nchunks - 1);  // holds the new positions: appends K/V
-    const int nrows = NQ + (owner ? T : 0);
 
-    // 1) per-head RMSNorm of the q rows (and the new k rows): fp32, cast, times weight. The
-    //    owner's next T warps append the new v rows.
-    if (owner && warp >= nrows && warp < nrows + T) {
-      const int t = warp - nrows;
-      const float4 v4 = __ldcg(reinterpret_cast<const float4*>(a.qkv + t * QMK_QKV + QMK_QD + QMK_KVD + h * QMK_HD) + lane);
-      KV* dst = a.vc + ((size_t)h * a.ld_pos + p0 + t) * QMK_HD + lane * 4;
-      kv_store(dst + 0, v4.x); kv_store(dst + 1, v4.y); kv_store(dst + 2, v4.z); kv_store(dst + 3, v4.w);
-    }
-    if (warp < nrows) {
-      const bool isq = warp < NQ;
-      const int t = isq ? warp / 2 : warp - NQ;
-      const float* src = a.qkv + t * QMK_QKV + (isq ? (2 * h + (warp & 1)) * QMK_HD : QMK_QD + h * QMK_HD);
-      const float4 raw = __ldcg(reinterpret_cast<const float4*>(src + lane * 4));
-      const float x[4] = {raw.x, raw.y, raw.z, raw.w};
-      const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
-      const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + a.eps);
-      const qmk_bf16* nw = isq ? a.q_norm : a.k_norm;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sm.y[warp][lane * 4 + i] = rnd(bf2f(nw[lane * 4 + i]) * rnd(x[i] * rinv, a.exact), a.exact);
-    }
-    __syncthreads();
-
-    // 2) rotate-half RoPE (cos/sin in fp32, cast to bf16; every product rounded as in bf16 torch).
-    for (int idx = threadIdx.x; idx < nrows * QMK_HD; idx += NT) {
-      const int row = idx / QMK_HD, d = idx % QMK_HD;
-      const int t = row < NQ ? row / 2 : row - NQ;
+    // 1) one warp per row: the q rows (t, j) and, in the owner, the new k and v rows. The norm
+    //    weights and RoPE's cos/sin were prepared in the q|k|v phase (AttnStatic); the row's
+    //    values arrive with the poll. Per-head RMSNorm (fp32, cast, times weight), then
+    //    rotate-half RoPE (cos/sin in fp32, cast to bf16; every product rounded as in bf16
+    //    torch): dims d and d +- 64 sit in lanes l and l ^ 16.
+    const bool isq = warp < NQ, isk = owner && !isq && warp < NQ + T, isv = owner && !isq && !isk && warp < NQ + 2 * T;
+    bool ok = true;
+    if (isq || isk || isv) {
+      const int t = isq ? warp / 2 : isk ? warp - NQ : warp - NQ - T;
       const int pos = p0 + t;
-      const float ang = (float)pos * a.inv_freq[d & (QMK_HD / 2 - 1)];
-      float cs, sn;
-      sincosf(ang, &sn, &cs);  // one argument reduction for both (same values as sinf / cosf)
-      cs = rnd(cs, a.exact);
-      sn = rnd(sn, a.exact);
-      const float yv = sm.y[row][d];
-      const float rot = d < QMK_HD / 2 ? -sm.y[row][d + QMK_HD / 2] : sm.y[row][d - QMK_HD / 2];
-      const float r = rnd(rnd(yv * cs, a.exact) + rnd(rot * sn, a.exact), a.exact);
-      if (row < NQ) {
-        sm.q[row][d] = r;
-      } else {
-        const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + d;
-        kv_store(a.kc + off, r);
+      const float4 nw = *reinterpret_cast<const float4*>(&(isq ? as.nq : as.nk)[lane * 4]);
+      const float4 cs = *reinterpret_cast<const float4*>(&as.cs[t][lane * 4]);
+      const float4 sn = *reinterpret_cast<const float4*>(&as.sn[t][lane * 4]);
+      const float nwv[4] = {nw.x, nw.y, nw.z, nw.w}, csv[4] = {cs.x, cs.y, cs.z, cs.w}, snv[4] = {sn.x, sn.y, sn.z, sn.w};
+      const uint64_t* src =
+          a.qkv + t * QMK_QKV + (isq ? (2 * h + (warp & 1)) * QMK_HD : (isk ? QMK_QD : QMK_QD + QMK_KVD) + h * QMK_HD);
+      float x[4];
+      uint32_t rounds = 0;
+      g.mark(3);
+      ok = __all_sync(0xffffffffu, g.ll_get<4>(src + lane * 4, f, x, QMK_TRACE ? &rounds : nullptr));
+      g.mark(4);
+      g.stamp(5, rounds);
+      const size_t off = ((size_t)h * a.ld_pos + pos) * QMK_HD + lane * 4;
+      if (ok && isv) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kv_store(a.vc + off + i, x[i]);
+      } else if (ok) {
+        const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+        const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + a.eps);
+        float y[4], yp[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) y[i] = rnd(nwv[i] * rnd(x[i] * rinv, a.exact), a.exact);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) yp[i] = __shfl_xor_sync(0xffffffffu, y[i], 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float rot = lane < 16 ? -yp[i] : yp[i];
+          const float r = rnd(rnd(y[i] * csv[i], a.exact) + rnd(rot * snv[i], a.exact), a.exact);
+          if (isq) sm.q[warp][lane * 4 + i] = r;
+          else kv_store(a.kc + off + i, r);
+        }
       }
     }
-    __syncthreads();
+    if (__syncthreads_or(!ok)) return false;
+    g.mark(2);
+    if (item == (int)blockIdx.x) after_poll();
 
     // 3) each warp walks keys c0 + warp, c0 + warp + NW, ...; lanes hold 4 dims; online softmax.
     float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
@@ -189,12 +231,13 @@ __device__ void attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
         A = fmaf(sm.merge[w][r][2 + d], e, A);
       }
       const int t = r / 2, head = 2 * h + (r & 1);
-      float* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
-      if (d == 0) { __stcg(pp, mx); __stcg(pp + 1, L); }
-      __stcg(pp + 2 + d, A);
+      uint64_t* pp = a.part + ((size_t)(t * QMK_NH + head) * QMK_MAX_CHUNKS + c) * (QMK_HD + 2);
+      if (d == 0) { ll_put(pp, mx, f); ll_put(pp + 1, L, f); }
+      ll_put(pp + 2 + d, A, f);
     }
     __syncthreads();
   }
+  return true;
 }
 
 }  // namespace qmk

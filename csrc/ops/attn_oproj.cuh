@@ -77,12 +77,12 @@ __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, St
 }
 
 // Code predictor. kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions
-// p0 ... The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Waits at the
-// grid barrier, computes, arrives. late(): issues the next phase's slice right after the barrier
-// wait (QMK_X_AT == 1) or once this phase's q|k|v loads have returned (2).
+// p0 ... The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Polls the
+// q|k|v rows (LL words, flag grid.ll_flag()), computes, arrives. late(): issues the next phase's
+// slice before the polls (QMK_X_AT == 1) or once they have returned (2).
 template <int T, class Late>
 __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
-                                              const float* inv_freq, bool exact, Grid& grid, int* flag, Stage& sg,
+                                              const float* inv_freq, bool exact, Grid& grid, Stage& sg,
                                               AttnOSmem& s, float* red, Late late) {
   constexpr int NQ = 2 * T;
   int g, gi, r0, n;
@@ -113,17 +113,22 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
     fr[0] = f4.x; fr[1] = f4.y; fr[2] = f4.z; fr[3] = f4.w;
   }
 
-  if (!grid.wait(flag)) return false;
+  // No grid barrier: the q|k|v rows of kv head g are polled as LL words (ops/common.cuh).
+  grid.mark(1);
   if (QMK_X_AT == 1) late();
 
   // 1) one warp per row: q rows (t, j), new k rows, new v rows of kv head g.
+  bool ok = true;
   if (isq || isk || isv) {
     const int t = isq ? warp >> 1 : (isk ? warp - NQ : warp - NQ - T);
-    const float* src = st.qkv + t * QMK_QKV +
-                       (isq ? (2 * g + (warp & 1)) * QMK_HD : (isk ? QMK_QD : QMK_QD + QMK_KVD) + g * QMK_HD);
-    const float4 raw = __ldcg(reinterpret_cast<const float4*>(src + lane * 4));
+    const uint64_t* src = st.qkv + t * QMK_QKV +
+                          (isq ? (2 * g + (warp & 1)) * QMK_HD : (isk ? QMK_QD : QMK_QD + QMK_KVD) + g * QMK_HD);
+    float xr[4];
+    ok = __all_sync(0xffffffffu, grid.ll_get<4>(src + lane * 4, grid.ll_flag(), xr));
+    const float4 raw = make_float4(xr[0], xr[1], xr[2], xr[3]);
     const size_t coff = ((size_t)g * QMK_CP_POS + p0 + t) * QMK_HD + lane * 4;
-    if (isv) {
+    if (!ok) {
+    } else if (isv) {
       *reinterpret_cast<float4*>(&s.vn[t][lane * 4]) = raw;
       if (gi == 0) *reinterpret_cast<float4*>(vc + coff) = raw;
     } else {
@@ -156,7 +161,8 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
       }
     }
   }
-  __syncthreads();
+  if (__syncthreads_or(!ok)) return false;
+  grid.mark(2);
   if (QMK_X_AT == 2) late();
 
   // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
@@ -197,37 +203,57 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
   return true;
 }
 
-// Talker: merge the nchunks split-K states of heads 2g, 2g + 1 (st.part, written by the split-K
-// phase; every chunk holds >= 1 visible key) in one online pass, then the o_proj partial.
-// late(): runs right after the barrier wait.
-template <int T, class Late>
-__device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, bool exact, Grid& grid, int* flag,
-                                            Stage& sg, AttnOSmem& s, float* red, Late late) {
-  constexpr int NQ = 2 * T;
+// Talker: merge the nchunks split-K states of heads 2g, 2g + 1 (LL words of the split-K phase,
+// flag grid.ll_flag(); every chunk holds >= 1 visible key), then the o_proj partial. The block's
+// threads split the chunks PARTS ways (online merges of their chunks, each chunk's words polled
+// in one round trip), then the parts are merged in a fixed order.
+template <int T>
+__device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, bool exact, Grid& grid, Stage& sg,
+                                            AttnOSmem& s, float* red) {
+  constexpr int NQ = 2 * T, QUADS = NQ * QMK_HD / 4, PARTS = NT / QUADS;
+  static_assert(NT % QUADS == 0 && PARTS * QUADS * 6 <= NW * 2 * QMK_MAX_T * (QMK_HD + 2), "merge scratch");
   const int g = blockIdx.x % QMK_NKV;
-  if (!grid.wait(flag)) return false;
-  late();
-  for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
-    const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
-    const float* pp = st.part + (size_t)((r / 2) * QMK_NH + 2 * g + (r & 1)) * QMK_MAX_CHUNKS * (QMK_HD + 2);
-    float mx = neg_inf(), L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int cc = 0; cc < nchunks; ++cc) {
-      const float* q = pp + cc * (QMK_HD + 2);
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(q));
-      const float2 a01 = __ldcg(reinterpret_cast<const float2*>(q + 2 + d));
-      const float2 a23 = __ldcg(reinterpret_cast<const float2*>(q + 4 + d));
-      const float mn = fmaxf(mx, ml.x);
-      const float co = expf(mx - mn), e = expf(ml.x - mn);  // co = 0 on the first chunk
-      L = fmaf(L, co, ml.y * e);
-      A[0] = fmaf(A[0], co, a01.x * e);
-      A[1] = fmaf(A[1], co, a01.y * e);
-      A[2] = fmaf(A[2], co, a23.x * e);
-      A[3] = fmaf(A[3], co, a23.y * e);
-      mx = mn;
+  const uint32_t f = grid.ll_flag();
+  grid.mark(1);
+  const int p = threadIdx.x / QUADS, idx = threadIdx.x % QUADS;
+  const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
+  const uint64_t* pp = st.part + (size_t)((r / 2) * QMK_NH + 2 * g + (r & 1)) * QMK_MAX_CHUNKS * (QMK_HD + 2);
+  float mx = neg_inf(), L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
+  bool ok = true;
+  for (int cc = p; cc < nchunks && ok; cc += PARTS) {
+    const uint64_t* q = pp + cc * (QMK_HD + 2);
+    float ml[2], a[4];
+    ok = grid.ll_get<2>(q, f, ml) && grid.ll_get<4>(q + 2 + d, f, a);
+    const float mn = fmaxf(mx, ml[0]);
+    const float co = expf(mx - mn), e = expf(ml[0] - mn);  // co = 0 on the first chunk
+    L = fmaf(L, co, ml[1] * e);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) A[i] = fmaf(A[i], co, a[i] * e);
+    mx = mn;
+  }
+  float* sc = &s.merge[0][0][0];  // [PARTS][QUADS][6] scratch
+  float* mine = sc + (p * QUADS + idx) * 6;
+  mine[0] = mx; mine[1] = L;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) mine[2 + i] = A[i];
+  if (__syncthreads_or(!ok)) return false;
+  grid.mark(2);
+  if (p == 0) {
+    float M = neg_inf();
+#pragma unroll
+    for (int q = 0; q < PARTS; ++q) M = fmaxf(M, sc[(q * QUADS + idx) * 6]);
+    float LL = 0.f, AA[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < PARTS; ++q) {
+      const float* o = sc + (q * QUADS + idx) * 6;
+      const float e = o[0] == neg_inf() ? 0.f : expf(o[0] - M);  // a part without chunks: 0
+      LL = fmaf(o[1], e, LL);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) AA[i] = fmaf(o[2 + i], e, AA[i]);
     }
     split_store(s.a[r / 2], (r & 1) * QMK_HD + d,
-                make_float4(rnd(A[0] / L, exact), rnd(A[1] / L, exact), rnd(A[2] / L, exact), rnd(A[3] / L, exact)));
+                make_float4(rnd(AA[0] / LL, exact), rnd(AA[1] / LL, exact), rnd(AA[2] / LL, exact),
+                            rnd(AA[3] / LL, exact)));
   }
   oproj_partial<T>(st, grid, sg, s, red);
   return true;

@@ -162,27 +162,52 @@ __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
 // Between the two a block may issue loads that do not depend on other blocks (the next phase's
 // weights). The wait is bounded: past timeout_ns the block records QMK_ERR_TIMEOUT and every block
 // leaves the kernel instead of hanging.
+//
+// LL words (NCCL's LL protocol): a phase whose outputs only a few blocks read (q|k|v rows, the
+// talker's split-K states) publishes each value as one 64-bit word {fp32 bits, flag} with a
+// relaxed gpu-scope store, and its readers poll their own words until the flag is the expected
+// one: no barrier, no release fence (which waits for the SM's bulk copies in flight), and the data
+// arrive with the poll. A single-copy-atomic 64-bit access never shows half a word, so a reader
+// that sees the flag sees the value written with it. Flags are unique per (launch, q|k|v phase):
+// ll_base = ll_seq << QMK_LL_USE_BITS (layout.h), and ll_next() numbers the phases. A buffer is
+// rewritten only after barriers that every reader of its previous contents has passed.
 struct Grid {
   uint32_t* sync;
   uint64_t timeout_ns;
   uint32_t epoch;
+  uint32_t ll_base;
+  uint32_t ll_use;
 #if QMK_TRACE
-  uint32_t* tr;  // this block's trace rows, or nullptr
+  uint32_t* tr;   // this block's trace rows, or nullptr
   long long t0;
+  uint32_t tep;   // trace row: advanced by every arrive and tick
   __device__ void mark(int k) const {
-    if (tr != nullptr && threadIdx.x == 0 && epoch < QMK_TRACE_EPOCHS)
-      tr[epoch * QMK_TRACE_MARKS + k] = (uint32_t)(clock64() - t0);
+    if (tr != nullptr && threadIdx.x == 0 && tep < QMK_TRACE_EPOCHS)
+      tr[tep * QMK_TRACE_MARKS + k] = (uint32_t)(clock64() - t0);
+  }
+  __device__ void next_row() { tep += 1; }
+  __device__ void stamp(int k, uint32_t v) const {
+    if (tr != nullptr && threadIdx.x == 0 && tep < QMK_TRACE_EPOCHS) tr[tep * QMK_TRACE_MARKS + k] = v;
   }
 #else
+  __device__ void stamp(int, uint32_t) const {}
   __device__ void mark(int) const {}
+  __device__ void next_row() {}
 #endif
 
   __device__ void arrive() {
     __syncthreads();
     epoch += 1;
+    next_row();
     mark(0);
     if (threadIdx.x == 0) red_release_add(sync + QMK_SYNC_BAR, 1u);
     mark(6);
+  }
+  // The end of a phase that publishes LL words instead of arriving (a new trace row).
+  __device__ void tick() {
+    __syncthreads();
+    next_row();
+    mark(0);
   }
 
   __device__ bool wait(int* s_flag) {
@@ -217,6 +242,50 @@ struct Grid {
     arrive();
     return wait(s_flag);
   }
+
+  // The flag of the next q|k|v phase's LL words (every block numbers the phases alike).
+  __device__ uint32_t ll_next() { return ll_base | ++ll_use; }
+  __device__ uint32_t ll_flag() const { return ll_base | ll_use; }
+
+  // Any thread: the N words at p (N even: 16-byte aligned) polled until each carries flag f;
+  // their values -> v. Bounded like wait(): false on a timeout (recorded) or another block's error.
+  template <int N>
+  __device__ bool ll_get(const uint64_t* p, uint32_t f, float (&v)[N], uint32_t* rounds = nullptr) const {
+    static_assert(N % 2 == 0, "pairs of words");
+    uint32_t spins = 0;
+    uint64_t t0 = 0;
+    while (true) {
+      uint64_t w[N];
+#pragma unroll
+      for (int i = 0; i < N; i += 2)
+        asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(w[i]), "=l"(w[i + 1]) : "l"(p + i) : "memory");
+      bool ok = true;
+#pragma unroll
+      for (int i = 0; i < N; ++i) ok = ok && (uint32_t)(w[i] >> 32) == f;
+      if (ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = __uint_as_float((uint32_t)w[i]);
+        if (rounds != nullptr) *rounds = spins + 1;
+        return true;
+      }
+      if ((++spins & 63u) == 0) {
+        if (*reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return false;
+        const uint64_t now = globaltimer();
+        if (t0 == 0) {
+          t0 = now;
+        } else if (now - t0 > timeout_ns) {
+          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
+          return false;
+        }
+      }
+    }
+  }
 };
+
+// One LL word: value v with flag f (relaxed, gpu scope, single-copy atomic).
+__device__ __forceinline__ void ll_put(uint64_t* p, float v, uint32_t f) {
+  const uint64_t w = (static_cast<uint64_t>(f) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
 
 }  // namespace qmk

@@ -1,12 +1,14 @@
 // One decoder stack (talker or code predictor) over T tokens, as grid-wide phases:
-//   P1 input RMSNorm + q|k|v rows
-//   [P2 talker only: q/k norm, RoPE, KV append, split-K attention (ops/attention.cuh)]
+//   P1 input RMSNorm + q|k|v rows (published as LL words, ops/common.cuh: no barrier after it)
+//   [P2 talker only: q/k norm, RoPE, KV append, split-K attention (ops/attention.cuh), in the
+//       blocks that have a key chunk; its states are LL words too]
 //   P2F attention (code predictor) or the merge of P2's chunks (talker) + o_proj partial sums
 //       (ops/attn_oproj.cuh)
 //   P4 residual + post-norm + gate/up rows -> SwiGLU   P5 down + residual
-// and the final-norm + head phase. Each phase waits at the grid barrier, issues the next weight
-// phase's slice (QMK_X_AT / QMK_Y_AT, ops/matvec.cuh), reads the activations the previous phase
-// published, waits for its own staged slice, multiplies, publishes and arrives.
+// and the final-norm + head phase. Each phase waits at the grid barrier (or polls the LL words it
+// reads), issues the next weight phase's slice (QMK_X_AT / QMK_Y_AT, ops/matvec.cuh), reads the
+// activations the previous phase published, waits for its own staged slice, multiplies, publishes
+// and arrives.
 #pragma once
 #include "attention.cuh"
 #include "attn_oproj.cuh"
@@ -14,15 +16,13 @@
 #include "matvec.cuh"
 #include "sampling.cuh"
 
-// QMK_GU_LATE: the talker blocks that run split-K items issue their gate|up slice after P2F's
-// barrier wait, not right after their attention, where P2's release fence waited for it (1.4 us,
-// on the critical path: these blocks arrive last). H100, same call: talker 574-582 vs 601-602 us.
-#ifndef QMK_GU_LATE
-#define QMK_GU_LATE 1
-#endif
 // QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
 // q|k|v slice issued by the head phase after its closing barrier (it streams in during the
 // sampling).
+// QMK_OPROJ_LATE: see run_stack.
+#ifndef QMK_OPROJ_LATE
+#define QMK_OPROJ_LATE 1
+#endif
 #ifndef QMK_HOIST
 #define QMK_HOIST 1
 #endif
@@ -80,6 +80,7 @@ struct Ctx {
   Grid& g;
   bool exact;                   // bf16-exact rounding points (QMK_FLAG_BF16_EXACT)
   Stage& sg;                    // weight staging slots (dynamic smem) and their mbarriers
+  AttnStatic& as;               // smem: the talker attention's norm weights and cos/sin
 };
 
 // 4 consecutive bf16 as fp32.
@@ -254,10 +255,19 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
     // this layer's slices that stay in L2 (matvec.cuh l2_keep)
     const bool keep = CP && l2_keep(L, false), keep_big = CP && l2_keep(L, true);
+    const bool attn_block = !CP && (int)blockIdx.x < QMK_NKV * nchunks;  // has a split-K item
     if (L == 0 && !preissued) issue_qkv(c, w, CP && l2_keep(L, true, true));
-    if (QMK_Y_AT == 0 && L > 0) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
+    // QMK_OPROJ_LATE: the talker blocks that run a split-K item issue their o_proj slice once
+    // that phase's q|k|v rows have arrived: a copy in flight to an SM delays its other loads
+    // (here the poll), and that phase ends without a release fence that would wait for it.
+    const bool oproj_late = QMK_OPROJ_LATE && attn_block;
+    if (QMK_Y_AT == 0 && L > 0 && !oproj_late) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
+    KV* kcl = kc + L * lstride;
+    KV* vcl = vc + L * lstride;
+    AttnStaticRaw asr{0.f, 0.f};
     if (L == 0) {
+      if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
         const int t = idx / hn, r = idx % hn;
@@ -266,50 +276,54 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       }
     } else {
       if (!c.g.wait(c.flag)) return false;
-      if (QMK_Y_AT == 1) issue_oproj(c.sg, w, keep);
+      if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
+      if (QMK_Y_AT == 1 && !oproj_late) issue_oproj(c.sg, w, keep);
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0)) issue_oproj(c.sg, w, keep);
+    if (!oproj_late && (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0))) issue_oproj(c.sg, w, keep);
     // keep the raw residual: P4 adds the o_proj partials to it
 #pragma unroll
     for (int t = 0; t < T; ++t)
       *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
     if (!QMK_HOIST) wn = norm_raw(w.in_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
+    if (attn_block) attention_static_store<T>(asr, p0, c.exact, c.as);  // read after P1's closing sync
     c.g.mark(3);
     c.sg.wait(SLOT_X);
     c.g.mark(4);
     mv_mma<T, QMK_H, XS, QMK_KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
     c.g.mark(5);
-    for (int idx = threadIdx.x; idx < qn * T; idx += NT) st.qkv[(idx % T) * QMK_QKV + q0 + idx / T] = rnd(out[idx], c.exact);
-    c.g.arrive();
+    // published as LL words: only the attention's blocks read them, and they poll (no barrier)
+    const uint32_t llf = c.g.ll_next();
+    for (int idx = threadIdx.x; idx < qn * T; idx += NT)
+      ll_put(st.qkv + (idx % T) * QMK_QKV + q0 + idx / T, rnd(out[idx], c.exact), llf);
+    c.g.tick();
 
     // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase): in the code
     // predictor P2F issues it (QMK_X_AT); in the talker the blocks that run split-K items issue it
-    // after their attention (a prefetch in flight slows the attention's KV loads, its critical
-    // path; where: QMK_GU_LATE), the others before P2's wait.
+    // after their attention (a copy in flight slows the attention's loads, its critical path),
+    // the others right away.
     const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_, keep_big); };
-    KV* kcl = kc + L * lstride;
-    KV* vcl = vc + L * lstride;
     if constexpr (CP) {
       if (QMK_X_AT == 0) gate_up();
-      if (!cp_attn_oproj<T>(st, w, kcl, vcl, p0, inv_freq, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red, gate_up))
-        return false;
+      if (!cp_attn_oproj<T>(st, w, kcl, vcl, p0, inv_freq, c.exact, c.g, c.sg, c.sm.ao, c.red, gate_up)) return false;
     } else {
-      // P2: split-K attention (cached keys loaded before the wait); P2F merges the chunks.
-      const bool attn_block = (int)blockIdx.x < QMK_NKV * nchunks;
+      // P2: split-K attention in the blocks that have an item (cached keys loaded before the
+      // polls); P2F merges the chunks. Neither waits at a grid barrier: both poll LL words.
       if (!attn_block) gate_up();
-      const AttnLayer<KV> a{st.qkv, kcl, vcl, ld_pos, w.q_norm, w.k_norm, inv_freq, st.eps, st.part, c.exact};
-      AttnPrefetch pf;
-      attention_prefetch<T, KV>(a, p0, pf);
-      if (!c.g.wait(c.flag)) return false;
-      attention_phase<T, KV>(a, p0, c.sm.at, pf);
-      if (attn_block && !QMK_GU_LATE) gate_up();  // X is free; attention_phase ended with __syncthreads
-      c.g.arrive();
-      if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.flag, c.sg, c.sm.ao, c.red, [&]() {
-            if (attn_block && QMK_GU_LATE) gate_up();
-          }))
-        return false;
+      if (attn_block) {
+        const AttnLayer<KV> al{st.qkv, kcl, vcl, ld_pos, w.q_norm, w.k_norm, inv_freq, st.eps, st.part, c.exact};
+        AttnPrefetch pf;
+        attention_prefetch<T, KV>(al, p0, pf);
+        c.g.mark(1);
+        if (!attention_phase<T, KV>(al, p0, c.sm.at, pf, c.as, c.g, c.g.ll_flag(), [&]() {
+              if (oproj_late) issue_oproj(c.sg, w, keep);
+            }))
+          return false;
+        gate_up();  // X is free; attention_phase ended with __syncthreads
+      }
+      c.g.tick();
+      if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.sg, c.sm.ao, c.red)) return false;
     }
 
     // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),

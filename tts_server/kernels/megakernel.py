@@ -29,7 +29,7 @@ from .api import FrameResult, Prompt, SamplingConfig
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LIB_NAME = "libqwen_megakernel.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # csrc/layout.h
 H, NH, NKV, HD, I = 1024, 16, 8, 128, 3072
@@ -40,7 +40,7 @@ OUT_WORDS = 18
 FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT, FLAG_BARRIER_BENCH = 1, 2, 4, 8
 FLAG_BF16_EXACT, FLAG_KV_FP32 = 32, 64
 BARRIER_BENCH_N = 1000
-ERRORS = {1: "grid barrier timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
+ERRORS = {1: "a grid barrier wait or LL poll timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
 
 
 class QmkState(ctypes.Structure):
@@ -52,7 +52,7 @@ class QmkState(ctypes.Structure):
         "part", "cp_k", "cp_v", "sync", "dump")] + [
         ("max_pos", ctypes.c_int32), ("max_trailing", ctypes.c_int32), ("num_slots", ctypes.c_int32),
         ("eos", ctypes.c_int32), ("suppress_start", ctypes.c_int32), ("min_new_tokens", ctypes.c_int32),
-        ("eps", ctypes.c_float), ("pad0", ctypes.c_int32), ("timeout_ns", ctypes.c_uint64)]
+        ("eps", ctypes.c_float), ("ll_seq", ctypes.c_uint32), ("timeout_ns", ctypes.c_uint64)]
 
 
 def sampling_bytes(s: SamplingConfig) -> bytes:
@@ -254,11 +254,12 @@ class MegakernelEngine:
         self.samp = torch.zeros(s, 48, dtype=torch.uint8, device=dev)
         self.out = torch.zeros(s, OUT_WORDS, **i32)
         self.x = torch.zeros(MAX_T, H, **f32)
-        self.qkv = torch.zeros(MAX_T, 4096, **f32)
+        # LL words (csrc/ops/common.cuh): {fp32 bits, flag} as int64
+        self.qkv = torch.zeros(MAX_T, 4096, dtype=torch.int64, device=dev)
         self.opart = torch.zeros(NKV, MAX_T, H, **f32)
         self.act = torch.zeros(MAX_T, I, **f32)
         self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
-        self.part = torch.zeros(MAX_T * NH, MAX_CHUNKS, HD + 2, dtype=torch.float32, device=dev)
+        self.part = torch.zeros(MAX_T * NH, MAX_CHUNKS, HD + 2, dtype=torch.int64, device=dev)
         cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
         self.cp_k, self.cp_v = torch.zeros(cp_shape, **f32), torch.zeros(cp_shape, **f32)
         self.sync = torch.zeros(SYNC_WORDS, **i32)
