@@ -514,7 +514,9 @@ def env_info() -> dict:
 
     return dict(device=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count,
                 driver=sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader"),
-                torch=torch.__version__, commit=sh(f"git -C {ROOT} rev-parse --short HEAD"),
+                torch=torch.__version__,
+                # QMK_COMMIT: the commit of the tree that was sent (a device copy's .git may be stale)
+                commit=os.environ.get("QMK_COMMIT") or sh(f"git -C {ROOT} rev-parse --short HEAD"),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 
