@@ -160,4 +160,6 @@ static_assert(QMK_H % 256 == 0 && QMK_QD % 256 == 0 && QMK_I % 256 == 0,
 static_assert(QMK_HD == 128, "attention keeps 4 dims per lane");
 static_assert(QMK_NH == 2 * QMK_NKV, "attention items pair 2 q heads per kv head");
 static_assert(QMK_CP_POS == QMK_GROUPS, "CP positions: 2 + 14");
+static_assert((QMK_GROUPS - 1) * QMK_CP_LAYERS + QMK_TALKER_LAYERS < (1 << QMK_LL_USE_BITS),
+              "LL flags: every q|k|v phase of a launch has its own number");
 #endif
