@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include "ops/layer.cuh"
-#include "ops/producer.cuh"
 
 using namespace qmk;
 
@@ -37,21 +36,7 @@ __device__ void sample_code0(const QmkState& st, int slot, int commit, SampleSme
 
 }  // namespace
 
-// Threads per block: the compute threads, plus the producer warpgroup (QMK_PRODUCER). Registers
-// per thread after setmaxnreg (sm_90a): the producer needs few, the compute threads get the rest.
-constexpr int LAUNCH_THREADS = QMK_PRODUCER ? QMK_LAUNCH_THREADS : QMK_THREADS;
-#ifndef QMK_PRODUCER_REGS
-#define QMK_PRODUCER_REGS 40
-#endif
-constexpr int PRODUCER_REGS = QMK_PRODUCER_REGS;
-// The launch gives every thread LAUNCH_REGS (a multiple of 8); setmaxnreg.inc waits until the
-// pool that the producers' dec frees can cover it, so the compute count must fit in that pool.
-constexpr int LAUNCH_REGS = 65536 / LAUNCH_THREADS / 8 * 8;
-constexpr int COMPUTE_REGS =
-    (LAUNCH_REGS * LAUNCH_THREADS - PRODUCER_REGS * QMK_PRODUCER_THREADS) / QMK_THREADS / 8 * 8;
-static_assert(COMPUTE_REGS <= 256 && PRODUCER_REGS >= 24, "setmaxnreg range");
-
-__global__ void __launch_bounds__(LAUNCH_THREADS, 1)
+__global__ void __launch_bounds__(QMK_THREADS, 1)
     qmk_frame_kernel(const __grid_constant__ QmkState st, const __grid_constant__ QmkModel model, int slot, int flags) {
   // The weight table is a kernel parameter (constant bank): each phase reads its layer's pointers
   // before its barrier wait, and from global memory that read waited on HBM (the weight stream
@@ -67,31 +52,8 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
   __shared__ __align__(16) AttnStatic astat;
   extern __shared__ uint4 stage[];  // [STAGE_BYTES / 16]: slots X | Y
   __shared__ __align__(8) uint64_t mbar[NSLOTS];
-  __shared__ __align__(8) uint64_t empty[NSLOTS];
-  __shared__ __align__(8) uint64_t pace[QMK_PACE];
-  if (QMK_PRODUCER && QMK_PRODUCER_BULK && threadIdx.x == 0)
-    for (int i = 0; i < QMK_PACE; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(pace + i)) : "memory");
-  Stage sg{{stage, stage + X_BYTES / 16}, mbar, empty, 0u, 0ull, 0ull, st.sync, st.timeout_ns};
-  sg.init();  // every thread (producers included) passes its __syncthreads
-#if QMK_PRODUCER
-  if (threadIdx.x >= QMK_THREADS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-#endif
-    const bool cp = !(flags & QMK_FLAG_TALKER_ONLY), talker = !(flags & QMK_FLAG_CP_ONLY);
-    if (!(flags & QMK_FLAG_BARRIER_BENCH) && !(talker && st.pos[slot] >= st.max_pos) &&
-        (!QMK_PRODUCER_BULK || threadIdx.x == QMK_THREADS)) {
-      Producer p;
-      p.init(sg, st.sync, st.timeout_ns, pace);
-      p.run(&model, cp, talker);
-    }
-    return;
-  }
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(COMPUTE_REGS));
-#endif
-#endif
+  Stage sg{{stage, stage + X_BYTES / 16}, mbar, 0u};
+  sg.init();
   Grid g{st.sync, st.timeout_ns, 0u, st.ll_seq << QMK_LL_USE_BITS, 0u};
 #if QMK_TRACE
   g.tep = 0;
@@ -118,7 +80,7 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
     return;
   }
   if (threadIdx.x < QMK_GROUPS) codes[threadIdx.x] = threadIdx.x == 0 ? st.code0[slot] : 0;
-  bsync();
+  __syncthreads();
 
   const bool cp_runs = !(flags & QMK_FLAG_TALKER_ONLY), talker_runs = !(flags & QMK_FLAG_CP_ONLY);
   if (cp_runs) {
@@ -151,10 +113,10 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
         const float v = __ldcg(st.logits + i);
         sm.sa.l[i] = scale ? v / sub.temperature : v;
       }
-      bsync();
+      __syncthreads();
       const int code = block_sample(sm.sa.l, QMK_VC, sub, sp.seed, (uint32_t)nsamp, (uint32_t)(k + 1), sm.sa, true);
       if (threadIdx.x == 0) codes[k + 1] = code;
-      bsync();
+      __syncthreads();
     }
   }
   if (flags & QMK_FLAG_CP_ONLY) {
@@ -217,7 +179,7 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
   e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, LAUNCH_THREADS, STAGE_BYTES);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_THREADS, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   *sms = prop.multiProcessorCount;
   if (per_sm < 1 || prop.multiProcessorCount < QMK_MIN_BLOCKS) return cudaErrorCooperativeLaunchTooLarge;
@@ -249,7 +211,7 @@ int qmk_frame(QmkState* st, const QmkModel* model, int slot, int flags, int bloc
   QmkModel mv = *model;
   void* args[] = {&stv, &mv, &slot, &flags};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qmk_frame_kernel), dim3(blocks),
-                                     dim3(LAUNCH_THREADS), args, STAGE_BYTES, s);
+                                     dim3(QMK_THREADS), args, STAGE_BYTES, s);
 }
 
 int qmk_sample_talker(const QmkState* st, int slot, void* stream) {

@@ -181,7 +181,7 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
         }
       }
     }
-    if (bsync_or(!ok)) return false;
+    if (__syncthreads_or(!ok)) return false;
     g.mark(2);
     if (item == (int)blockIdx.x) after_poll();
 
@@ -217,7 +217,7 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       key(j, kf, vf);
     }
     softmax_save<NQ>(sm.merge[warp], lane, m, l, acc);
-    bsync();
+    __syncthreads();
 
     // 4) merge the warps into this chunk's state (m, l, acc) of each row.
     for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
@@ -235,7 +235,7 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       if (d == 0) { ll_put(pp, mx, f); ll_put(pp + 1, L, f); }
       ll_put(pp + 2 + d, A, f);
     }
-    bsync();
+    __syncthreads();
   }
   return true;
 }

@@ -63,12 +63,11 @@ template <int T>
 __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, Stage& sg, AttnOSmem& s, float* red) {
   int g, gi, r0, n;
   oproj_rows(g, gi, r0, n);
-  bsync();
+  __syncthreads();
   grid.mark(3);
   sg.wait(SLOT_Y);
   grid.mark(4);
   mv_mma<T, 2 * QMK_HD, QMK_HD, QMK_KW_CPO>(n, sg.slot[SLOT_Y], &s.a[0][0], s.out, red);
-  sg.release(SLOT_Y);
   for (int idx = threadIdx.x; idx < n * T; idx += NT) {
     const int r = idx / T, t = idx % T;
     __stcg(st.opart + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);
@@ -162,7 +161,7 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
       }
     }
   }
-  if (bsync_or(!ok)) return false;
+  if (__syncthreads_or(!ok)) return false;
   grid.mark(2);
   if (QMK_X_AT == 2) late();
 
@@ -184,7 +183,7 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
     }
   }
   softmax_save<NQ>(s.merge[warp], lane, m, l, acc);
-  bsync();
+  __syncthreads();
   // 4 consecutive dims per thread (one split_store each).
   for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
     const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
@@ -237,7 +236,7 @@ __device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, boo
   mine[0] = mx; mine[1] = L;
 #pragma unroll
   for (int i = 0; i < 4; ++i) mine[2 + i] = A[i];
-  if (bsync_or(!ok)) return false;
+  if (__syncthreads_or(!ok)) return false;
   grid.mark(2);
   if (p == 0) {
     float M = neg_inf();

@@ -121,7 +121,7 @@ __device__ void load_input(const Ctx& c, const Input& in) {
   }
 #pragma unroll
   for (int t = 0; t < T; ++t) *reinterpret_cast<float4*>(&xs[t][d]) = v[t];
-  bsync();
+  __syncthreads();
 }
 
 // In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm, stored split
@@ -144,7 +144,7 @@ __device__ void rmsnorm_xs(const Ctx& c, const float4 wv, float* hidden_out = nu
     split_store(reinterpret_cast<uint2*>(xs[t]), d, x);
     if (t == 0 && hidden_out != nullptr) *reinterpret_cast<float4*>(hidden_out + d) = x;
   }
-  bsync();
+  __syncthreads();
 }
 
 // The norm weights of this thread's 4 dims: loaded raw (ahead of a barrier wait where QMK_HOIST),
@@ -216,7 +216,7 @@ __device__ void load_scratch(const Ctx& c, const float* src) {
   for (int t = 0; t < T; ++t)
 #pragma unroll
     for (int i = 0; i < N; ++i) split_store(reinterpret_cast<uint2*>(c.sm.mv.xs[t]), 4 * (i * NT + threadIdx.x), v[t][i]);
-  bsync();
+  __syncthreads();
 }
 
 // Residual update of this block's rows [r0, r0 + n): x = x + delta (kept in smem and published).
@@ -292,7 +292,6 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.sg.wait(SLOT_X);
     c.g.mark(4);
     mv_mma<T, QMK_H, XS, QMK_KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
-    c.sg.release(SLOT_X);
     c.g.mark(5);
     // published as LL words: only the attention's blocks read them, and they poll (no barrier)
     const uint32_t llf = c.g.ll_next();
@@ -321,7 +320,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
               if (oproj_late) issue_oproj(c.sg, w, keep);
             }))
           return false;
-        gate_up();  // X is free; attention_phase ended with bsync()
+        gate_up();  // X is free; attention_phase ended with __syncthreads
       }
       c.g.tick();
       if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.sg, c.sm.ao, c.red)) return false;
@@ -349,7 +348,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       *reinterpret_cast<float4*>(&c.xres[t][d4]) = xn;
       *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d4]) = xn;
     }
-    bsync();
+    __syncthreads();
     for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
       const int t = idx / hn, r = idx % hn;
       c.xown[t][r] = c.xres[t][h0 + r];
@@ -361,7 +360,6 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.sg.wait(SLOT_X);
     c.g.mark(4);
     mv_mma<T, QMK_H, XS, QMK_KW_GU>(2 * in_, c.sg.slot[SLOT_X], xsp, out, c.red);
-    c.sg.release(SLOT_X);
     c.g.mark(5);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
@@ -385,7 +383,6 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.sg.wait(SLOT_Y);
     c.g.mark(4);
     mv_mma<T, QMK_I, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
-    c.sg.release(SLOT_Y);
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
@@ -408,7 +405,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
-  bsync();
+  __syncthreads();
   if (!QMK_HOIST) wn = norm_raw(norm_w);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
@@ -416,7 +413,6 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   c.g.mark(4);
   mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[h.slot], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
                                      c.red);
-  c.sg.release(h.slot);
   c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {
     const float v = rnd(c.sm.mv.out[r], c.exact);

@@ -23,27 +23,7 @@ enum { SLOT_X = 0, SLOT_Y = 1, NSLOTS = 2 };
 #ifndef QMK_ISSUE_WARP
 #define QMK_ISSUE_WARP 0
 #endif
-// QMK_PRODUCER: the weight slices are loaded by a producer warpgroup (ops/producer.cuh) with
-// plain loads into registers and stores to shared memory, not by bulk copies: a barrier release
-// does not wait for other warps' plain loads (csrc/probe/fence_probe.cu), and 24-32 KB of them in
-// flight per SM keep an L2 hit at ~0.18 us while whole 64 KB bulk copies make it ~1.3 us
-// (csrc/probe/latency_probe.cu). The compute threads then only wait for and release slots.
-#ifndef QMK_PRODUCER
-#define QMK_PRODUCER 1
-#endif
-// QMK_PRODUCER_BULK: one producer thread copies each slice as bulk pieces of QMK_PIECE bytes with
-// at most QMK_PACE in flight (each completes on a pacing mbarrier), so that the stream stays
-// shallow without registers for data.
-#ifndef QMK_PRODUCER_BULK
-#define QMK_PRODUCER_BULK 1
-#endif
-#ifndef QMK_PIECE
-#define QMK_PIECE 16384
-#endif
-#ifndef QMK_PACE
-#define QMK_PACE 1
-#endif
-__device__ __forceinline__ bool is_issuer() { return !QMK_PRODUCER && (threadIdx.x >> 5) == QMK_ISSUE_WARP; }
+__device__ __forceinline__ bool is_issuer() { return (threadIdx.x >> 5) == QMK_ISSUE_WARP; }
 __device__ __forceinline__ int issue_lane() { return threadIdx.x & 31; }
 
 // Where a phase issues the next weight phase's slice: 0 before its own barrier wait, 1 right after
@@ -89,26 +69,19 @@ __host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
 
 struct Stage {
   uint4* slot[NSLOTS];  // dynamic smem
-  uint64_t* mbar;       // smem [NSLOTS] "full": one arrival (the expect_tx) per use, or the
-                        // producer warpgroup's QMK_PRODUCER_THREADS arrivals
-  uint64_t* empty;      // smem [NSLOTS] (QMK_PRODUCER): thread 0 arrives once the slot is consumed
+  uint64_t* mbar;       // smem [NSLOTS], one arrival (the expect_tx) per use
   uint32_t parity;      // bit s: parity of mbar[s]'s next completion (same in every thread)
   uint64_t policy;      // L2 cache policy of the copies (QMK_EVICT_FIRST)
   uint64_t keep_policy; // L2 evict-last (QMK_L2_KEEP / QMK_L2_KEEP_BIG)
-  uint32_t* sync;       // the instance's sync words (the bounded wait's error word)
-  uint64_t timeout_ns;
 
   __device__ void init() {
     if (QMK_EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     if (L2_KEEPS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
     if (threadIdx.x == 0)
-      for (int s = 0; s < NSLOTS; ++s) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(mbar + s)),
-                     "r"(QMK_PRODUCER && !QMK_PRODUCER_BULK ? QMK_PRODUCER_THREADS : 1) : "memory");
-        if (QMK_PRODUCER) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + s)) : "memory");
-      }
+      for (int s = 0; s < NSLOTS; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar + s)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    __syncthreads();  // every thread of the launch, producers included
+    __syncthreads();
     parity = 0;
   }
 
@@ -137,37 +110,17 @@ struct Stage {
                    "l"(src), "r"(bytes), "r"(smem_u32(mbar + s))
                    : "memory");
   }
-  // Every thread: wait until slot s's slice has landed. Bounded: past timeout_ns (or once another
-  // block has raised an error) it records QMK_ERR_TIMEOUT and returns; the phase then computes on
-  // whatever the slot holds, and the next grid wait sees the error and leaves.
+  // Every thread: wait until slot s's slice has landed.
   __device__ __forceinline__ void wait(int s) {
     const uint32_t par = (parity >> s) & 1u;
     const uint32_t a = smem_u32(mbar + s);
-    uint32_t ok = 0, spins = 0;
-    uint64_t t0 = 0;
-    while (true) {
+    uint32_t ok = 0;
+    while (!ok)
       asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                    : "=r"(ok)
                    : "r"(a), "r"(par)
                    : "memory");
-      if (ok) break;
-      if ((++spins & 1023u) == 0) {
-        const uint64_t now = globaltimer();
-        if (t0 == 0) {
-          t0 = now;
-        } else if (now - t0 > timeout_ns || *reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) {
-          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
-          break;
-        }
-      }
-    }
     parity ^= 1u << s;
-  }
-  // After a bsync() that follows the last reads of slot s (mv_mma ends with one): the producer may
-  // refill it.
-  __device__ __forceinline__ void release(int s) const {
-    if (QMK_PRODUCER && threadIdx.x == 0)
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
   }
 };
 
@@ -248,7 +201,7 @@ constexpr int RED_FLOATS = NW * RED_ROWS * QMK_MAX_T;
 // each keeps its chunks' activation fragments in registers, runs the mma over its row groups and
 // folds each row's useful products with two shuffles; with KW > 1 the per-warp sums are added in
 // a fixed order (shared memory, one more block barrier). Results are bitwise reproducible. The
-// caller has waited for the slot. Ends with bsync() (the slot may be refilled after it).
+// caller has waited for the slot. Ends with __syncthreads() (the slot may be refilled after it).
 template <int T, int K, int XS, int KW_ = 0>
 __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint2* xsp, float* out_s, float* red) {
   constexpr int NC = K / 64;
@@ -290,7 +243,7 @@ __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint
       }
     }
   }
-  bsync();
+  __syncthreads();
   if (KW == 1) return;
   for (int idx = threadIdx.x; idx < nrows * T; idx += NT) {
     float s = red[idx];
@@ -298,7 +251,7 @@ __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint
     for (int k = 1; k < KW; ++k) s += red[k * RED_ROWS * T + idx];
     out_s[idx] = s;
   }
-  bsync();
+  __syncthreads();
 }
 
 }  // namespace qmk
