@@ -26,10 +26,7 @@ struct AttnLayer {
   KV* kc;                   // this layer's K cache [NKV][ld_pos][HD] (post-norm, post-RoPE)
   KV* vc;                   // this layer's V cache [NKV][ld_pos][HD]
   int ld_pos;               // positions per head in the cache
-  const qmk_bf16* q_norm;   // [HD]
-  const qmk_bf16* k_norm;   // [HD]
-  const float* inv_freq;    // [HD/2]
-  float eps;
+  float eps;                // (the q/k norm weights and RoPE's cos/sin come in AttnStatic)
   uint64_t* part;           // LL [MAX_T * NH][MAX_CHUNKS][HD + 2] split-K partials (m, l, acc)
   bool exact;               // bf16-exact rounding points
 };

@@ -312,7 +312,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       // polls); P2F merges the chunks. Neither waits at a grid barrier: both poll LL words.
       if (!attn_block) gate_up();
       if (attn_block) {
-        const AttnLayer<KV> al{st.qkv, kcl, vcl, ld_pos, w.q_norm, w.k_norm, inv_freq, st.eps, st.part, c.exact};
+        const AttnLayer<KV> al{st.qkv, kcl, vcl, ld_pos, st.eps, st.part, c.exact};
         AttnPrefetch pf;
         attention_prefetch<T, KV>(al, p0, pf);
         c.g.mark(1);
