@@ -28,6 +28,9 @@
 // Launch geometry: one 256-thread block per SM, persistent and cooperative.
 #define QMK_THREADS 256
 #define QMK_WARPS (QMK_THREADS / 32)
+// The launch adds a producer warpgroup that loads the weight slices (ops/producer.cuh).
+#define QMK_PRODUCER_THREADS 128
+#define QMK_LAUNCH_THREADS (QMK_THREADS + QMK_PRODUCER_THREADS)
 #define QMK_MIN_BLOCKS 112    // smem staging is sized for grids of >= 112 blocks (H100 PCIe 114, SXM 132)
 #define QMK_MAX_CHUNKS 32     // talker attention split-K chunks per kv head
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/layer.cuh"
+#include "ops/producer.cuh"
 
 using namespace qmk;
 
@@ -36,7 +37,22 @@ __device__ void sample_code0(const QmkState& st, int slot, int commit, SampleSme
 
 }  // namespace
 
-__global__ void __launch_bounds__(QMK_THREADS, 1)
+// Threads per block: the compute threads, plus the producer warpgroup (ops/producer.cuh).
+// Registers per thread after setmaxnreg (sm_90a): the producer needs few, the compute threads get
+// the rest.
+constexpr int LAUNCH_THREADS = QMK_LAUNCH_THREADS;
+#ifndef QMK_PRODUCER_REGS
+#define QMK_PRODUCER_REGS 40
+#endif
+constexpr int PRODUCER_REGS = QMK_PRODUCER_REGS;
+// The launch gives every thread LAUNCH_REGS (a multiple of 8); setmaxnreg.inc waits until the
+// pool that the producers' dec frees can cover it, so the compute count must fit in that pool.
+constexpr int LAUNCH_REGS = 65536 / LAUNCH_THREADS / 8 * 8;
+constexpr int COMPUTE_REGS =
+    (LAUNCH_REGS * LAUNCH_THREADS - PRODUCER_REGS * QMK_PRODUCER_THREADS) / QMK_THREADS / 8 * 8;
+static_assert(COMPUTE_REGS <= 256 && PRODUCER_REGS >= 24, "setmaxnreg range");
+
+__global__ void __launch_bounds__(LAUNCH_THREADS, 1)
     qmk_frame_kernel(const __grid_constant__ QmkState st, const __grid_constant__ QmkModel model, int slot, int flags) {
   // The weight table is a kernel parameter (constant bank): each phase reads its layer's pointers
   // before its barrier wait, and from global memory that read waited on HBM (the weight stream
@@ -52,8 +68,26 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   __shared__ __align__(16) AttnStatic astat;
   extern __shared__ uint4 stage[];  // [STAGE_BYTES / 16]: slots X | Y
   __shared__ __align__(8) uint64_t mbar[NSLOTS];
-  Stage sg{{stage, stage + X_BYTES / 16}, mbar, 0u};
-  sg.init();
+  __shared__ __align__(8) uint64_t empty[NSLOTS];
+  __shared__ __align__(8) uint64_t pace;
+  if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&pace)) : "memory");
+  Stage sg{{stage, stage + X_BYTES / 16}, mbar, empty, 0u, st.sync, st.timeout_ns};
+  sg.init();  // every thread (producers included) passes its __syncthreads
+  if (threadIdx.x >= QMK_THREADS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+#endif
+    const bool cp = !(flags & QMK_FLAG_TALKER_ONLY), talker = !(flags & QMK_FLAG_CP_ONLY);
+    if (!(flags & QMK_FLAG_BARRIER_BENCH) && !(talker && st.pos[slot] >= st.max_pos) && threadIdx.x == QMK_THREADS) {
+      Producer p;
+      p.init(sg, &pace);
+      p.run(&model, cp, talker);
+    }
+    return;
+  }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(COMPUTE_REGS));
+#endif
   Grid g{st.sync, st.timeout_ns, 0u, st.ll_seq << QMK_LL_USE_BITS, 0u};
 #if QMK_TRACE
   g.tep = 0;
@@ -80,30 +114,25 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
     return;
   }
   if (threadIdx.x < QMK_GROUPS) codes[threadIdx.x] = threadIdx.x == 0 ? st.code0[slot] : 0;
-  __syncthreads();
+  bsync();
 
-  const bool cp_runs = !(flags & QMK_FLAG_TALKER_ONLY), talker_runs = !(flags & QMK_FLAG_CP_ONLY);
-  if (cp_runs) {
+  if (!(flags & QMK_FLAG_TALKER_ONLY)) {
     const size_t lstride = (size_t)QMK_NKV * QMK_CP_POS * QMK_HD;
     const SampleParams sub{sp.sub_do_sample, sp.sub_temperature, sp.sub_top_k, sp.sub_top_p};
     for (int k = 0; k < QMK_GROUPS - 1; ++k) {
       bool ok;
-      // The next stack's first q|k|v slice is issued inside this pass's head phase.
-      const QmkLayer* next = !QMK_HOIST ? nullptr
-                             : k < QMK_GROUPS - 2 ? &m->cp[0]
-                             : talker_runs ? &m->talker[0] : nullptr;
-      const HeadSlice head{m->cp_head[k], QMK_VC, SLOT_X};
+      const HeadSlice head{QMK_VC, SLOT_X};
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
         ok = run_stack<2, float, true>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                         m->inv_freq_cp, false, head);
-        ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0, next, next == &m->cp[0] && l2_keep(0, true, true));
+                                         m->inv_freq_cp);
+        ok = ok && head_phase(c, m->cp_norm, head, 1, nullptr, 0);
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
         ok = run_stack<1, float, true>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                         m->inv_freq_cp, QMK_HOIST, head);
-        ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k, next, next == &m->cp[0] && l2_keep(0, true, true));
+                                         m->inv_freq_cp);
+        ok = ok && head_phase(c, m->cp_norm, head, 0, nullptr, k);
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
@@ -113,10 +142,10 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
         const float v = __ldcg(st.logits + i);
         sm.sa.l[i] = scale ? v / sub.temperature : v;
       }
-      __syncthreads();
+      bsync();
       const int code = block_sample(sm.sa.l, QMK_VC, sub, sp.seed, (uint32_t)nsamp, (uint32_t)(k + 1), sm.sa, true);
       if (threadIdx.x == 0) codes[k + 1] = code;
-      __syncthreads();
+      bsync();
     }
   }
   if (flags & QMK_FLAG_CP_ONLY) {
@@ -131,18 +160,18 @@ __global__ void __launch_bounds__(QMK_THREADS, 1)
   const size_t lstride = (size_t)QMK_NKV * st.max_pos * QMK_HD;
   const size_t sstride = lstride * QMK_TALKER_LAYERS;
   const Input in{2, {nullptr, nullptr}, nullptr, text};
-  const HeadSlice thead{m->codec_head, QMK_VT, SLOT_X};
+  const HeadSlice thead{QMK_VT, SLOT_X};
   bool ok;
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
     ok = run_stack<1, float, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                    m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
+                                    m->inv_freq_talker);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
     ok = run_stack<1, qmk_bf16, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                       m->inv_freq_talker, QMK_HOIST && cp_runs, thead);
+                                       m->inv_freq_talker);
   }
   if (!ok) return;
   if (!head_phase(c, m->talker_norm, thead, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
@@ -179,7 +208,7 @@ int qmk_grid_size(int device, int* blocks, int* sms) {
   e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_THREADS, STAGE_BYTES);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, LAUNCH_THREADS, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   *sms = prop.multiProcessorCount;
   if (per_sm < 1 || prop.multiProcessorCount < QMK_MIN_BLOCKS) return cudaErrorCooperativeLaunchTooLarge;
@@ -211,7 +240,7 @@ int qmk_frame(QmkState* st, const QmkModel* model, int slot, int flags, int bloc
   QmkModel mv = *model;
   void* args[] = {&stv, &mv, &slot, &flags};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qmk_frame_kernel), dim3(blocks),
-                                     dim3(QMK_THREADS), args, STAGE_BYTES, s);
+                                     dim3(LAUNCH_THREADS), args, STAGE_BYTES, s);
 }
 
 int qmk_sample_talker(const QmkState* st, int slot, void* stream) {

@@ -8,7 +8,7 @@
 #   MODEL=synthetic|random   FRAMES=16 (teacher-forced check per variant; 0 = none)
 # Logs and JSON land in $OUT. Wheels (qwen-tts, transformers 4.57.3, ...) may be carried in .whl/.
 source "$(dirname "$0")/gpu_env.sh"
-SM90="-gencode arch=compute_90,code=sm_90"
+SM90="-gencode arch=compute_90a,code=sm_90a"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 MODEL=${MODEL:-synthetic}

@@ -6,7 +6,7 @@
 #   DEFS="-DQMK_..."   build switches (default: none)   TOP=45   lines to print
 source "$(dirname "$0")/gpu_env.sh"
 
-make -C csrc LIB=build/prof.so DEFS="${DEFS:-}" ARCHS="-gencode arch=compute_90,code=sm_90" \
+make -C csrc LIB=build/prof.so DEFS="${DEFS:-}" ARCHS="-gencode arch=compute_90a,code=sm_90a" \
   NVCCFLAGS="-O3 -std=c++17 -Xcompiler -fPIC -Xptxas -v --expt-relaxed-constexpr -lineinfo" >"$OUT/build.log" 2>&1 \
   || { tail -20 "$OUT/build.log"; exit 1; }
 export QMK_LIB=$ROOT/csrc/build/prof.so
@@ -21,7 +21,7 @@ ncu -i "$OUT/frame.ncu-rep" --page source --csv --print-source sass >"$OUT/sourc
 # SASS address -> source line of this build (nvdisasm's line table), to attribute the samples.
 tmp=$(mktemp -d)
 (cd "$tmp" && cuobjdump -xelf all "$ROOT/csrc/build/prof.so" >/dev/null 2>&1)
-cubin=$(ls "$tmp"/*sm_90*.cubin 2>/dev/null | head -1)
+cubin=$(ls "$tmp"/*sm_90a*.cubin 2>/dev/null | head -1)
 nvdisasm -c -g "$cubin" >"$tmp/prof.sass" 2>/dev/null
 gzip -c "$tmp/prof.sass" >"$OUT/prof.sass.gz"
 rm -f "$OUT/build.log"

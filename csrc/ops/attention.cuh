@@ -118,10 +118,9 @@ __device__ __forceinline__ void attention_static_store(const AttnStaticRaw& r, i
 // T new tokens at positions p0 .. p0+T-1; keys 0 .. p0+T-1. pf: attention_prefetch's registers.
 // f: the flag of the q|k|v words to poll and of the partials to publish. False (every thread) on a
 // poll timeout or an error raised elsewhere.
-// after_poll(): runs once the first item's rows have arrived.
-template <int T, typename KV, class AfterPoll>
+template <int T, typename KV>
 __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, const AttnPrefetch& pf,
-                                const AttnStatic& as, const Grid& g, uint32_t f, AfterPoll after_poll) {
+                                const AttnStatic& as, const Grid& g, uint32_t f) {
   const int ctx = p0 + T;
   const int nchunks = attn_chunks(ctx, T);
   const int chunk = (ctx + nchunks - 1) / nchunks;
@@ -178,9 +177,8 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
         }
       }
     }
-    if (__syncthreads_or(!ok)) return false;
+    if (bsync_or(!ok)) return false;
     g.mark(2);
-    if (item == (int)blockIdx.x) after_poll();
 
     // 3) each warp walks keys c0 + warp, c0 + warp + NW, ...; lanes hold 4 dims; online softmax.
     float qv[NQ][4], m[NQ], l[NQ], acc[NQ][4];
@@ -214,7 +212,7 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       key(j, kf, vf);
     }
     softmax_save<NQ>(sm.merge[warp], lane, m, l, acc);
-    __syncthreads();
+    bsync();
 
     // 4) merge the warps into this chunk's state (m, l, acc) of each row.
     for (int idx = threadIdx.x; idx < NQ * QMK_HD; idx += NT) {
@@ -232,7 +230,7 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
       if (d == 0) { ll_put(pp, mx, f); ll_put(pp + 1, L, f); }
       ll_put(pp + 2 + d, A, f);
     }
-    __syncthreads();
+    bsync();
   }
   return true;
 }

@@ -45,17 +45,7 @@ __device__ __forceinline__ void oproj_rows(int& g, int& gi, int& r0, int& n) {
 
 // Every o_proj arrives head-group major (host side, megakernel.py grouped_o): o[g][row][256]
 // = o_proj[row][256 g + .], so a block's slice (n rows x the 256 columns of group g) is one
-// contiguous range: a single bulk copy into slot Y (row by row it was 64 small copies, 2.5 us
-// to issue).
-__device__ __forceinline__ void issue_oproj(const Stage& sg, const QmkLayer& w, bool keep) {
-  int g, gi, r0, n;
-  oproj_rows(g, gi, r0, n);
-  if (is_issuer()) {
-    constexpr uint32_t RB = 2 * QMK_HD * 2;  // 512 bytes per row
-    sg.expect(SLOT_Y, n * RB);
-    if (issue_lane() == 0 && n > 0) sg.copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * RB, keep);
-  }
-}
+// contiguous range (ops/producer.cuh).
 
 // The phase's end: this block's o_proj rows x the group's 256 columns (the attention output split
 // in s.a), on the tensor cores, -> opart[g]; then the barrier arrive.
@@ -63,7 +53,7 @@ template <int T>
 __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, Stage& sg, AttnOSmem& s, float* red) {
   int g, gi, r0, n;
   oproj_rows(g, gi, r0, n);
-  __syncthreads();
+  bsync();
   grid.mark(3);
   sg.wait(SLOT_Y);
   grid.mark(4);
@@ -74,16 +64,15 @@ __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, St
   }
   grid.mark(5);
   grid.arrive();
+  sg.release(SLOT_Y);
 }
 
 // Code predictor. kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions
-// p0 ... The o_proj slice is already in flight in slot Y (issued in the q|k|v phase). Polls the
-// q|k|v rows (LL words, flag grid.ll_flag()), computes, arrives. late(): issues the next phase's
-// slice before the polls (QMK_X_AT == 1) or once they have returned (2).
-template <int T, class Late>
+// p0 ... Polls the q|k|v rows (LL words, flag grid.ll_flag()), computes, arrives.
+template <int T>
 __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer& w, float* kc, float* vc, int p0,
                                               const float* inv_freq, bool exact, Grid& grid, Stage& sg,
-                                              AttnOSmem& s, float* red, Late late) {
+                                              AttnOSmem& s, float* red) {
   constexpr int NQ = 2 * T;
   int g, gi, r0, n;
   oproj_rows(g, gi, r0, n);
@@ -115,7 +104,6 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
 
   // No grid barrier: the q|k|v rows of kv head g are polled as LL words (ops/common.cuh).
   grid.mark(1);
-  if (QMK_X_AT == 1) late();
 
   // 1) one warp per row: q rows (t, j), new k rows, new v rows of kv head g.
   bool ok = true;
@@ -161,9 +149,8 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
       }
     }
   }
-  if (__syncthreads_or(!ok)) return false;
+  if (bsync_or(!ok)) return false;
   grid.mark(2);
-  if (QMK_X_AT == 2) late();
 
   // 2) warp w walks keys w, w + 8 (online softmax), then the 8 warps merge (as attention.cuh).
   const float scale = 0.08838834764831845f;  // head_dim ** -0.5
@@ -183,7 +170,7 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
     }
   }
   softmax_save<NQ>(s.merge[warp], lane, m, l, acc);
-  __syncthreads();
+  bsync();
   // 4 consecutive dims per thread (one split_store each).
   for (int idx = threadIdx.x; idx < NQ * QMK_HD / 4; idx += NT) {
     const int r = idx / (QMK_HD / 4), d = (idx % (QMK_HD / 4)) * 4;
@@ -236,7 +223,7 @@ __device__ __forceinline__ bool merge_oproj(const QmkState& st, int nchunks, boo
   mine[0] = mx; mine[1] = L;
 #pragma unroll
   for (int i = 0; i < 4; ++i) mine[2 + i] = A[i];
-  if (__syncthreads_or(!ok)) return false;
+  if (bsync_or(!ok)) return false;
   grid.mark(2);
   if (p == 0) {
     float M = neg_inf();

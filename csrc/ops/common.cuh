@@ -21,6 +21,19 @@ namespace qmk {
 constexpr int NT = QMK_THREADS;
 constexpr int NW = QMK_WARPS;
 
+// Block barriers of the compute threads (barrier 1, QMK_THREADS threads): the
+// launch has a producer warpgroup beside them that never joins these.
+__device__ __forceinline__ void bsync() { asm volatile("bar.sync 1, %0;" ::"n"(QMK_THREADS) : "memory"); }
+__device__ __forceinline__ bool bsync_or(bool p) {
+  uint32_t r;
+  asm volatile(
+      "{ .reg .pred q, o; setp.ne.u32 q, %1, 0; bar.red.or.pred o, 1, %2, q; selp.u32 %0, 1, 0, o; }"
+      : "=r"(r)
+      : "r"((uint32_t)p), "n"(QMK_THREADS)
+      : "memory");
+  return r != 0;
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // Round an fp32 value to bf16 and back: marks every point where qwen-tts (bf16) rounds.
@@ -112,9 +125,9 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float block_sum(float v, float* red) {
   v = warp_sum(v);
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  __syncthreads();
+  bsync();
   if (l == 0) red[w] = v;
-  __syncthreads();
+  bsync();
   float s = l < NW ? red[l] : 0.f;
   s = warp_sum(s);
   return s;
@@ -122,17 +135,18 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 __device__ __forceinline__ float block_max(float v, float* red) {
   v = warp_max(v);
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  __syncthreads();
+  bsync();
   if (l == 0) red[w] = v;
-  __syncthreads();
+  bsync();
   float s = l < NW ? red[l] : neg_inf();
   return warp_max(s);
 }
 
-// Rows [lo, hi) of n owned by block b of g: contiguous, balanced.
+// Rows [lo, hi) of n owned by block b of g: contiguous, balanced. 32-bit: n * g stays far below
+// 2^31 here (n <= 4096 rows, g <= a few hundred blocks), and a 64-bit division costs registers.
 __device__ __forceinline__ void rows_of(int b, int g, int n, int& lo, int& cnt) {
-  lo = (int)(((long long)n * b) / g);
-  cnt = (int)(((long long)n * (b + 1)) / g) - lo;
+  lo = (n * b) / g;
+  cnt = (n * (b + 1)) / g - lo;
 }
 // The same in whole 4-row groups (weight matrices in the tensor-core layout, ops/matvec.cuh).
 __device__ __forceinline__ void rows4_of(int b, int g, int n, int& lo, int& cnt) {
@@ -157,7 +171,7 @@ __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
 
 // Split-phase grid barrier over this engine instance's sync words (zeroed by the host before
 // every launch, so no count from an earlier launch can leak in). The arrival counter only grows:
-// epoch e is complete at e * gridDim.x arrivals. arrive(): after the block's __syncthreads, thread
+// epoch e is complete at e * gridDim.x arrivals. arrive(): after the block's bsync(), thread
 // 0 adds 1 with release semantics (no round trip). wait(): thread 0 polls with acquire loads.
 // Between the two a block may issue loads that do not depend on other blocks (the next phase's
 // weights). The wait is bounded: past timeout_ns the block records QMK_ERR_TIMEOUT and every block
@@ -196,7 +210,7 @@ struct Grid {
 #endif
 
   __device__ void arrive() {
-    __syncthreads();
+    bsync();
     epoch += 1;
     next_row();
     mark(0);
@@ -205,7 +219,7 @@ struct Grid {
   }
   // The end of a phase that publishes LL words instead of arriving (a new trace row).
   __device__ void tick() {
-    __syncthreads();
+    bsync();
     next_row();
     mark(0);
   }
@@ -234,7 +248,7 @@ struct Grid {
       *s_flag = ok;
     }
     mark(2);
-    __syncthreads();
+    bsync();
     return *s_flag != 0;
   }
 

@@ -6,9 +6,9 @@
 //       (ops/attn_oproj.cuh)
 //   P4 residual + post-norm + gate/up rows -> SwiGLU   P5 down + residual
 // and the final-norm + head phase. Each phase waits at the grid barrier (or polls the LL words it
-// reads), issues the next weight phase's slice (QMK_X_AT / QMK_Y_AT, ops/matvec.cuh), reads the
-// activations the previous phase published, waits for its own staged slice, multiplies, publishes
-// and arrives.
+// reads), reads the activations the previous phase published, waits for its weight slice (staged
+// by the producer warpgroup, ops/producer.cuh), multiplies, releases the slot, publishes and
+// arrives.
 #pragma once
 #include "attention.cuh"
 #include "attn_oproj.cuh"
@@ -16,13 +16,7 @@
 #include "matvec.cuh"
 #include "sampling.cuh"
 
-// QMK_HOIST: static loads (norm weights) before the barrier waits, and the next stack's first
-// q|k|v slice issued by the head phase after its closing barrier (it streams in during the
-// sampling).
-// QMK_OPROJ_LATE: see run_stack.
-#ifndef QMK_OPROJ_LATE
-#define QMK_OPROJ_LATE 1
-#endif
+// QMK_HOIST: static loads (norm weights) before the barrier waits.
 #ifndef QMK_HOIST
 #define QMK_HOIST 1
 #endif
@@ -35,8 +29,8 @@ constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert(rows4_max(QMK_QKV) * QMK_MAX_T <= OUT_MAX, "qkv rows");
 static_assert(rows4_max(QMK_QKV) <= RED_ROWS && 2 * ROWS_MAX <= RED_ROWS && rows4_max(QMK_VT) <= RED_ROWS, "red");
 // Weight staging (matvec.cuh Stage): slot X holds q|k|v, gate|up or a head; slot Y o_proj or
-// down. Consecutive weight phases use different slots, so each slice is issued one phase ahead;
-// a head phase issues the next stack's first q|k|v slice into X once its own matvec is done.
+// down. Consecutive weight phases use different slots, so the producer fills one while the
+// compute threads read the other.
 constexpr int X_BYTES = 2 * ROWS_MAX * QMK_H * 2;                      // gate + up rows
 constexpr int Y_BYTES = ROWS_H_MAX * QMK_I * 2;                        // down rows
 constexpr int STAGE_BYTES = X_BYTES + Y_BYTES;
@@ -121,7 +115,7 @@ __device__ void load_input(const Ctx& c, const Input& in) {
   }
 #pragma unroll
   for (int t = 0; t < T; ++t) *reinterpret_cast<float4*>(&xs[t][d]) = v[t];
-  __syncthreads();
+  bsync();
 }
 
 // In place: xs[t] = w * bf16(xs[t] * rsqrt(mean(xs[t]^2) + eps)), as Qwen3TTSRMSNorm, stored split
@@ -144,7 +138,7 @@ __device__ void rmsnorm_xs(const Ctx& c, const float4 wv, float* hidden_out = nu
     split_store(reinterpret_cast<uint2*>(xs[t]), d, x);
     if (t == 0 && hidden_out != nullptr) *reinterpret_cast<float4*>(hidden_out + d) = x;
   }
-  __syncthreads();
+  bsync();
 }
 
 // The norm weights of this thread's 4 dims: loaded raw (ahead of a barrier wait where QMK_HOIST),
@@ -156,51 +150,11 @@ __device__ __forceinline__ float4 norm_cvt(uint2 r) {
   return make_float4(lo_bf(r.x), hi_bf(r.x), lo_bf(r.y), hi_bf(r.y));
 }
 
-// Issue this block's slices (warp 0; each contiguous row range is one bulk copy).
-// q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> slot X.
-__device__ __forceinline__ void issue_qkv(const Ctx& c, const QmkLayer& w, bool keep) {
-  if (!is_issuer()) return;
-  int q0, qn;
-  rows4_of(blockIdx.x, gridDim.x, QMK_QKV, q0, qn);
-  constexpr uint32_t RB = QMK_H * 2;
-  c.sg.expect(SLOT_X, qn * RB);
-  const int lane = issue_lane();
-  if (lane < 3) {
-    const int lo = lane == 0 ? 0 : lane == 1 ? QMK_QD : QMK_QD + QMK_KVD;
-    const int hi = lane == 0 ? QMK_QD : lane == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
-    const int a = max(q0, lo), e = min(q0 + qn, hi);
-    if (a < e) {
-      const qmk_bf16* base = lane == 0 ? w.q : lane == 1 ? w.k : w.v;
-      c.sg.copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB, keep);
-    }
-  }
-}
-// gate rows then up rows [i0, i0 + in_) -> slot X.
-__device__ __forceinline__ void issue_gate_up(const Ctx& c, const QmkLayer& w, int i0, int in_, bool keep) {
-  if (!is_issuer()) return;
-  constexpr uint32_t RB = QMK_H * 2;
-  c.sg.expect(SLOT_X, 2 * in_ * RB);
-  const int lane = issue_lane();
-  if (lane < 2 && in_ > 0) c.sg.copy(SLOT_X, lane * in_ * RB, (lane == 0 ? w.gate : w.up) + (size_t)i0 * QMK_H, in_ * RB, keep);
-}
-// rows [r0, r0 + n) of a [*, K] matrix -> slot s.
-template <int K>
-__device__ __forceinline__ void issue_rows(const Ctx& c, int s, const qmk_bf16* m, int r0, int n, bool keep = false) {
-  if (!is_issuer()) return;
-  c.sg.expect(s, n * K * 2);
-  if (issue_lane() == 0 && n > 0) c.sg.copy(s, 0, m + (size_t)r0 * K, n * K * 2, keep);
-}
-// The final-head slice that follows a stack: rows of `head` [V, H] -> slot s.
+// A final head: rows of [V, H], staged in slot `slot` by the producer.
 struct HeadSlice {
-  const qmk_bf16* w;
   int V;
   int slot;
 };
-__device__ __forceinline__ void issue_head(const Ctx& c, const HeadSlice& h) {
-  int r0, n;
-  rows4_of(blockIdx.x, gridDim.x, h.V, r0, n);
-  issue_rows<QMK_H>(c, h.slot, h.w, r0, n);
-}
 
 // xs[t] = src[t][0..N*4*NT), split for the tensor-core matvec (fp32 scratch published by other
 // blocks: read through L2).
@@ -216,7 +170,7 @@ __device__ void load_scratch(const Ctx& c, const float* src) {
   for (int t = 0; t < T; ++t)
 #pragma unroll
     for (int i = 0; i < N; ++i) split_store(reinterpret_cast<uint2*>(c.sm.mv.xs[t]), 4 * (i * NT + threadIdx.x), v[t][i]);
-  __syncthreads();
+  bsync();
 }
 
 // Residual update of this block's rows [r0, r0 + n): x = x + delta (kept in smem and published).
@@ -232,14 +186,11 @@ __device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
 
 // One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride, ld_pos
 // positions per kv head). The caller has no barrier pending; on return the last phase has arrived
-// but not waited. preissued: layer 0's q|k|v slice is already in flight (the previous head phase
-// issued it). head: the head phase that follows; its slice is issued during the last layer's down
-// phase. Each phase issues the NEXT weight phase's slice (one phase ahead; where: QMK_X_AT /
-// QMK_Y_AT). CP: the code predictor (attention recomputed in P2F), else the talker (P2 + merge).
+// but not waited. CP: the code predictor (attention recomputed in P2F), else the talker (P2 +
+// merge).
 template <int T, typename KV, bool CP>
 __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, int nlayers, const Input& in0, int p0,
-                                          KV* kc, KV* vc, size_t lstride, int ld_pos, const float* inv_freq,
-                                          bool preissued, const HeadSlice& head) {
+                                          KV* kc, KV* vc, size_t lstride, int ld_pos, const float* inv_freq) {
   const QmkState& st = c.st;
   const int G = gridDim.x, b = blockIdx.x;
   float* out = c.sm.mv.out;
@@ -253,15 +204,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     const QmkLayer& w = layers[L];
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
-    // this layer's slices that stay in L2 (matvec.cuh l2_keep)
-    const bool keep = CP && l2_keep(L, false), keep_big = CP && l2_keep(L, true);
     const bool attn_block = !CP && (int)blockIdx.x < QMK_NKV * nchunks;  // has a split-K item
-    if (L == 0 && !preissued) issue_qkv(c, w, CP && l2_keep(L, true, true));
-    // QMK_OPROJ_LATE: the talker blocks that run a split-K item issue their o_proj slice once
-    // that phase's q|k|v rows have arrived: a copy in flight to an SM delays its other loads
-    // (here the poll), and that phase ends without a release fence that would wait for it.
-    const bool oproj_late = QMK_OPROJ_LATE && attn_block;
-    if (QMK_Y_AT == 0 && L > 0 && !oproj_late) issue_oproj(c.sg, w, keep);  // -> Y, for P2F
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     KV* kcl = kc + L * lstride;
     KV* vcl = vc + L * lstride;
@@ -277,10 +220,8 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     } else {
       if (!c.g.wait(c.flag)) return false;
       if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
-      if (QMK_Y_AT == 1 && !oproj_late) issue_oproj(c.sg, w, keep);
       load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
     }
-    if (!oproj_late && (QMK_Y_AT == 2 || (QMK_Y_AT < 2 && L == 0))) issue_oproj(c.sg, w, keep);
     // keep the raw residual: P4 adds the o_proj partials to it
 #pragma unroll
     for (int t = 0; t < T; ++t)
@@ -292,6 +233,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.sg.wait(SLOT_X);
     c.g.mark(4);
     mv_mma<T, QMK_H, XS, QMK_KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
+    c.sg.release(SLOT_X);
     c.g.mark(5);
     // published as LL words: only the attention's blocks read them, and they poll (no barrier)
     const uint32_t llf = c.g.ll_next();
@@ -299,28 +241,17 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       ll_put(st.qkv + (idx % T) * QMK_QKV + q0 + idx / T, rnd(out[idx], c.exact), llf);
     c.g.tick();
 
-    // gate|up rows -> X for P4 (X was consumed by this layer's q|k|v phase): in the code
-    // predictor P2F issues it (QMK_X_AT); in the talker the blocks that run split-K items issue it
-    // after their attention (a copy in flight slows the attention's loads, its critical path),
-    // the others right away.
-    const auto gate_up = [&]() { issue_gate_up(c, w, i0, in_, keep_big); };
     if constexpr (CP) {
-      if (QMK_X_AT == 0) gate_up();
-      if (!cp_attn_oproj<T>(st, w, kcl, vcl, p0, inv_freq, c.exact, c.g, c.sg, c.sm.ao, c.red, gate_up)) return false;
+      if (!cp_attn_oproj<T>(st, w, kcl, vcl, p0, inv_freq, c.exact, c.g, c.sg, c.sm.ao, c.red)) return false;
     } else {
       // P2: split-K attention in the blocks that have an item (cached keys loaded before the
       // polls); P2F merges the chunks. Neither waits at a grid barrier: both poll LL words.
-      if (!attn_block) gate_up();
       if (attn_block) {
         const AttnLayer<KV> al{st.qkv, kcl, vcl, ld_pos, st.eps, st.part, c.exact};
         AttnPrefetch pf;
         attention_prefetch<T, KV>(al, p0, pf);
         c.g.mark(1);
-        if (!attention_phase<T, KV>(al, p0, c.sm.at, pf, c.as, c.g, c.g.ll_flag(), [&]() {
-              if (oproj_late) issue_oproj(c.sg, w, keep);
-            }))
-          return false;
-        gate_up();  // X is free; attention_phase ended with __syncthreads
+        if (!attention_phase<T, KV>(al, p0, c.sm.at, pf, c.as, c.g, c.g.ll_flag())) return false;
       }
       c.g.tick();
       if (!merge_oproj<T>(st, nchunks, c.exact, c.g, c.sg, c.sm.ao, c.red)) return false;
@@ -328,10 +259,8 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
 
     // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),
     // post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    if (QMK_Y_AT == 0) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);  // -> Y for P5 (consumed in P2F)
     wn = QMK_HOIST ? norm_raw(w.post_norm) : uint2{};
     if (!c.g.wait(c.flag)) return false;
-    if (QMK_Y_AT == 1) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);
 #pragma unroll
     for (int t = 0; t < T; ++t) {
       float4 p[QMK_NKV];
@@ -348,12 +277,11 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       *reinterpret_cast<float4*>(&c.xres[t][d4]) = xn;
       *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d4]) = xn;
     }
-    __syncthreads();
+    bsync();
     for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
       const int t = idx / hn, r = idx % hn;
       c.xown[t][r] = c.xres[t][h0 + r];
     }
-    if (QMK_Y_AT == 2) issue_rows<QMK_I>(c, SLOT_Y, w.down, h0, hn, keep);
     if (!QMK_HOIST) wn = norm_raw(w.post_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
@@ -367,18 +295,11 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       st.act[t * QMK_I + i0 + r] = rnd(rnd(gt / (1.0f + expf(-gt)), c.exact) * up, c.exact);
     }
     c.g.arrive();
+    c.sg.release(SLOT_X);
 
-    // P5: down_proj (Y) + residual on this block's rows. Next slice: the next layer's q|k|v or
-    // the head (X, consumed in P4).
-    const auto issue_next = [&]() {
-      if (L + 1 < nlayers) issue_qkv(c, layers[L + 1], CP && l2_keep(L + 1, true, true));
-      else issue_head(c, head);
-    };
-    if (QMK_X_AT == 0) issue_next();
+    // P5: down_proj (Y) + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
-    if (QMK_X_AT == 1) issue_next();
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
-    if (QMK_X_AT == 2) issue_next();
     c.g.mark(3);
     c.sg.wait(SLOT_Y);
     c.g.mark(4);
@@ -386,18 +307,15 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out);
     c.g.arrive();
+    c.sg.release(SLOT_Y);
   }
   return true;
 }
 
 // Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
 // barrier so every block can read all logits.
-// The head's slice was issued by the stack's last down phase (slot h.slot). next: the stack that
-// follows; its layer 0 q|k|v slice is issued into X after the closing barrier (X was consumed by
-// the head's matvec), so it streams in during the sampling and the barrier's release fence does
-// not wait for it (or nullptr).
 __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
-                           int dump_row, const QmkLayer* next = nullptr, bool next_keep = false) {
+                           int dump_row) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows4_of(b, G, h.V, r0, n);
@@ -405,7 +323,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   if (!c.g.wait(c.flag)) return false;
   const int d4 = threadIdx.x * 4;
   *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
-  __syncthreads();
+  bsync();
   if (!QMK_HOIST) wn = norm_raw(norm_w);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
@@ -419,9 +337,9 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
     __stcg(c.st.logits + r0 + r, v);
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
-  const bool ok = c.g.sync_all(c.flag);
-  if (next != nullptr) issue_qkv(c, *next, next_keep);
-  return ok;
+  c.g.arrive();
+  c.sg.release(h.slot);
+  return c.g.wait(c.flag);
 }
 
 }  // namespace qmk

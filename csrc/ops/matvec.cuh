@@ -1,5 +1,5 @@
 // Block-level bf16 matrix x vector for T tokens: the block's rows of W (staged in shared memory
-// by the bulk copy engine) times smem activations.
+// by the producer warpgroup, ops/producer.cuh) times smem activations.
 #pragma once
 #include "common.cuh"
 
@@ -9,118 +9,67 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// ---- Weight staging with the bulk copy engine (TMA, sm_90) ----------------------------------
-// A phase's weight slice is a few contiguous row ranges; one thread per range issues a
-// cp.async.bulk into shared memory that completes on the slot's mbarrier. No thread is held up
-// issuing (unlike per-thread cp.async, whose issue stalled on a full memory queue), so the next
-// phase's slice can stream in while this phase computes and waits at its grid barrier.
+// ---- Weight staging: slots filled by the producer warpgroup (ops/producer.cuh) ----------------
+// Every phase's weight slice is copied into shared memory by the block's producer thread (bulk
+// copies, a few KB in flight at a time) in the order the phases consume them; the compute threads
+// wait for a slot's "full" mbarrier, multiply, and release the slot on its "empty" mbarrier.
 // Slots: X (q|k|v, gate|up, heads), Y (o_proj, down).
 enum { SLOT_X = 0, SLOT_Y = 1, NSLOTS = 2 };
 
-// The warp that issues the bulk copies. Warp 1 (so that thread 0's barrier release and poll
-// would not wait behind the issue) measured slower on the H100 than warp 0: frame 2890 vs
-// 2660 us, same run.
-#ifndef QMK_ISSUE_WARP
-#define QMK_ISSUE_WARP 0
-#endif
-__device__ __forceinline__ bool is_issuer() { return (threadIdx.x >> 5) == QMK_ISSUE_WARP; }
-__device__ __forceinline__ int issue_lane() { return threadIdx.x & 31; }
-
-// Where a phase issues the next weight phase's slice: 0 before its own barrier wait, 1 right after
-// the wait (before its activation loads), 2 once its activation loads have returned. QMK_X_AT:
-// the big slot-X slices (q|k|v 64 KB, gate|up 96 KB per block); QMK_Y_AT: the small slot-Y ones
-// (o_proj, down). Two costs pull in opposite directions: a bulk copy in flight slows the phase's
-// latency-critical L2 loads, and the phase's barrier release (red.release = MEMBAR.GPU + ERRBAR)
-// waits for the SM's bulk copies still in flight (trace: 2.2-3.0 us after phases that issued
-// their X slice at 2, 0.4 us when none is in flight). H100, same call: X at 1 is 100 us per frame
-// faster than at 2, X at 0 100 us slower; Y at 0 or 1 180 us slower than at 2.
-#ifndef QMK_X_AT
-#define QMK_X_AT 1
-#endif
-#ifndef QMK_Y_AT
-#define QMK_Y_AT 2
-#endif
-// QMK_EVICT_FIRST: the weight stream is copied with an L2 evict-first policy, so that it does not
-// push the small, reused data (norm weights, activations, KV caches) out of L2.
-#ifndef QMK_EVICT_FIRST
-#define QMK_EVICT_FIRST 1
-#endif
-// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
-// / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
-// instead, since each of the frame's 15 passes reads them again; their copies then come from L2
-// and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
-// 92.8-93.6 us, frame 1934-1943 vs 1945-1953; with KEEP_QKV=2 (+8.4 MB) CP pass 88.4-88.6 vs
-// 89.3-90.3, frame 1920-1927 vs 1941-1947; KEEP=1 (32 MB) CP pass 89.0-91.3; KEEP_QKV=3 (38 MB),
-// KEEP_BIG=2 (42 MB) or more thrash the 50 MB L2 (slower).
-#ifndef QMK_L2_KEEP
-#define QMK_L2_KEEP 0
-#endif
-#ifndef QMK_L2_KEEP_BIG
-#define QMK_L2_KEEP_BIG 1
-#endif
-#ifndef QMK_L2_KEEP_QKV
-#define QMK_L2_KEEP_QKV 2
-#endif
-constexpr bool L2_KEEPS = QMK_L2_KEEP > 0 || QMK_L2_KEEP_BIG > 0 || QMK_L2_KEEP_QKV > 0;
-// Whether CP layer L's slices (big: q|k|v or gate|up; qkv: q|k|v) are copied evict-last.
-__host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
-  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG) || (qkv && L < QMK_L2_KEEP_QKV);
-}
-
 struct Stage {
   uint4* slot[NSLOTS];  // dynamic smem
-  uint64_t* mbar;       // smem [NSLOTS], one arrival (the expect_tx) per use
+  uint64_t* mbar;       // smem [NSLOTS] "full": the producer's arrival + the slice's bytes per use
+  uint64_t* empty;      // smem [NSLOTS]: compute thread 0 arrives once the slot is consumed
   uint32_t parity;      // bit s: parity of mbar[s]'s next completion (same in every thread)
-  uint64_t policy;      // L2 cache policy of the copies (QMK_EVICT_FIRST)
-  uint64_t keep_policy; // L2 evict-last (QMK_L2_KEEP / QMK_L2_KEEP_BIG)
+  uint32_t* sync;       // the instance's sync words (the bounded wait's error word)
+  uint64_t timeout_ns;
 
+  // Every thread of the launch (producers included) passes its __syncthreads.
   __device__ void init() {
-    if (QMK_EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    if (L2_KEEPS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
     if (threadIdx.x == 0)
-      for (int s = 0; s < NSLOTS; ++s)
+      for (int s = 0; s < NSLOTS; ++s) {
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar + s)) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + s)) : "memory");
+      }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();
     parity = 0;
   }
 
-  // Issuer warp: lane 0 announces `bytes` on slot s's mbarrier; then lanes issue their ranges.
-  __device__ __forceinline__ void expect(int s, uint32_t bytes) const {
-    if (issue_lane() == 0) {
-      // generic-proxy reads of the slot (ordered by an earlier __syncthreads) before async writes
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(mbar + s)), "r"(bytes)
-                   : "memory");
-    }
-    __syncwarp();
-  }
-  // One range: bytes (multiple of 16) from global src to slot s at byte offset off. keep: the
-  // evict-last policy (l2_keep).
-  __device__ __forceinline__ void copy(int s, uint32_t off, const void* src, uint32_t bytes, bool keep = false) const {
-    if (QMK_EVICT_FIRST || (L2_KEEPS && keep))
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-              smem_u32(slot[s]) + off),
-          "l"(src), "r"(bytes), "r"(smem_u32(mbar + s)), "l"(L2_KEEPS && keep ? keep_policy : policy)
-          : "memory");
-    else
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       smem_u32(slot[s]) + off),
-                   "l"(src), "r"(bytes), "r"(smem_u32(mbar + s))
-                   : "memory");
-  }
-  // Every thread: wait until slot s's slice has landed.
+  // Every thread: wait until slot s's slice has landed. Bounded: past timeout_ns (or once another
+  // block has raised an error) it records QMK_ERR_TIMEOUT and returns; the phase then computes on
+  // whatever the slot holds, and the next grid wait sees the error and leaves.
   __device__ __forceinline__ void wait(int s) {
     const uint32_t par = (parity >> s) & 1u;
     const uint32_t a = smem_u32(mbar + s);
-    uint32_t ok = 0;
-    while (!ok)
+    uint32_t ok = 0, spins = 0;
+    uint64_t t0 = 0;
+    while (true) {
       asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                    : "=r"(ok)
                    : "r"(a), "r"(par)
                    : "memory");
+      if (ok) break;
+      if ((++spins & 1023u) == 0) {
+        const uint64_t now = globaltimer();
+        if (t0 == 0) {
+          t0 = now;
+        } else if (now - t0 > timeout_ns || *reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) {
+          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
+          break;
+        }
+      }
+    }
     parity ^= 1u << s;
+  }
+  // After a bsync() that follows the last reads of slot s (mv_mma ends with one): the producer may
+  // refill it. A phase that ends at a grid barrier releases its slot after the barrier arrive, so
+  // that the producer's next piece is not yet in flight when the arrive's release fence runs (the
+  // fence waits for the SM's bulk copies): H100, same call, frame 1750-1766 us vs 1827-1835 with
+  // the release right after the matvec, talker step 507-512 vs 525-543.
+  __device__ __forceinline__ void release(int s) const {
+    if (threadIdx.x == 0)
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)) : "memory");
   }
 };
 
@@ -201,7 +150,7 @@ constexpr int RED_FLOATS = NW * RED_ROWS * QMK_MAX_T;
 // each keeps its chunks' activation fragments in registers, runs the mma over its row groups and
 // folds each row's useful products with two shuffles; with KW > 1 the per-warp sums are added in
 // a fixed order (shared memory, one more block barrier). Results are bitwise reproducible. The
-// caller has waited for the slot. Ends with __syncthreads() (the slot may be refilled after it).
+// caller has waited for the slot. Ends with bsync() (the slot may be refilled after it).
 template <int T, int K, int XS, int KW_ = 0>
 __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint2* xsp, float* out_s, float* red) {
   constexpr int NC = K / 64;
@@ -243,7 +192,7 @@ __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint
       }
     }
   }
-  __syncthreads();
+  bsync();
   if (KW == 1) return;
   for (int idx = threadIdx.x; idx < nrows * T; idx += NT) {
     float s = red[idx];
@@ -251,7 +200,7 @@ __device__ __forceinline__ void mv_mma(int nrows, const uint4* stage, const uint
     for (int k = 1; k < KW; ++k) s += red[k * RED_ROWS * T + idx];
     out_s[idx] = s;
   }
-  __syncthreads();
+  bsync();
 }
 
 }  // namespace qmk

@@ -70,9 +70,9 @@ __device__ int block_argmax_reduce(float bv, int bi, SampleSmem& sm) {
     if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
   }
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
+  bsync();
   if (lane == 0) { sm.fred[w] = bv; sm.ired[w] = bi; }
-  __syncthreads();
+  bsync();
   if (w == 0) {
     bv = lane < NW ? sm.fred[lane] : neg_inf();
     bi = lane < NW ? sm.ired[lane] : 0x7fffffff;
@@ -84,7 +84,7 @@ __device__ int block_argmax_reduce(float bv, int bi, SampleSmem& sm) {
     }
     if (lane == 0) sm.result = bi == 0x7fffffff ? 0 : bi;
   }
-  __syncthreads();
+  bsync();
   return sm.result;
 }
 
@@ -140,7 +140,7 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
   static_assert(QMK_VC % NT == 0 && QMK_VT % NT == 0, "full warps in the histogram loop");
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
-    __syncthreads();
+    bsync();
 #if QMK_SAMPLE_AGG
     // Warp-aggregated: lanes with the same bin add once (the logits crowd into a few top-byte
     // bins, and same-address shared atomics serialize). V is a multiple of NT: full warps.
@@ -158,13 +158,13 @@ __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
       if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
     }
 #endif
-    __syncthreads();
+    bsync();
     if (threadIdx.x < 32) warp_find_bin(sm, kk, true);
-    __syncthreads();
+    bsync();
     prefix |= (uint32_t)sm.bin << shift;
     mask |= 255u << shift;
     kk = sm.rank;
-    __syncthreads();
+    bsync();
   }
   return fkey_inv(prefix);
 }
@@ -191,7 +191,7 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
   cnt = warp_sum(cnt);
   if (lane == 0) { sm.fred[w] = mx; sm.fred2[w] = sum; sm.ired[w] = (int)cnt; }
   if (threadIdx.x == 0) sm.ncand = 0;
-  __syncthreads();
+  bsync();
   mx = lane < NW ? sm.fred[lane] : neg_inf();
   sum = lane < NW ? sm.fred2[lane] : 0.f;
   cnt = lane < NW ? (float)sm.ired[lane] : 0.f;
@@ -206,10 +206,10 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
     const float b = (mx - l[i]) * inv;  // -inf logits give +inf: not counted
     if (b < 256.f) atomicAdd(&sm.hist[(int)b], 1u);
   }
-  __syncthreads();
+  bsync();
   // 3) warp 0: the bucket where the count from the top reaches k, and k's rank inside it.
   if (w == 0) warp_find_bin(sm, k, false);
-  __syncthreads();
+  bsync();
   const int bin = sm.bin, rank = sm.rank;
   if (bin < 0 || sm.hist[bin] > 512u) return kth_largest(l, V, k, sm);  // cand[] holds 512
   // 4) the boundary bucket's values, then the rank-th largest among them.
@@ -217,7 +217,7 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
     const float b = (mx - l[i]) * inv;
     if (b < 256.f && (int)b == bin) sm.cand[atomicAdd(&sm.ncand, 1)] = l[i];
   }
-  __syncthreads();
+  bsync();
   const int nc = sm.ncand;
   for (int i = threadIdx.x; i < nc; i += NT) {
     const float v = sm.cand[i];
@@ -229,7 +229,7 @@ __device__ float bucket_kth(const float* l, int V, int k, SampleSmem& sm) {
     }
     if (gt < rank && rank <= ge) sm.kth = v;  // every writer holds the same value
   }
-  __syncthreads();
+  bsync();
   return sm.kth;
 }
 
@@ -245,7 +245,7 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
   if (!p.do_sample) return block_argmax(l, V, sm);
   if (p.temperature != 1.0f && !scaled) {
     for (int i = threadIdx.x; i < V; i += NT) l[i] = l[i] / p.temperature;
-    __syncthreads();
+    bsync();
   }
   const bool topk = p.top_k > 0 && p.top_k < V;
   const float kth = !topk ? neg_inf() : QMK_TOPK_BUCKET ? bucket_kth(l, V, p.top_k, sm) : kth_largest(l, V, p.top_k, sm);
@@ -266,7 +266,7 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
   if (topk) {
     for (int i = threadIdx.x; i < V; i += NT)
       if (l[i] < kth) l[i] = neg_inf();
-    __syncthreads();
+    bsync();
   }
   if (p.top_p < 1.0f) {
     // HF: sort ascending, cumulative softmax, drop tokens with cum <= 1 - top_p (never the top).
@@ -291,15 +291,15 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
       }
       if (lane == 0) sm.removed[i] = rm;
     }
-    __syncthreads();
+    bsync();
     for (int i = threadIdx.x; i < V; i += NT)
       if (sm.removed[i]) l[i] = neg_inf();
-    __syncthreads();
+    bsync();
   }
   for (int i = threadIdx.x; i < V; i += NT) {
     if (l[i] != neg_inf()) l[i] += gumbel(seed, counter, stream, (uint32_t)i);
   }
-  __syncthreads();
+  bsync();
   return block_argmax(l, V, sm);
 }
 
@@ -313,7 +313,7 @@ __device__ void talker_process(float* l, const float* src, const uint8_t* seen, 
     if ((i >= sup_start && i != eos) || (i == eos && n_sampled < min_new)) v = neg_inf();
     l[i] = v;
   }
-  __syncthreads();
+  bsync();
 }
 
 }  // namespace qmk

@@ -1,0 +1,210 @@
+// The producer warpgroup: QMK_PRODUCER_THREADS threads launched beside the compute threads of
+// every block, of which one thread copies every weight slice of the frame into the two staging
+// slots (X: q|k|v, gate|up, heads; Y: o_proj, down), in the order the phases consume them.
+//
+// Why a separate thread, and why small pieces: a whole slice (32-96 KB per SM) issued at once by
+// every SM makes each dependent L2 read of a phase wait behind it (an L2 hit took ~1.3 us with a
+// 64 KB bulk copy in flight per SM against ~0.18 us with 16 KB: csrc/probe/latency_probe.cu), and
+// the grid barrier's release fence waits for the SM's bulk copies in flight
+// (csrc/probe/fence_probe.cu). So the slice goes as QMK_PIECE-byte bulk copies, one in flight: a
+// shallow, continuous stream that no compute thread has to issue.
+//
+// Per slice: wait until the slot's "empty" mbarrier says the compute threads are done with it,
+// then copy the pieces (Producer::copy); the last piece completes on the slot's "full" mbarrier,
+// which the compute threads wait for (Stage::wait).
+#pragma once
+#include "layer.cuh"
+
+// QMK_EVICT_FIRST: the weight stream is copied with an L2 evict-first policy, so that it does not
+// push the small, reused data (norm weights, activations, KV caches) out of L2.
+// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
+// / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
+// instead, since each of the frame's 15 passes reads them again; their copies then come from L2
+// and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
+// 92.8-93.6 us, frame 1934-1943 vs 1945-1953; with KEEP_QKV=2 (+8.4 MB) CP pass 88.4-88.6 vs
+// 89.3-90.3, frame 1920-1927 vs 1941-1947; KEEP=1 (32 MB) CP pass 89.0-91.3; KEEP_QKV=3 (38 MB),
+// KEEP_BIG=2 (42 MB) or more thrash the 50 MB L2 (slower).
+#ifndef QMK_L2_KEEP
+#define QMK_L2_KEEP 0
+#endif
+#ifndef QMK_L2_KEEP_BIG
+#define QMK_L2_KEEP_BIG 1
+#endif
+#ifndef QMK_L2_KEEP_QKV
+#define QMK_L2_KEEP_QKV 2
+#endif
+// Bytes per bulk copy. H100, same call: 16 KB, one in flight, frame 1805-1809 us vs 1836-1837
+// with whole slices issued by the compute threads; two 16 KB pieces in flight 2021-2027; two
+// 8 KB pieces 1843-1862.
+#ifndef QMK_PIECE
+#define QMK_PIECE 16384
+#endif
+// Timing experiment only (wrong results): the slots are published without copying anything, so
+// the frame runs its dependency chain with no weight stream at all.
+#ifndef QMK_PRODUCER_NOCOPY
+#define QMK_PRODUCER_NOCOPY 0
+#endif
+
+namespace qmk {
+
+// Whether CP layer L's slices (big: q|k|v or gate|up; qkv: q|k|v) are copied evict-last.
+__host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
+  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG) || (qkv && L < QMK_L2_KEEP_QKV);
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t a, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(ok)
+               : "r"(a), "r"(parity)
+               : "memory");
+  return ok != 0;
+}
+
+struct Producer {
+  uint32_t slot0, full0, empty0;  // shared-memory addresses: slot X (Y follows), the mbarriers
+  uint32_t pace;                  // the pacing mbarrier of the pieces
+  uint32_t last_bar, last_par;    // the mbarrier and parity the piece in flight completes on
+  bool in_flight;
+  uint32_t eparity;               // bit s: parity to wait for on empty[s] (starts at 1: a fresh slot is empty)
+  uint32_t fparity;               // bit s: parity of full[s]'s next completion
+  uint32_t pparity;               // parity of pace's next completion
+  uint64_t evict_first, evict_last;
+  const uint32_t* sync;
+  uint64_t timeout_ns;
+
+  __device__ void init(const Stage& sg, uint64_t* pace_bar) {
+    slot0 = smem_u32(sg.slot[0]);
+    full0 = smem_u32(sg.mbar);
+    empty0 = smem_u32(sg.empty);
+    pace = smem_u32(pace_bar);
+    in_flight = false;
+    eparity = (1u << NSLOTS) - 1u;
+    fparity = 0;
+    pparity = 0;
+    sync = sg.sync;
+    timeout_ns = sg.timeout_ns;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_last));
+  }
+  __device__ __forceinline__ uint32_t slot_addr(int s) const { return slot0 + (s == SLOT_X ? 0u : (uint32_t)X_BYTES); }
+
+  // Bounded wait on mbarrier a's phase: false on a timeout or another block's error (the compute
+  // threads may have left; they record the error).
+  __device__ bool wait_bar(uint32_t a, uint32_t par) const {
+    uint32_t spins = 0;
+    uint64_t t0 = 0;
+    while (!mbar_try_wait(a, par)) {
+      if ((++spins & 255u) == 0) {
+        if (*reinterpret_cast<const volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return false;
+        const uint64_t now = globaltimer();
+        if (t0 == 0) t0 = now;
+        else if (now - t0 > timeout_ns) return false;
+      }
+    }
+    return true;
+  }
+  // Wait until slot s may be written.
+  __device__ bool acquire(int s) {
+    if (!wait_bar(empty0 + 8u * s, (eparity >> s) & 1u)) return false;
+    eparity ^= 1u << s;
+    // the compute threads' generic reads of the slot (ordered by the mbarrier) before async writes
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    return true;
+  }
+  // bytes (a multiple of 16) from src to slot s at byte offset off, as pieces, one in flight: each
+  // piece completes on the pace mbarrier and the next is issued once it has landed. last: this
+  // range ends the slot's slice; its last piece completes on "full" (arrive.expect_tx of that
+  // piece's bytes: the compute threads see the slot full once it lands, and every earlier piece
+  // had landed before it was issued).
+  __device__ bool copy(int s, uint32_t off, const void* src, uint32_t bytes, bool keep, bool last) {
+    const uint32_t full = full0 + 8u * s;
+    if (QMK_PRODUCER_NOCOPY || bytes == 0) {
+      if (last) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
+      return true;
+    }
+    const uint64_t pol = keep ? evict_last : evict_first;
+    for (uint32_t o = 0; o < bytes; o += QMK_PIECE) {
+      const uint32_t nb = min((uint32_t)QMK_PIECE, bytes - o);
+      if (in_flight && !wait_bar(last_bar, last_par)) return false;
+      uint32_t bar;
+      if (last && o + nb == bytes) {
+        bar = full;
+        last_par = (fparity >> s) & 1u;
+        fparity ^= 1u << s;
+      } else {
+        bar = pace;
+        last_par = pparity;
+        pparity ^= 1u;
+      }
+      last_bar = bar;
+      in_flight = true;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(nb) : "memory");
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+              slot_addr(s) + off + o),
+          "l"(static_cast<const char*>(src) + o), "r"(nb), "r"(bar), "l"(pol)
+          : "memory");
+    }
+    return true;
+  }
+
+  // One layer's four slices, as the phases of run_stack consume them (ops/layer.cuh).
+  __device__ bool layer(const QmkLayer& w, bool cp, int L) {
+    const int G = gridDim.x, b = blockIdx.x;
+    constexpr uint32_t RB = QMK_H * 2;
+    const bool keep = cp && l2_keep(L, false), keep_big = cp && l2_keep(L, true), keep_qkv = cp && l2_keep(L, true, true);
+    int q0, qn;  // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> X
+    rows4_of(b, G, QMK_QKV, q0, qn);
+    if (!acquire(SLOT_X)) return false;
+    for (int part = 0; part < 3; ++part) {
+      const int lo = part == 0 ? 0 : part == 1 ? QMK_QD : QMK_QD + QMK_KVD;
+      const int hi = part == 0 ? QMK_QD : part == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
+      const int a = max(q0, lo), e = min(q0 + qn, hi);
+      if (a < e) {
+        const qmk_bf16* base = part == 0 ? w.q : part == 1 ? w.k : w.v;
+        if (!copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB, keep_qkv, e == q0 + qn))
+          return false;
+      }
+    }
+    {  // o_proj rows x the 256 columns of kv group g (head-group major: one range) -> Y
+      int g, gi, r0, n;
+      oproj_rows(g, gi, r0, n);
+      constexpr uint32_t OB = 2 * QMK_HD * 2;
+      if (!acquire(SLOT_Y) || !copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * OB, keep, true))
+        return false;
+    }
+    int i0, in_;  // gate rows then up rows [i0, i0 + in_) -> X
+    rows4_of(b, G, QMK_I, i0, in_);
+    if (!acquire(SLOT_X) || !copy(SLOT_X, 0, w.gate + (size_t)i0 * QMK_H, in_ * RB, keep_big, false) ||
+        !copy(SLOT_X, in_ * RB, w.up + (size_t)i0 * QMK_H, in_ * RB, keep_big, true))
+      return false;
+    int h0, hn;  // down rows [h0, h0 + hn) -> Y
+    rows4_of(b, G, QMK_H, h0, hn);
+    return acquire(SLOT_Y) && copy(SLOT_Y, 0, w.down + (size_t)h0 * QMK_I, hn * QMK_I * 2, keep, true);
+  }
+  // A head's rows [r0, r0 + n) of [V, H] -> X.
+  __device__ bool head(const qmk_bf16* w, int V) {
+    int r0, n;
+    rows4_of(blockIdx.x, gridDim.x, V, r0, n);
+    return acquire(SLOT_X) && copy(SLOT_X, 0, w + (size_t)r0 * QMK_H, n * QMK_H * 2, false, true);
+  }
+
+  // The frame's slices in the order the compute threads consume them (megakernel.cu): 15 code
+  // predictor passes (5 layers + a head each), then the talker's 28 layers and the codec head.
+  __device__ void run(const QmkModel* m, bool cp_runs, bool talker_runs) {
+    if (cp_runs)
+      for (int k = 0; k < QMK_GROUPS - 1; ++k) {
+        for (int L = 0; L < QMK_CP_LAYERS; ++L)
+          if (!layer(m->cp[L], true, L)) return;
+        if (!head(m->cp_head[k], QMK_VC)) return;
+      }
+    if (talker_runs) {
+      for (int L = 0; L < QMK_TALKER_LAYERS; ++L)
+        if (!layer(m->talker[L], false, L)) return;
+      head(m->codec_head, QMK_VT);
+    }
+  }
+};
+
+}  // namespace qmk
