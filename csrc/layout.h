@@ -53,9 +53,9 @@
 #define QMK_SYNC_WORDS 128
 
 // LL words (ops/common.cuh): flag = (ll_seq << QMK_LL_USE_BITS) | use, use = the index of the
-// q|k|v phase within the launch (15 x 5 code-predictor layers + 28 talker layers < 128). qmk_frame
+// LL phase within the launch (up to 3 per layer: 3 x (15 x 5 + 28) < 512). qmk_frame
 // advances ll_seq before every launch and zeroes the LL buffers when it wraps.
-#define QMK_LL_USE_BITS 7
+#define QMK_LL_USE_BITS 9
 #define QMK_LL_SEQ_MAX ((1u << (32 - QMK_LL_USE_BITS)) - 1)
 
 #ifdef __cplusplus
@@ -129,7 +129,7 @@ typedef struct {
   int32_t* out;            // [slots][QMK_OUT_WORDS]: 16 codes, next code 0, next_is_eos
   // instance scratch
   // activations are fp32 (bf16-exact values under QMK_FLAG_BF16_EXACT)
-  float* x;                // [MAX_T][H] residual stream
+  uint64_t* x;             // [MAX_T][H] LL words: the residual stream after each layer
   uint64_t* qkv;           // [MAX_T][QKV] LL words: q|k|v linear outputs
   float* opart;            // [NKV][MAX_T][H] o_proj partial sums per kv-head group
   float* act;              // [MAX_T][I]
@@ -163,6 +163,6 @@ static_assert(QMK_H % 256 == 0 && QMK_QD % 256 == 0 && QMK_I % 256 == 0,
 static_assert(QMK_HD == 128, "attention keeps 4 dims per lane");
 static_assert(QMK_NH == 2 * QMK_NKV, "attention items pair 2 q heads per kv head");
 static_assert(QMK_CP_POS == QMK_GROUPS, "CP positions: 2 + 14");
-static_assert((QMK_GROUPS - 1) * QMK_CP_LAYERS + QMK_TALKER_LAYERS < (1 << QMK_LL_USE_BITS),
-              "LL flags: every q|k|v phase of a launch has its own number");
+static_assert(3 * ((QMK_GROUPS - 1) * QMK_CP_LAYERS + QMK_TALKER_LAYERS) < (1 << QMK_LL_USE_BITS),
+              "LL flags: every LL phase of a launch has its own number");
 #endif

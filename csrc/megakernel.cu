@@ -230,6 +230,7 @@ int qmk_frame(QmkState* st, const QmkModel* model, int slot, int flags, int bloc
     e = cudaMemsetAsync(st->qkv, 0, (size_t)QMK_MAX_T * QMK_QKV * sizeof(uint64_t), s);
     if (e == cudaSuccess)
       e = cudaMemsetAsync(st->part, 0, (size_t)QMK_MAX_T * QMK_NH * QMK_MAX_CHUNKS * (QMK_HD + 2) * sizeof(uint64_t), s);
+    if (e == cudaSuccess) e = cudaMemsetAsync(st->x, 0, (size_t)QMK_MAX_T * QMK_H * sizeof(uint64_t), s);
     if (e != cudaSuccess) return e;
     st->ll_seq = 0;
   }

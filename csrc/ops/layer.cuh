@@ -55,7 +55,7 @@ union Smem {
 
 // Where a stack's first layer takes its input from.
 struct Input {
-  int kind;                        // 0: st.x   1: one row per token   2: frame embedding sum
+  int kind;                        // 1: one row per token   2: frame embedding sum
   const qmk_bf16* row[QMK_MAX_T];  // kind 1 (bf16 embedding rows)
   const float* frow0;              // kind 1: token 0 from an fp32 row instead (past_hidden)
   const qmk_bf16* text;            // kind 2: text-track vector
@@ -91,9 +91,7 @@ __device__ void load_input(const Ctx& c, const Input& in) {
   float4 v[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) {
-    if (in.kind == 0) {
-      v[t] = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d));
-    } else if (in.kind == 1) {
+    if (in.kind == 1) {
       v[t] = (t == 0 && in.frow0 != nullptr) ? *reinterpret_cast<const float4*>(in.frow0 + d) : ld_bf4(in.row[t] + d);
     } else {  // qwen-tts: cat(16 embeddings).sum(1) (fp32 accumulate, one rounding) + text
       constexpr int HALF = QMK_GROUPS / 2;
@@ -173,15 +171,33 @@ __device__ void load_scratch(const Ctx& c, const float* src) {
   bsync();
 }
 
-// Residual update of this block's rows [r0, r0 + n): x = x + delta (kept in smem and published).
+// Residual update of this block's rows [r0, r0 + n): x = x + delta, kept in smem and published
+// as LL words with flag f (read by the next layer's P1 and the head phase, which poll them: no
+// grid barrier after P5).
 template <int T>
-__device__ void residual_add(const Ctx& c, int r0, int n, const float* delta) {
+__device__ void residual_add(const Ctx& c, int r0, int n, const float* delta, uint32_t f) {
   for (int idx = threadIdx.x; idx < n * T; idx += NT) {
     const int r = idx / T, t = idx % T;
     const float x = rnd(c.xown[t][r] + rnd(delta[idx], c.exact), c.exact);
     c.xown[t][r] = x;
-    c.st.x[t * QMK_H + r0 + r] = x;
+    ll_put(c.st.x + t * QMK_H + r0 + r, x, f);
   }
+}
+
+// xs[t][0..H) = residual rows t0 + t (LL words of st.x, flag f; each thread polls its 4 dims).
+// False (every thread) on a timeout or another block's error.
+template <int T>
+__device__ bool load_x(const Ctx& c, uint32_t f, int t0 = 0) {
+  static_assert(QMK_H == 4 * NT, "one 4-word group per thread and token");
+  const int d = 4 * threadIdx.x;
+  bool ok = true;
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    float4 v[1];
+    ok = ok && c.g.ll_get4s<1>(c.st.x + (size_t)(t0 + t) * QMK_H + d, 0, f, v);
+    *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d]) = v[0];
+  }
+  return !bsync_or(!ok);
 }
 
 // One decoder stack over T tokens at positions p0.. (K/V cache: kc/vc + layer * lstride, ld_pos
@@ -215,12 +231,12 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
         const int t = idx / hn, r = idx % hn;
         c.xown[t][r] = c.sm.mv.xs[t][h0 + r];
-        st.x[t * QMK_H + h0 + r] = c.xown[t][r];
       }
     } else {
-      if (!c.g.wait(c.flag)) return false;
       if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
-      load_input<T>(c, Input{0, {nullptr, nullptr}, nullptr, nullptr});
+      c.g.mark(1);
+      if (!load_x<T>(c, c.g.ll_flag())) return false;  // the previous layer's P5 rows
+      c.g.mark(2);
     }
     // keep the raw residual: P4 adds the o_proj partials to it
 #pragma unroll
@@ -305,8 +321,8 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.g.mark(4);
     mv_mma<T, QMK_I, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
     c.g.mark(5);
-    residual_add<T>(c, h0, hn, out);
-    c.g.arrive();
+    residual_add<T>(c, h0, hn, out, c.g.ll_next());
+    c.g.tick();
     c.sg.release(SLOT_Y);
   }
   return true;
@@ -320,10 +336,9 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   int r0, n;
   rows4_of(b, G, h.V, r0, n);
   uint2 wn = QMK_HOIST ? norm_raw(norm_w) : uint2{};
-  if (!c.g.wait(c.flag)) return false;
-  const int d4 = threadIdx.x * 4;
-  *reinterpret_cast<float4*>(&c.sm.mv.xs[0][d4]) = __ldcg(reinterpret_cast<const float4*>(c.st.x + t * QMK_H + d4));
-  bsync();
+  c.g.mark(1);
+  if (!load_x<1>(c, c.g.ll_flag(), t)) return false;  // the last layer's P5 rows
+  c.g.mark(2);
   if (!QMK_HOIST) wn = norm_raw(norm_w);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);

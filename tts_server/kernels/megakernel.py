@@ -253,8 +253,8 @@ class MegakernelEngine:
         self.seen = torch.zeros(s, VT, dtype=torch.uint8, device=dev)
         self.samp = torch.zeros(s, 48, dtype=torch.uint8, device=dev)
         self.out = torch.zeros(s, OUT_WORDS, **i32)
-        self.x = torch.zeros(MAX_T, H, **f32)
         # LL words (csrc/ops/common.cuh): {fp32 bits, flag} as int64
+        self.x = torch.zeros(MAX_T, H, dtype=torch.int64, device=dev)
         self.qkv = torch.zeros(MAX_T, 4096, dtype=torch.int64, device=dev)
         self.opart = torch.zeros(NKV, MAX_T, H, **f32)
         self.act = torch.zeros(MAX_T, I, **f32)
