@@ -161,19 +161,12 @@ __device__ bool attention_phase(const AttnLayer<KV>& a, int p0, AttnSmem& sm, co
 #pragma unroll
         for (int i = 0; i < 4; ++i) kv_store(a.vc + off + i, x[i]);
       } else if (ok) {
-        const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
-        const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + a.eps);
-        float y[4], yp[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) y[i] = rnd(nwv[i] * rnd(x[i] * rinv, a.exact), a.exact);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) yp[i] = __shfl_xor_sync(0xffffffffu, y[i], 16);
+        float r[4];
+        norm_rope(x, nwv, csv, snv, a.eps, a.exact, lane, r);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float rot = lane < 16 ? -yp[i] : yp[i];
-          const float r = rnd(rnd(y[i] * csv[i], a.exact) + rnd(rot * snv[i], a.exact), a.exact);
-          if (isq) sm.q[warp][lane * 4 + i] = r;
-          else kv_store(a.kc + off + i, r);
+          if (isq) sm.q[warp][lane * 4 + i] = r[i];
+          else kv_store(a.kc + off + i, r[i]);
         }
       }
     }

@@ -115,31 +115,20 @@ __device__ __forceinline__ bool cp_attn_oproj(const QmkState& st, const QmkLayer
     ok = __all_sync(0xffffffffu, grid.ll_get<4>(src + lane * 4, grid.ll_flag(), xr));
     const float4 raw = make_float4(xr[0], xr[1], xr[2], xr[3]);
     const size_t coff = ((size_t)g * QMK_CP_POS + p0 + t) * QMK_HD + lane * 4;
-    if (!ok) {
-    } else if (isv) {
+    if (ok && isv) {
       *reinterpret_cast<float4*>(&s.vn[t][lane * 4]) = raw;
       if (gi == 0) *reinterpret_cast<float4*>(vc + coff) = raw;
-    } else {
+    } else if (ok) {
       const float x[4] = {raw.x, raw.y, raw.z, raw.w};
-      const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
-      const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + st.eps);
-      float y[4], yp[4], r[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = rnd(nw[i] * rnd(x[i] * rinv, exact), exact);
-      // rotate-half: dims d and d +- 64 sit in lanes l and l ^ 16.
-#pragma unroll
-      for (int i = 0; i < 4; ++i) yp[i] = __shfl_xor_sync(0xffffffffu, y[i], 16);
+      float cs[4], sn[4], r[4];
       const float ang0 = (float)(p0 + t);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float ang = ang0 * fr[i];
-        float cs, sn;
-        sincosf(ang, &sn, &cs);  // one argument reduction for both (same values as sinf / cosf)
-        cs = rnd(cs, exact);
-        sn = rnd(sn, exact);
-        const float rot = lane < 16 ? -yp[i] : yp[i];
-        r[i] = rnd(rnd(y[i] * cs, exact) + rnd(rot * sn, exact), exact);
+        sincosf(ang0 * fr[i], &sn[i], &cs[i]);  // one argument reduction for both (same values as sinf / cosf)
+        cs[i] = rnd(cs[i], exact);
+        sn[i] = rnd(sn[i], exact);
       }
+      norm_rope(x, nw, cs, sn, st.eps, exact, lane, r);
       const float4 r4 = make_float4(r[0], r[1], r[2], r[3]);
       if (isq) {
         *reinterpret_cast<float4*>(&s.q[warp][lane * 4]) = r4;

@@ -115,6 +115,26 @@ __device__ __forceinline__ void softmax_save(float (*merge)[QMK_HD + 2], int lan
     for (int i = 0; i < 4; ++i) merge[r][2 + lane * 4 + i] = acc[r][i];
   }
 }
+// One q or k row of a head, 4 dims per lane (lane l: dims 4l .. 4l + 3): the per-head RMSNorm
+// (fp32, cast, times weight nw) then rotate-half RoPE with cos/sin (already bf16-rounded where the
+// model rounds); every product rounded as in bf16 torch in exact mode. Dims d and d +- 64 sit in
+// lanes l and l ^ 16.
+__device__ __forceinline__ void norm_rope(const float (&x)[4], const float (&nw)[4], const float (&cs)[4],
+                                          const float (&sn)[4], float eps, bool exact, int lane, float (&r)[4]) {
+  const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+  const float rinv = 1.0f / sqrtf(ss / (float)QMK_HD + eps);
+  float y[4], yp[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = rnd(nw[i] * rnd(x[i] * rinv, exact), exact);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) yp[i] = __shfl_xor_sync(0xffffffffu, y[i], 16);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float rot = lane < 16 ? -yp[i] : yp[i];
+    r[i] = rnd(rnd(y[i] * cs[i], exact) + rnd(rot * sn[i], exact), exact);
+  }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -160,6 +180,27 @@ __device__ __forceinline__ uint64_t globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// The bound on every spin-wait of the kernel (grid barrier, LL polls, staged slots, the producer's
+// slot waits): every MASK + 1 rounds, give up if another block has raised an error, or once
+// timeout_ns have passed since the first check (recorded as QMK_ERR_TIMEOUT, so every block leaves).
+template <uint32_t MASK>
+struct Spin {
+  uint32_t rounds = 0;
+  uint64_t t0 = 0;
+  __device__ __forceinline__ bool give_up(uint32_t* sync, uint64_t timeout_ns) {
+    if ((++rounds & MASK) != 0) return false;
+    if (*reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return true;
+    const uint64_t now = globaltimer();
+    if (t0 == 0) {
+      t0 = now;
+    } else if (now - t0 > timeout_ns) {
+      atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
+      return true;
+    }
+    return false;
+  }
+};
+
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -228,21 +269,12 @@ struct Grid {
     mark(1);
     if (threadIdx.x == 0) {
       const uint32_t target = epoch * gridDim.x;
-      volatile uint32_t* err = sync + QMK_SYNC_ERR;
       int ok = 1;
-      uint32_t spins = 0;
-      uint64_t t0 = 0;
+      Spin<255u> spin;
       while (ld_acquire(sync + QMK_SYNC_BAR) < target) {
-        if ((++spins & 255u) == 0) {
-          if (*err != 0) { ok = 0; break; }
-          const uint64_t now = globaltimer();
-          if (t0 == 0) {
-            t0 = now;
-          } else if (now - t0 > timeout_ns) {
-            atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
-            ok = 0;
-            break;
-          }
+        if (spin.give_up(sync, timeout_ns)) {
+          ok = 0;
+          break;
         }
       }
       *s_flag = ok;
@@ -266,8 +298,7 @@ struct Grid {
   template <int N>
   __device__ bool ll_get(const uint64_t* p, uint32_t f, float (&v)[N], uint32_t* rounds = nullptr) const {
     static_assert(N % 2 == 0, "pairs of words");
-    uint32_t spins = 0;
-    uint64_t t0 = 0;
+    Spin<63u> spin;
     while (true) {
       uint64_t w[N];
 #pragma unroll
@@ -279,19 +310,10 @@ struct Grid {
       if (ok) {
 #pragma unroll
         for (int i = 0; i < N; ++i) v[i] = __uint_as_float((uint32_t)w[i]);
-        if (rounds != nullptr) *rounds = spins + 1;
+        if (rounds != nullptr) *rounds = spin.rounds + 1;
         return true;
       }
-      if ((++spins & 63u) == 0) {
-        if (*reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return false;
-        const uint64_t now = globaltimer();
-        if (t0 == 0) {
-          t0 = now;
-        } else if (now - t0 > timeout_ns) {
-          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
-          return false;
-        }
-      }
+      if (spin.give_up(sync, timeout_ns)) return false;
     }
   }
 
@@ -299,8 +321,7 @@ struct Grid {
   // until each word carries flag f; group c's values -> v[c]. Bounded like ll_get.
   template <int C>
   __device__ bool ll_get4s(const uint64_t* p, int stride, uint32_t f, float4 (&v)[C]) const {
-    uint32_t spins = 0;
-    uint64_t t0 = 0;
+    Spin<63u> spin;
     while (true) {
       uint64_t w[C][4];
 #pragma unroll
@@ -323,16 +344,7 @@ struct Grid {
                              __uint_as_float((uint32_t)w[c][2]), __uint_as_float((uint32_t)w[c][3]));
         return true;
       }
-      if ((++spins & 63u) == 0) {
-        if (*reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return false;
-        const uint64_t now = globaltimer();
-        if (t0 == 0) {
-          t0 = now;
-        } else if (now - t0 > timeout_ns) {
-          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
-          return false;
-        }
-      }
+      if (spin.give_up(sync, timeout_ns)) return false;
     }
   }
 };

@@ -16,6 +16,15 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // Slots: X (q|k|v, gate|up, heads), Y (o_proj, down).
 enum { SLOT_X = 0, SLOT_Y = 1, NSLOTS = 2 };
 
+__device__ __forceinline__ bool mbar_try_wait(uint32_t a, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(ok)
+               : "r"(a), "r"(parity)
+               : "memory");
+  return ok != 0;
+}
+
 struct Stage {
   uint4* slot[NSLOTS];  // dynamic smem
   uint64_t* mbar;       // smem [NSLOTS] "full": the producer's arrival + the slice's bytes per use
@@ -37,29 +46,14 @@ struct Stage {
     parity = 0;
   }
 
-  // Every thread: wait until slot s's slice has landed. Bounded: past timeout_ns (or once another
-  // block has raised an error) it records QMK_ERR_TIMEOUT and returns; the phase then computes on
-  // whatever the slot holds, and the next grid wait sees the error and leaves.
+  // Every thread: wait until slot s's slice has landed. Bounded (Spin): on a timeout or another
+  // block's error it returns anyway; the phase then computes on whatever the slot holds, and the
+  // next grid wait or poll sees the error and leaves.
   __device__ __forceinline__ void wait(int s) {
     const uint32_t par = (parity >> s) & 1u;
     const uint32_t a = smem_u32(mbar + s);
-    uint32_t ok = 0, spins = 0;
-    uint64_t t0 = 0;
-    while (true) {
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(ok)
-                   : "r"(a), "r"(par)
-                   : "memory");
-      if (ok) break;
-      if ((++spins & 1023u) == 0) {
-        const uint64_t now = globaltimer();
-        if (t0 == 0) {
-          t0 = now;
-        } else if (now - t0 > timeout_ns || *reinterpret_cast<volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) {
-          atomicCAS(sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_TIMEOUT);
-          break;
-        }
-      }
+    Spin<1023u> spin;
+    while (!mbar_try_wait(a, par) && !spin.give_up(sync, timeout_ns)) {
     }
     parity ^= 1u << s;
   }

@@ -52,15 +52,6 @@ __host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
   return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG) || (qkv && L < QMK_L2_KEEP_QKV);
 }
 
-__device__ __forceinline__ bool mbar_try_wait(uint32_t a, uint32_t parity) {
-  uint32_t ok;
-  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-               : "=r"(ok)
-               : "r"(a), "r"(parity)
-               : "memory");
-  return ok != 0;
-}
-
 struct Producer {
   uint32_t slot0, full0, empty0;  // shared-memory addresses: slot X (Y follows), the mbarriers
   uint32_t pace;                  // the pacing mbarrier of the pieces
@@ -70,7 +61,7 @@ struct Producer {
   uint32_t fparity;               // bit s: parity of full[s]'s next completion
   uint32_t pparity;               // parity of pace's next completion
   uint64_t evict_first, evict_last;
-  const uint32_t* sync;
+  uint32_t* sync;
   uint64_t timeout_ns;
 
   __device__ void init(const Stage& sg, uint64_t* pace_bar) {
@@ -90,18 +81,11 @@ struct Producer {
   __device__ __forceinline__ uint32_t slot_addr(int s) const { return slot0 + (s == SLOT_X ? 0u : (uint32_t)X_BYTES); }
 
   // Bounded wait on mbarrier a's phase: false on a timeout or another block's error (the compute
-  // threads may have left; they record the error).
+  // threads may have left).
   __device__ bool wait_bar(uint32_t a, uint32_t par) const {
-    uint32_t spins = 0;
-    uint64_t t0 = 0;
-    while (!mbar_try_wait(a, par)) {
-      if ((++spins & 255u) == 0) {
-        if (*reinterpret_cast<const volatile uint32_t*>(sync + QMK_SYNC_ERR) != 0) return false;
-        const uint64_t now = globaltimer();
-        if (t0 == 0) t0 = now;
-        else if (now - t0 > timeout_ns) return false;
-      }
-    }
+    Spin<255u> spin;
+    while (!mbar_try_wait(a, par))
+      if (spin.give_up(sync, timeout_ns)) return false;
     return true;
   }
   // Wait until slot s may be written.
