@@ -83,7 +83,7 @@ lint-protos: setup
 kernel:
 	$(MAKE) -C csrc
 
-# Compiles the kernel for sm_90 where nvcc exists (CI has nvcc but no GPU), so build breaks fail the tests.
+# Compiles the kernel for sm_90a where nvcc exists (CI has nvcc but no GPU), so build breaks fail the tests.
 kernel-check:
 	@if [ -n "$(NVCC)" ] && [ -f csrc/Makefile ]; then $(MAKE) -C csrc check; \
 	else echo "kernel-check: nvcc not found, CUDA build not checked"; fi

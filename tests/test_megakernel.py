@@ -1,6 +1,6 @@
 """The CUDA megakernel (csrc/, tts_server/kernels/megakernel.py).
 
-CPU tests: the library compiles with nvcc for sm_90 (where nvcc exists), the ctypes mirrors match
+CPU tests: the library compiles with nvcc for sm_90a (where nvcc exists), the ctypes mirrors match
 csrc/layout.h, and the sampling-settings packing. GPU tests (marked `gpu`) run the full-size
 synthetic model against the fp32 reference and the PyTorch engine (scripts/bench_kernel.py has
 the same checks at evidence scale).

@@ -15,9 +15,8 @@
 #pragma once
 #include "layer.cuh"
 
-// QMK_EVICT_FIRST: the weight stream is copied with an L2 evict-first policy, so that it does not
-// push the small, reused data (norm weights, activations, KV caches) out of L2.
-// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
+// The weight stream is copied with an L2 evict-first policy, so that it does not push the small,
+// reused data (norm weights, activations, KV caches) out of L2. QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
 // / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
 // instead, since each of the frame's 15 passes reads them again; their copies then come from L2
 // and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
