@@ -25,7 +25,8 @@
 #define QMK_CP_POS 16         // code-predictor positions per frame (2 + 14)
 #define QMK_MAX_T 2           // tokens per pass (the first CP pass covers 2 positions)
 
-// Launch geometry: one 256-thread block per SM, persistent and cooperative.
+// Launch geometry: one block per SM, persistent and cooperative: 256 compute threads plus a
+// producer warpgroup.
 #define QMK_THREADS 256
 #define QMK_WARPS (QMK_THREADS / 32)
 // The launch adds a producer warpgroup that loads the weight slices (ops/producer.cuh).

@@ -73,15 +73,16 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
   if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&pace)) : "memory");
   Stage sg{{stage, stage + X_BYTES / 16}, mbar, empty, 0u, st.sync, st.timeout_ns};
   sg.init();  // every thread (producers included) passes its __syncthreads
+  // Nothing to stream when the frame is a barrier benchmark or the talker's context is full.
+  const bool no_frame = (flags & QMK_FLAG_BARRIER_BENCH) || (!(flags & QMK_FLAG_CP_ONLY) && st.pos[slot] >= st.max_pos);
   if (threadIdx.x >= QMK_THREADS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
 #endif
-    const bool cp = !(flags & QMK_FLAG_TALKER_ONLY), talker = !(flags & QMK_FLAG_CP_ONLY);
-    if (!(flags & QMK_FLAG_BARRIER_BENCH) && !(talker && st.pos[slot] >= st.max_pos) && threadIdx.x == QMK_THREADS) {
+    if (!no_frame && threadIdx.x == QMK_THREADS) {
       Producer p;
       p.init(sg, &pace);
-      p.run(&model, cp, talker);
+      p.run(&model, !(flags & QMK_FLAG_TALKER_ONLY), !(flags & QMK_FLAG_CP_ONLY));
     }
     return;
   }
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
   const int pos = st.pos[slot];
   const int nsamp = st.n_sampled[slot];
   const QmkSampling sp = st.samp[slot];
-  if (!(flags & QMK_FLAG_CP_ONLY) && pos >= st.max_pos) {
+  if (no_frame) {  // the context is full (barrier benchmarks returned above)
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicCAS(st.sync + QMK_SYNC_ERR, 0u, (uint32_t)QMK_ERR_CONTEXT_FULL);
     return;
   }
