@@ -577,6 +577,7 @@ def main() -> None:
     ap.add_argument("--sanitize-frame", action="store_true")
     ap.add_argument("--variants", default="", help="comma-separated kernel libraries to compare")
     ap.add_argument("--variant-frames", type=int, default=16)
+    ap.add_argument("--variant-ctx", type=int, default=100, help="talker context of the --variants timings")
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--greedy-frames", type=int, default=40)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -592,7 +593,7 @@ def main() -> None:
     print(f"weights ready in {time.time() - t0:.0f} s", flush=True)
     stages = []
     if a.variants:
-        stages.append(("variants", lambda: variants(w, a.variants.split(","), a.variant_frames)))
+        stages.append(("variants", lambda: variants(w, a.variants.split(","), a.variant_frames, a.variant_ctx)))
     if a.check:
         stages += [("teacher_forced", lambda: teacher_forced(w, a.frames)),
                    ("teacher_forced_bf16", lambda: teacher_forced(w, a.frames // 4, precision="bf16",

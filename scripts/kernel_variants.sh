@@ -5,7 +5,9 @@
 #   BASE=".base .other"  optional: copies of other trees (their csrc/, scripts/, tts_server/) whose
 #                  kernels are built and timed by their own bench_kernel.py in the same call, for a
 #                  same-run baseline across ABI changes
-#   MODEL=synthetic|random   FRAMES=16 (teacher-forced check per variant; 0 = none)
+#   MODEL=synthetic|random   FRAMES=16 (teacher-forced check per variant; 0 = none)   CTX=100 (talker
+#   context of the timings)   LIBS="a.so b.so"  already-built libraries of the same ABI to time beside
+#   the variants (e.g. an older tree's csrc built with its own make)
 # Logs and JSON land in $OUT. Wheels (qwen-tts, transformers 4.57.3, ...) may be carried in .whl/.
 source "$(dirname "$0")/gpu_env.sh"
 SM90="-gencode arch=compute_90a,code=sm_90a"
@@ -40,10 +42,11 @@ for base in ${BASE:-}; do
   echo "$tag rc=$? :: $(grep -E '^base ' "$OUT/$tag.log" | tail -1 | cut -c1-500)"
 done
 
+for lib in ${LIBS:-}; do [ -f "$lib" ] && libs+=("$lib"); done
 if [ ${#libs[@]} -gt 0 ]; then
   list=$(IFS=,; echo "${libs[*]}")
   timeout "${RUN_TIMEOUT:-360}" $PY scripts/bench_kernel.py --model "$MODEL" --variants "$list" \
-    --variant-frames "${FRAMES:-16}" --out "$OUT" >"$OUT/variants.log" 2>&1
+    --variant-frames "${FRAMES:-16}" --variant-ctx "${CTX:-100}" --out "$OUT" >"$OUT/variants.log" 2>&1
   echo "variants rc=$?"
   grep -vE "^\s*$" "$OUT/variants.log" | grep -vE "^frame 0 rel err" | tail -60
 fi
