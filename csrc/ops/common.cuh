@@ -316,37 +316,6 @@ struct Grid {
       if (spin.give_up(sync, timeout_ns)) return false;
     }
   }
-
-  // Any thread: C groups of 4 words, group c at p + c * stride (16-byte aligned), polled together
-  // until each word carries flag f; group c's values -> v[c]. Bounded like ll_get.
-  template <int C>
-  __device__ bool ll_get4s(const uint64_t* p, int stride, uint32_t f, float4 (&v)[C]) const {
-    Spin<63u> spin;
-    while (true) {
-      uint64_t w[C][4];
-#pragma unroll
-      for (int c = 0; c < C; ++c)
-#pragma unroll
-        for (int i = 0; i < 4; i += 2)
-          asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];"
-                       : "=l"(w[c][i]), "=l"(w[c][i + 1])
-                       : "l"(p + (size_t)c * stride + i)
-                       : "memory");
-      bool ok = true;
-#pragma unroll
-      for (int c = 0; c < C; ++c)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ok = ok && (uint32_t)(w[c][i] >> 32) == f;
-      if (ok) {
-#pragma unroll
-        for (int c = 0; c < C; ++c)
-          v[c] = make_float4(__uint_as_float((uint32_t)w[c][0]), __uint_as_float((uint32_t)w[c][1]),
-                             __uint_as_float((uint32_t)w[c][2]), __uint_as_float((uint32_t)w[c][3]));
-        return true;
-      }
-      if (spin.give_up(sync, timeout_ns)) return false;
-    }
-  }
 };
 
 // One LL word: value v with flag f (relaxed, gpu scope, single-copy atomic).

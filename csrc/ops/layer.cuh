@@ -193,9 +193,9 @@ __device__ bool load_x(const Ctx& c, uint32_t f, int t0 = 0) {
   bool ok = true;
 #pragma unroll
   for (int t = 0; t < T; ++t) {
-    float4 v[1];
-    ok = ok && c.g.ll_get4s<1>(c.st.x + (size_t)(t0 + t) * QMK_H + d, 0, f, v);
-    *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d]) = v[0];
+    float v[4];
+    ok = ok && c.g.ll_get<4>(c.st.x + (size_t)(t0 + t) * QMK_H + d, f, v);
+    *reinterpret_cast<float4*>(&c.sm.mv.xs[t][d]) = make_float4(v[0], v[1], v[2], v[3]);
   }
   return !bsync_or(!ok);
 }

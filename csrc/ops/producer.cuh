@@ -16,7 +16,8 @@
 #include "layer.cuh"
 
 // The weight stream is copied with an L2 evict-first policy, so that it does not push the small,
-// reused data (norm weights, activations, KV caches) out of L2. QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
+// reused data (norm weights, activations, KV caches) out of L2.
+// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
 // / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
 // instead, since each of the frame's 15 passes reads them again; their copies then come from L2
 // and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
@@ -32,9 +33,9 @@
 #ifndef QMK_L2_KEEP_QKV
 #define QMK_L2_KEEP_QKV 2
 #endif
-// Bytes per bulk copy. H100, same call: 16 KB, one in flight, frame 1805-1809 us vs 1836-1837
-// with whole slices issued by the compute threads; two 16 KB pieces in flight 2021-2027; two
-// 8 KB pieces 1843-1862.
+// Bytes per bulk copy, one in flight. H100, same call (csrc/NOTES.md round 7): 16 KB frame
+// 1750-1766 us; 8 KB 2075-2084, 32 KB 2027-2036; a later call 16 KB 1686-1699, 12 KB 1782-1804,
+// 24 KB 1752-1781. Two 16 KB pieces in flight (round 6): 2021-2027 vs 1805-1809.
 #ifndef QMK_PIECE
 #define QMK_PIECE 16384
 #endif
