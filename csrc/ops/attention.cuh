@@ -81,8 +81,8 @@ __device__ __forceinline__ void attention_prefetch(const AttnLayer<KV>& a, int p
 }
 
 // What the split-K phase needs before its q|k|v rows arrive, prepared by its blocks during the
-// q|k|v phase (the loads are issued right after that phase's barrier wait and stored once they
-// have returned), so that the phase starts with its poll: the q/k norm weights and RoPE's cos/sin
+// q|k|v phase (the loads are issued before that phase's poll of the residual rows and stored once
+// they have returned), so that the phase starts with its poll: the q/k norm weights and RoPE's cos/sin
 // of the new positions (bf16-rounded where the model rounds).
 struct AttnStatic {
   float nq[QMK_HD], nk[QMK_HD];

@@ -148,12 +148,6 @@ __device__ __forceinline__ float4 norm_cvt(uint2 r) {
   return make_float4(lo_bf(r.x), hi_bf(r.x), lo_bf(r.y), hi_bf(r.y));
 }
 
-// A final head: rows of [V, H], staged in slot `slot` by the producer.
-struct HeadSlice {
-  int V;
-  int slot;
-};
-
 // xs[t] = src[t][0..N*4*NT), split for the tensor-core matvec (fp32 scratch published by other
 // blocks: read through L2).
 template <int T, int N>
@@ -224,16 +218,15 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
     KV* kcl = kc + L * lstride;
     KV* vcl = vc + L * lstride;
-    AttnStaticRaw asr{0.f, 0.f};
+    // the split-K items' norm weights and inv_freq, loaded ahead of this phase's input
+    const AttnStaticRaw asr = attn_block ? attention_static_load(w.q_norm, w.k_norm, inv_freq) : AttnStaticRaw{0.f, 0.f};
     if (L == 0) {
-      if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
       load_input<T>(c, in0);
       for (int idx = threadIdx.x; idx < T * hn; idx += NT) {
         const int t = idx / hn, r = idx % hn;
         c.xown[t][r] = c.sm.mv.xs[t][h0 + r];
       }
     } else {
-      if (attn_block) asr = attention_static_load(w.q_norm, w.k_norm, inv_freq);
       c.g.mark(1);
       if (!load_x<T>(c, c.g.ll_flag())) return false;  // the previous layer's P5 rows
       c.g.mark(2);
@@ -328,13 +321,13 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
   return true;
 }
 
-// Final RMSNorm of token t + this block's head rows -> st.logits (and dump row); ends with a full
-// barrier so every block can read all logits.
-__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice& h, int t, float* hidden_out,
-                           int dump_row) {
+// Final RMSNorm of token t + this block's rows of a [V, H] head (staged in slot X by the producer,
+// ops/producer.cuh) -> st.logits (and dump row); ends with a full barrier so every block can read
+// all logits.
+__device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, int V, int t, float* hidden_out, int dump_row) {
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
-  rows4_of(b, G, h.V, r0, n);
+  rows4_of(b, G, V, r0, n);
   uint2 wn = QMK_HOIST ? norm_raw(norm_w) : uint2{};
   c.g.mark(1);
   if (!load_x<1>(c, c.g.ll_flag(), t)) return false;  // the last layer's P5 rows
@@ -342,9 +335,9 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
   if (!QMK_HOIST) wn = norm_raw(norm_w);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
-  c.sg.wait(h.slot);
+  c.sg.wait(SLOT_X);
   c.g.mark(4);
-  mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[h.slot], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
+  mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[SLOT_X], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
                                      c.red);
   c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {
@@ -353,7 +346,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, const HeadSlice
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
   c.g.arrive();
-  c.sg.release(h.slot);
+  c.sg.release(SLOT_X);
   return c.g.wait(c.flag);
 }
 
