@@ -33,7 +33,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts_server.kernels.api import Prompt, SamplingConfig, decode_until_eos  # noqa: E402
+from tts_server.engines.contract import Prompt, SamplingConfig, decode_until_eos  # noqa: E402
 from tts_server.model.weights import (CodecIds, DecodeWeights, LayerWeights, LMConfig,  # noqa: E402
                                       LMWeights, decode_weights)
 
@@ -183,7 +183,7 @@ def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = 
     """Kernel frames (sampling, seeded) vs the fp32 reference fed the kernel's codes, from a
     prompt of `length` positions. With bf16_torch, the qwen-tts bf16 computation is measured
     against the same fp32 reference too."""
-    from tts_server.kernels.megakernel import MegakernelEngine
+    from tts_server.engines.megakernel import MegakernelEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = make_prompt(seed, length=length, n_trailing=8)
@@ -234,8 +234,8 @@ def teacher_forced(w: DecodeWeights, frames: int, seed: int = 0, greedy: bool = 
 def greedy_e2e(w: DecodeWeights, prompts: int, frames: int, precision: str = "fp32") -> dict:
     """Greedy codes of the megakernel vs the PyTorch reference engine (TorchEngine) run over fp32
     copies of the weights (precision fp32) or over the bf16 weights (precision bf16)."""
-    from tts_server.kernels.megakernel import MegakernelEngine
-    from tts_server.kernels.reference import TorchEngine
+    from tts_server.engines.megakernel import MegakernelEngine
+    from tts_server.engines.torch_ref import TorchEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     wref = to_fp32(w) if precision == "fp32" else w
@@ -260,7 +260,7 @@ def greedy_e2e(w: DecodeWeights, prompts: int, frames: int, precision: str = "fp
 
 def sampling_repro(w: DecodeWeights, frames: int = 8) -> dict:
     """Same seed -> same codes; another seed -> different codes; sampling rules hold."""
-    from tts_server.kernels.megakernel import MegakernelEngine
+    from tts_server.engines.megakernel import MegakernelEngine
 
     eng = MegakernelEngine(w, max_streams=3, max_positions=256)
     prompt = make_prompt(7)
@@ -310,7 +310,7 @@ def time_frame(eng, ctx: int, greedy_iters: int = 20, no_topk: bool = False) -> 
     """Medians (µs) of one engine's launches at context `ctx`, slot 0 left unchanged (no commit):
     talker step, code-predictor pass (CP-only launch / 15), sampled frame, greedy frame and, with
     no_topk, a sampled frame without the top-k select."""
-    from tts_server.kernels import megakernel as mk
+    from tts_server.engines import megakernel as mk
 
     nc = mk.FLAG_NO_COMMIT
     eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3))
@@ -329,14 +329,14 @@ def time_frame(eng, ctx: int, greedy_iters: int = 20, no_topk: bool = False) -> 
 
 def barrier_us(eng) -> float:
     """One grid barrier (arrive + wait) of the engine's grid, from a launch of 1000 of them."""
-    from tts_server.kernels import megakernel as mk
+    from tts_server.engines import megakernel as mk
 
     return time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
 
 
 def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dict:
-    from tts_server.kernels import megakernel as mk
-    from tts_server.kernels.reference import TorchEngine
+    from tts_server.engines import megakernel as mk
+    from tts_server.engines.torch_ref import TorchEngine
 
     res = dict(copy_gbps=copy_gbps())
     for kv in (torch.float32, torch.bfloat16):
@@ -390,7 +390,7 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
     busy (barrier passed -> next arrive), and inside busy: prep (activation loads, norm, prefetch
     issue), slot (waiting for the staged weights), mv (the matvec) and epi (matvec done -> arrive:
     outputs)."""
-    from tts_server.kernels import megakernel as mk
+    from tts_server.engines import megakernel as mk
 
     prev = os.environ.get("QMK_LIB")
     os.environ["QMK_LIB"] = str(lib)
@@ -454,7 +454,7 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
     """Build variants of the kernel (csrc/Makefile LIB=... DEFS=...) side by side: for each
     library, a short teacher-forced check (fp32 mode vs the fp32 reference) and the ctx-100
     timings (talker step, CP pass, sampled and greedy frame)."""
-    from tts_server.kernels import megakernel as mk
+    from tts_server.engines import megakernel as mk
 
     prev = os.environ.get("QMK_LIB")
     out = {}
@@ -495,7 +495,7 @@ def variants(w: DecodeWeights, libs: list[str], frames: int = 16, ctx: int = 100
 
 def sanitize_frame() -> None:
     """One prefill + one frame on random weights (run under compute-sanitizer)."""
-    from tts_server.kernels.megakernel import MegakernelEngine
+    from tts_server.engines.megakernel import MegakernelEngine
 
     w = random_weights()
     eng = MegakernelEngine(w, max_streams=1, max_positions=128, timeout_s=120.0)

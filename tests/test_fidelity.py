@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tts_server.kernels.api import SamplingConfig, decode_until_eos
-from tts_server.kernels.reference import TorchEngine
+from tts_server.engines.contract import SamplingConfig, decode_until_eos
+from tts_server.engines.torch_ref import TorchEngine
 from tts_server.model.prompt import PromptBuilder, VoiceClone
 from tts_server.model.weights import decode_weights
 

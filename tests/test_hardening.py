@@ -37,7 +37,7 @@ async def make_server(tiny_custom):
 
     from tts_server.app import build_app
     from tts_server.config import ServerConfig
-    from tts_server.engine.faults import FaultInjectingEngine
+    from tts_server.testing.faults import FaultInjectingEngine
     from tts_server.model.loader import LoadedModel
     from tts_server.rpc.server import TTSServer
 

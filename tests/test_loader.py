@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tts_server.kernels.api import SamplingConfig
-from tts_server.kernels.reference import TorchEngine
+from tts_server.engines.contract import SamplingConfig
+from tts_server.engines.torch_ref import TorchEngine
 from tts_server.model.loader import load_model
 from tts_server.model.prompt import PromptBuilder
 from tts_server.model.synthetic import save_release_layout

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tts_server.kernels import megakernel as mk
-from tts_server.kernels.api import SamplingConfig
+from tts_server.engines import megakernel as mk
+from tts_server.engines.contract import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")

@@ -9,7 +9,7 @@ import torch
 
 from .api import ModelInfo
 from .config import ServerConfig
-from .engine.worker import Worker
+from .serving.worker import Worker
 from .model.loader import LoadedModel, load_model
 from .model.weights import decode_weights
 
@@ -19,7 +19,7 @@ def megakernel_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        from .kernels import megakernel
+        from .engines import megakernel
 
         return megakernel.is_available()
     except Exception as e:  # noqa: BLE001 - fall back to torch, but say why
@@ -30,7 +30,7 @@ def megakernel_available() -> bool:
 def create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     engine = _create_engine(name, loaded, config)
     if config.inject_fault:
-        from .engine.faults import FaultInjectingEngine
+        from .testing.faults import FaultInjectingEngine
 
         log.warning("FAULT INJECTION ON (testing only): %s", config.inject_fault)
         engine = FaultInjectingEngine(engine, config.inject_fault)
@@ -42,13 +42,13 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
         name = "megakernel" if loaded.device.type == "cuda" and megakernel_available() else "torch"
     weights = decode_weights(loaded.model)
     if name == "torch":
-        from .kernels.reference import TorchEngine
+        from .engines.torch_ref import TorchEngine
 
         return TorchEngine(weights, config.max_streams, config.max_positions)
     if name == "megakernel":
         if loaded.device.type != "cuda":
             raise RuntimeError("--engine megakernel needs a CUDA device")
-        from .kernels.megakernel import MegakernelEngine
+        from .engines.megakernel import MegakernelEngine
 
         return MegakernelEngine(weights, config.max_streams, config.max_positions)
     raise ValueError(f"unknown engine {name!r}; choose auto, torch or megakernel")

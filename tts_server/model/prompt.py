@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.api import Prompt
+
+@dataclass
+class Prompt:
+    """A stream's prefill, as qwen-tts builds it."""
+
+    embeds: torch.Tensor  # [L, H] talker input embeddings of the prefill positions
+    trailing: torch.Tensor  # [N, H] pending text-track vectors, consumed one per step
+    pad_embed: torch.Tensor  # [H] text-track vector once `trailing` is exhausted (tts_pad)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import SynthesisRequest
-from ..kernels.api import Prompt
+from ..model.prompt import Prompt
 from ..model.loader import LoadedModel
 from ..model.prompt import PromptBuilder, VoiceClone
 

@@ -1,7 +1,9 @@
 """The PyTorch reference decode engine: plain torch over `DecodeWeights`, exact to qwen-tts.
 
-Streams in a `step` are batched through the code predictor and the talker (one weight read
-per pass for all of them); sampling runs per stream with its own seeded generator.
+Streams in a step are batched through the code predictor and the talker (one weight read per
+pass for all of them); sampling runs per stream with its own seeded generator. Every linear runs
+row by row when `batch_invariant` (the default on CPU), so a stream's logits do not depend on
+which other streams share the step (BLAS picks other kernels for other batch sizes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from ..model.lm import KVCache, lm_forward
 from ..model.sampler import draw, repetition_penalty_, talker_mask_
 from ..model.weights import DecodeWeights
-from .api import FrameResult, Prompt, SamplingConfig
+from .contract import FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan, run_parts
 
 
 @dataclass
@@ -38,8 +40,10 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096):
+    def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
+                 batch_invariant: bool = True):
         self.w = weights
+        self.batch_invariant = batch_invariant
         self.max_streams = max_streams
         self.max_positions = max_positions
         ref = weights.codec_head
@@ -48,6 +52,12 @@ class TorchEngine:
         self.cp_cache = KVCache(weights.predictor.config, max_streams, weights.ids.num_code_groups,
                                 self.dtype, self.device)
         self.slots: dict[int, _SlotState] = {}
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Admissions one by one, then the decode step: one group of all slots, or (batch
+        invariant) one group per slot, so a slot computes exactly what it computes alone."""
+        slots = list(plan.decode)
+        return run_parts(self, plan, [[s] for s in slots] if self.batch_invariant else [slots])
 
     @torch.inference_mode()
     def prefill(self, slot: int, prompt: Prompt, sampling: SamplingConfig) -> None:
@@ -116,7 +126,15 @@ class TorchEngine:
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int]) -> list[FrameResult]:
+        """One frame for each of `slots`, batched together (results in the order of `slots`)."""
         w = self.w
+        full = [s for s in slots if self.slots[s].position >= self.max_positions]
+        if full:
+            live = [s for s in slots if s not in full]
+            done = {r.slot: r for r in (self.step(live) if live else [])}
+            codes = np.zeros(w.ids.num_code_groups, dtype=np.int64)
+            done.update({s: FrameResult(s, codes, False, "talker context is full") for s in full})
+            return [done[s] for s in slots]
         states = [self.slots[s] for s in slots]
         failed: dict[int, str] = {}  # a stream gone numerically bad fails alone
         rest = self._predict_codes(states, failed)  # [B, 15]
@@ -128,8 +146,6 @@ class TorchEngine:
                 for st in states]
         x = (x + torch.stack(text))[:, None]  # [B, 1, H]
         positions = torch.tensor([[st.position] for st in states], device=self.device)
-        if int(positions.max()) >= self.max_positions:
-            raise RuntimeError("talker context is full")
         slot_t = torch.tensor(list(slots), device=self.device)
         hidden = lm_forward(w.talker, x, self.cache, slot_t, positions)[:, 0]  # [B, H]
         logits = F.linear(hidden, w.codec_head)

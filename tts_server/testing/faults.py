@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..kernels.api import FrameResult
+from ..engines.contract import FrameResult
 
 KINDS = ("stream_error", "device_error", "hang")
 

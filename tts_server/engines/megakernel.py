@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.weights import DecodeWeights, LMConfig
-from .api import FrameResult, Prompt, SamplingConfig
+from .contract import FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan, run_parts
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LIB_NAME = "libqwen_megakernel.so"
@@ -329,6 +329,11 @@ class MegakernelEngine:
         self.pos[slot], self.n_sampled[slot], self.text_step[slot], self.n_trailing[slot] = ints
         self._check(self.lib.qmk_sample_talker(ctypes.byref(self.state), slot, self._stream()), "sample")
         self.active[slot] = length
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Admissions, then one launch per decoded slot (so a slot's codes never depend on the
+        others: batch invariant by construction, but with no weight sharing across slots)."""
+        return run_parts(self, plan, [[s] for s in plan.decode])
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int]) -> list[FrameResult]:

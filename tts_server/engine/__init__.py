@@ -1,1 +1,0 @@
-"""The engine side: one thread owns the model and every torch call; asyncio only submits and streams."""

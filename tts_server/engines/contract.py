@@ -1,0 +1,132 @@
+"""The step contract between the serving loop and a decode engine.
+
+An engine owns fixed per-stream slots (KV storage, positions, sampling state). The serving loop
+calls `run(plan)` once per step: the plan admits new streams (prefill: the prompt goes through
+the talker into the slot and the first code 0 is sampled) and advances a set of slots by one
+80 ms frame each. One call, one host copy of all results. `release` frees a slot. One engine
+thread makes every call.
+
+Semantics of a decode for a slot (identical to qwen-tts generate):
+  1. the pending code 0 (sampled by the previous talker step or by prefill) and the talker's
+     last hidden state go through the 15 code-predictor passes -> codes 1..15 of this frame;
+  2. the next talker input is the sum of the 16 codebook embeddings of this frame plus the
+     stream's next text-track vector (pending text, then tts_pad forever);
+  3. one talker step at the stream's next position -> codec_head logits -> the next code 0,
+     sampled with repetition penalty over the code-0 history, EOS masked for the first
+     `min_new_tokens` samples, ids in [vocab-1024, vocab) except EOS suppressed.
+The frame's 16 codes are returned with `next_is_eos`: when True the stream has ended after
+this frame. Admissions run before the decodes of the same plan, so a slot admitted in a plan
+may also be decoded in it (its first frame then comes out of the same call).
+
+Reproducibility: a slot's codes depend only on its own prompt, sampling settings and seed,
+never on which other slots share the step (engines are batch-invariant or say otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..api import SamplingConfig
+from ..model.prompt import Prompt
+
+__all__ = ["Admission", "DecodeEngine", "FrameResult", "Prompt", "SamplingConfig", "StepOutput",
+           "StepPlan", "decode_until_eos", "run_parts"]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A stream entering `slot`: prefill its prompt and sample its first code 0."""
+
+    slot: int
+    prompt: Prompt
+    sampling: SamplingConfig
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine call: admissions first, then one frame for every slot in `decode`."""
+
+    decode: tuple[int, ...] = ()
+    admit: tuple[Admission, ...] = ()
+
+
+@dataclass
+class FrameResult:
+    slot: int
+    codes: np.ndarray  # [16] int64: code 0 (talker) then codes 1..15 (code predictor)
+    next_is_eos: bool  # the talker's next code 0 is EOS: this frame is the stream's last
+    error: str | None = None  # this slot failed (the others in the step are valid); codes unused
+
+
+@dataclass
+class StepOutput:
+    frames: list[FrameResult] = field(default_factory=list)  # plan.decode order, minus failed admissions
+    failed: dict[int, str] = field(default_factory=dict)  # slot -> why its admission failed
+    prefill_s: float = 0.0  # time spent in admissions (host clock, synchronised)
+    decode_s: float = 0.0  # time spent in the frame step
+
+
+class DecodeEngine(Protocol):
+    """What the serving loop needs from a decode engine."""
+
+    name: str  # "torch", "megakernel", ...
+    max_streams: int  # number of slots
+    max_positions: int  # talker positions per slot (prefill + frames)
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Run `plan`. A failure confined to one slot comes back in `failed` (admission) or as
+        that slot's `FrameResult.error`; an exception means the whole step failed (a device
+        fault leaves the engine unusable)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget `slot`'s stream; the slot may be admitted again."""
+        ...
+
+
+def run_parts(engine, plan: StepPlan, groups: list[list[int]]) -> StepOutput:
+    """`run` for engines with per-slot `prefill(slot, prompt, sampling)` and batched
+    `step(slots)`: admissions one at a time (a failure there fails that slot only, unless it is a
+    device fault), then `step` once per group of decode slots."""
+    out = StepOutput()
+    t0 = time.perf_counter()
+    for adm in plan.admit:
+        try:
+            engine.prefill(adm.slot, adm.prompt, adm.sampling)
+        except (ValueError, RuntimeError) as e:
+            if "CUDA" in str(e) or "megakernel" in str(e):
+                raise
+            engine.release(adm.slot)
+            out.failed[adm.slot] = str(e)
+    t1 = time.perf_counter()
+    for group in groups:
+        group = [s for s in group if s not in out.failed]
+        if group:
+            out.frames.extend(engine.step(group))
+    out.prefill_s, out.decode_s = t1 - t0, time.perf_counter() - t1
+    return out
+
+
+def decode_until_eos(engine: DecodeEngine, slot: int, max_frames: int, prompt: Prompt | None = None,
+                     sampling: SamplingConfig | None = None) -> np.ndarray:
+    """Admit `prompt` into `slot` (when given), then step it alone until EOS or `max_frames`;
+    returns its frames [F, 16]."""
+    frames = []
+    admit = (Admission(slot, prompt, sampling or SamplingConfig()),) if prompt is not None else ()
+    for _ in range(max_frames):
+        out = engine.run(StepPlan(decode=(slot,), admit=admit))
+        admit = ()
+        if out.failed:
+            raise RuntimeError(out.failed[slot])
+        result = out.frames[0]
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        frames.append(result.codes)
+        if result.next_is_eos:
+            break
+    return np.stack(frames)

@@ -1,1 +1,0 @@
-"""Decode engines behind one contract: the PyTorch reference and the CUDA megakernel."""

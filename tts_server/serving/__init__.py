@@ -1,0 +1,1 @@
+"""Serving: the engine thread (loop, watchdog), the scheduling policy, streams and chunk emission."""

@@ -1,0 +1,1 @@
+"""Test-only helpers shipped with the server: fault injection (`--inject-fault`)."""
