@@ -1,0 +1,80 @@
+"""Batch-invariant ops of the batched decode engine: Triton kernels on CUDA tensors (or on CPU
+under TRITON_INTERPRET=1), the plain-torch references of ops_ref.py otherwise. Same signatures."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops_ref
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Triton for CUDA tensors, and for CPU tensors when the Triton interpreter is on."""
+    if t.is_cuda:
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels():
+    from . import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET at @jit time
+
+    return triton_ops
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w [N, K] bf16 (nn.Linear layout) -> [M, N] fp32."""
+    if _use_triton(x):
+        return _kernels().linear(x, w)
+    return ops_ref.linear(x, w)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32."""
+    if _use_triton(x):
+        return _kernels().swiglu(x, w_gate, w_up)
+    return ops_ref.swiglu(x, w_gate, w_up)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, D] fp32, w [D] -> w.float() * (x * rsqrt(mean(x^2) + eps)) [M, D] fp32."""
+    if _use_triton(x):
+        return _kernels().rms_norm(x, w, eps)
+    return ops_ref.rms_norm(x, w, eps)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row. q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD] bf16|fp32;
+    block_table [B, MAX_BLOCKS] int32; seq_lens [B] int32 -> [B, NH, HD] fp32 (GQA: head h reads
+    kv head h // (NH // NKV); rows with seq_len 0 give zeros)."""
+    if _use_triton(q):
+        return _kernels().paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+    return ops_ref.paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+
+
+def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
+                    n_sampled: torch.Tensor, eos: int, suppress_start: int,
+                    min_new_tokens: int) -> None:
+    """In place on logits [B, V] fp32; seen [B, V] uint8; penalty [B] fp32; n_sampled [B] int32:
+    repetition penalty over seen ids, ids [suppress_start, V) -> -inf except eos, eos -> -inf while
+    n_sampled < min_new_tokens (as model/sampler.py)."""
+    if _use_triton(logits):
+        return _kernels().talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start,
+                                          min_new_tokens)
+    return ops_ref.talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start,
+                                   min_new_tokens)
+
+
+def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+                  counter: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32; do_sample/top_k [B] int32; temperature/top_p [B] fp32; seed/counter [B]
+    int64; stream int -> (codes [B] int32, finite [B] bool). finite is False where the row holds a
+    NaN or +inf or is all -inf (-inf masks from talker_process_ are fine)."""
+    if _use_triton(logits):
+        return _kernels().sample_tokens(logits, do_sample, temperature, top_k, top_p, seed,
+                                        counter, stream)
+    return ops_ref.sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter,
+                                 stream)
