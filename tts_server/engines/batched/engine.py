@@ -1,0 +1,202 @@
+"""The `batched` decode engine: every slot of a step advances together in ONE CUDA-graph replay of
+batch-invariant kernels (graphs per batch bucket), with ONE host copy of all results per step.
+Talker KV is paged (bf16 by default); prefill is PyTorch, one admission at a time."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from ...model.weights import DecodeWeights
+from ..contract import Admission, FrameResult, StepOutput, StepPlan
+from . import ops
+from .frame import TALKER_BAD_BIT, FrameStep
+from .graphs import StepGraphs, bucket_for, bucket_sizes
+from .kv_pool import PagedKV
+from .params import fused_bytes, prepare
+from .prefill import prefill
+from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
+
+DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
+
+
+def default_num_blocks(max_streams: int, max_positions: int, block_size: int) -> int:
+    avg = min(max_positions, DEFAULT_AVG_POSITIONS)
+    return max_streams * math.ceil(avg / block_size) + 1  # + the scratch block 0
+
+
+def frame_error(flags: int) -> str | None:
+    """The out buffer's error bitmask -> the slot's error, as TorchEngine words it."""
+    if flags & ((1 << TALKER_BAD_BIT) - 1):
+        k = (flags & -flags).bit_length()  # lowest bad group, 1-based
+        return f"non-finite code-predictor logits (code group {k})"
+    if flags >> TALKER_BAD_BIT & 1:
+        return "non-finite talker logits"
+    return None
+
+
+class BatchedEngine:
+    """DecodeEngine advancing B = 1..max_streams slots per graph replay (CPU: eager, no graphs).
+
+    kv_dtype: talker KV type (bf16 default; fp32 is the reference mode). num_blocks: KV pool size
+    in blocks of block_size positions (default: max_streams x min(max_positions, 1024) positions).
+    dump_logits: keep every step's raw logits in `frame.dump` [rows, 16, V] (tests, evidence)."""
+
+    name = "batched"
+
+    def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
+                 num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
+                 max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None):
+        if max_streams < 1 or max_positions < 2:
+            raise ValueError("max_streams >= 1 and max_positions >= 2 required")
+        self.p = prepare(weights)
+        dev = self.device = self.p.codec_head.device
+        cfg = self.p.talker.cfg
+        self.max_streams, self.max_positions, self.kv_dtype = max_streams, max_positions, kv_dtype
+        num_blocks = num_blocks or default_num_blocks(max_streams, max_positions, block_size)
+        self.state = SlotState(max_streams, cfg.hidden_size, self.p.ids.vocab_size, max_trailing, dev)
+        self.kv = PagedKV(cfg, max_streams + 1, max_positions, num_blocks, block_size, kv_dtype, dev)
+        self.sizes = bucket_sizes(max_streams)
+        self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits)
+        pin = dev.type == "cuda"
+        self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
+        self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
+        self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
+        use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.graphs = StepGraphs(self.frame, self.sizes, self.state.scratch) if use_graphs else None
+        self.capture_s = self.graphs.capture_s if self.graphs else 0.0
+        self.graph_memory_bytes = self.graphs.memory_bytes if self.graphs else 0
+
+    @staticmethod
+    def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
+                     kv_dtype: torch.dtype = torch.bfloat16, num_blocks: int | None = None,
+                     block_size: int = 64, max_trailing: int = 1024) -> int:
+        """Device bytes the engine allocates beside the model's weights: KV pool, slot state,
+        code-predictor scratch, fused q|k|v copies. Graph workspaces come on top
+        (`graph_memory_bytes` after construction)."""
+        t, c, ids = weights.talker.config, weights.predictor.config, weights.ids
+        num_blocks = num_blocks or default_num_blocks(max_streams, max_positions, block_size)
+        rows = bucket_sizes(max_streams)[-1]
+        table = (max_streams + 1) * math.ceil(max_positions / block_size) * 4
+        return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
+                + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
+                + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
+                + fused_bytes(weights))
+
+    # -- DecodeEngine ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        out = StepOutput()
+        t0 = time.perf_counter()
+        for adm in plan.admit:
+            try:
+                self._admit(adm)
+            except (ValueError, RuntimeError) as e:
+                if "CUDA" in str(e):
+                    raise
+                self.release(adm.slot)
+                out.failed[adm.slot] = str(e)
+        self._sync()
+        t1 = time.perf_counter()
+        out.frames = self._decode([s for s in plan.decode if s not in out.failed])
+        out.prefill_s, out.decode_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def release(self, slot: int) -> None:
+        self.positions.pop(slot, None)
+        if 0 <= slot < self.max_streams:
+            self.kv.release(slot)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.kv.alloc.num_used
+
+    # -- admissions -----------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _admit(self, adm: Admission) -> None:
+        slot, prompt = adm.slot, adm.prompt
+        if not 0 <= slot < self.max_streams:
+            raise ValueError(f"slot {slot} out of range")
+        self.release(slot)
+        length = prompt.embeds.shape[0]
+        if length >= self.max_positions:
+            raise ValueError(f"prompt of {length} positions exceeds {self.max_positions}")
+        if prompt.trailing.shape[0] > self.state.max_trailing:
+            raise ValueError(f"{prompt.trailing.shape[0]} pending text vectors exceed {self.state.max_trailing}")
+        if not self.kv.ensure(slot, length):
+            raise ValueError(f"no KV blocks left for a prompt of {length} positions")
+        blocks = torch.tensor(self.kv.blocks(slot), dtype=torch.long).to(self.device)
+        hidden = prefill(self.p.talker, prompt.embeds.to(self.device, torch.float32), self.kv.k, self.kv.v, blocks)
+        self.state.admit(slot, adm.sampling, length, prompt.trailing, prompt.pad_embed, hidden)
+        if not self._first_draw(slot, hidden):
+            raise ValueError("non-finite talker logits after prefill")
+        self.positions[slot] = length
+
+    def _first_draw(self, slot: int, hidden: torch.Tensor) -> bool:
+        """Code 0 of the first frame from the prefill's hidden [H] (draw index 0, stream 0)."""
+        s, ids = self.state, self.p.ids
+        one = slice(slot, slot + 1)
+        logits = ops.linear(hidden[None], self.p.codec_head)  # [1, V]
+        ops.talker_process_(logits, s.seen[one], s.floats[PENALTY, one], s.ints[N_SAMPLED, one], ids.eos,
+                            ids.suppress_start, ids.min_new_tokens)
+        code, finite = ops.sample_tokens(logits, s.ints[DO_SAMPLE, one], s.floats[TEMPERATURE, one],
+                                         s.ints[TOP_K, one], s.floats[TOP_P, one], s.seed[one],
+                                         torch.zeros(1, dtype=torch.int64, device=self.device), 0)
+        code = code.clamp(0, ids.vocab_size - 1)
+        s.ints[CODE0, one] = code
+        s.ints[N_SAMPLED, one] = 1
+        s.seen[slot, code.long()] = 1
+        return bool(finite.item())
+
+    # -- frames ---------------------------------------------------------------------------
+    def _decode(self, slots: list[int]) -> list[FrameResult]:
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot appears twice in one step")
+        errors, live = {}, []
+        for s in slots:
+            if s not in self.positions:
+                raise ValueError(f"slot {s} is not prefilled")
+            pos = self.positions[s]
+            if pos >= self.max_positions:
+                errors[s] = "talker context is full"
+            elif not self.kv.ensure(s, pos + 1):
+                errors[s] = f"no KV blocks left in the pool ({self.kv.alloc.num_blocks - 1} blocks)"
+            else:
+                live.append(s)
+        rows = {}
+        for i in range(0, len(live), self.sizes[-1]):
+            chunk = live[i:i + self.sizes[-1]]
+            for s, r in zip(chunk, self._step(chunk)):
+                rows[s] = r
+                self.positions[s] += 1
+        results, ng = [], self.p.ids.num_code_groups
+        for s in slots:
+            if s in errors:
+                results.append(FrameResult(s, np.zeros(ng, dtype=np.int64), False, errors[s]))
+                continue
+            r = rows[s]
+            err = frame_error(int(r[ng + 1]))
+            results.append(FrameResult(s, r[:ng].astype(np.int64), err is None and int(r[ng]) == self.p.ids.eos, err))
+        return results
+
+    def _step(self, chunk: list[int]) -> np.ndarray:
+        """One frame for the slots of `chunk` (<= the largest bucket) -> out rows [n, 18] int32."""
+        n = len(chunk)
+        b = bucket_for(n, self.sizes) if self.graphs else n
+        self.rows_host[:n] = torch.tensor(chunk, dtype=torch.int64)
+        self.rows_host[n:b] = self.state.scratch
+        self.kv.sync()
+        if self.graphs:
+            self.graphs.rows[:b].copy_(self.rows_host[:b], non_blocking=True)
+            self.graphs.replay(b)
+        else:
+            self.frame(self.rows_host[:b].to(self.device))
+        self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+        self._sync()
+        return self.out_host[:n].numpy().copy()

@@ -1,0 +1,181 @@
+"""One decode frame for B slots at once over device state: 15 code-predictor passes, the talker
+step, both draws and the state commit. No host sync and fixed shapes for a given B, so a CUDA graph
+can capture it. Every cross-row reduction goes through the batch-invariant `ops`; the glue here is
+gathers, scatters and elementwise math (row-local by construction)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...model.lm import rope_cos_sin
+from . import ops
+from .kv_pool import PagedKV
+from .params import FrameParams, StackParams
+from .state import (CODE0, DO_SAMPLE, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENALTY, POS, SUB_DO_SAMPLE,
+                    SUB_TEMPERATURE, SUB_TOP_K, SUB_TOP_P, TEMPERATURE, TEXT_STEP, TOP_K, TOP_P, SlotState)
+
+# out[b] = 16 codes of the frame, the next code 0, an error bitmask (bit k < 15: code-predictor
+# group k + 1 logits non-finite; bit 15: talker logits non-finite)
+TALKER_BAD_BIT = 15
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [M, heads, HD]; cos/sin [M or 1, HD] -> rotate-half RoPE (as model.lm.apply_rope)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+
+def layer(x: torch.Tensor, sp: StackParams, i: int, cos: torch.Tensor, sin: torch.Tensor,
+          write_kv: Callable, attend: Callable) -> torch.Tensor:
+    """One pre-norm decoder layer over rows x [M, H] fp32 -> [M, H] fp32. write_kv(k, v) stores
+    this step's k/v [M, NKV, HD]; attend(q [M, NH, HD]) -> [M, NH, HD]."""
+    cfg = sp.cfg
+    m, nh, nkv, hd, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    qkv = ops.linear(ops.rms_norm(x, sp.in_norm[i], eps), sp.wqkv[i])  # [M, (NH + 2 NKV) HD]
+    qd, kd = sp.q_dim, sp.kv_dim
+    q = ops.rms_norm(qkv[:, :qd].reshape(m * nh, hd), sp.q_norm[i], eps).view(m, nh, hd)
+    k = ops.rms_norm(qkv[:, qd:qd + kd].reshape(m * nkv, hd), sp.k_norm[i], eps).view(m, nkv, hd)
+    v = qkv[:, qd + kd:].reshape(m, nkv, hd)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    write_kv(k, v)
+    x = x + ops.linear(attend(q).reshape(m, nh * hd), sp.wo[i])
+    h = ops.rms_norm(x, sp.post_norm[i], eps)
+    return x + ops.linear(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i])
+
+
+class FrameStep:
+    """Callable over a row list: `step(rows [B] long)` advances those slots one frame and writes
+    out[:B] [B, 18] int32 (and dump[:B] [B, 16, V] fp32 logits when dumping)."""
+
+    def __init__(self, params: FrameParams, state: SlotState, kv: PagedKV, max_rows: int,
+                 dump_logits: bool = False):
+        self.p, self.s, self.kv = params, state, kv
+        cp = params.predictor.cfg
+        dev = state.ints.device
+        g = params.ids.num_code_groups
+        shape = (cp.num_layers, max_rows, cp.num_kv_heads, g, cp.head_dim)
+        self.cp_k = torch.zeros(shape, dtype=torch.float32, device=dev)  # row b = scratch "block" b
+        self.cp_v = torch.zeros(shape, dtype=torch.float32, device=dev)
+        cos, sin = rope_cos_sin(torch.arange(g, device=dev)[None], cp, torch.float32)
+        self.cp_cos, self.cp_sin = cos[0], sin[0]  # [G, HD]
+        self.out = torch.zeros(max_rows, g + 2, dtype=torch.int32, device=dev)
+        vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
+        self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
+        self._consts: dict[int, dict] = {}
+
+    @staticmethod
+    def scratch_bytes(params_cp_layers: int, cp_kv_heads: int, cp_head_dim: int, groups: int,
+                      max_rows: int) -> int:
+        return 2 * params_cp_layers * max_rows * cp_kv_heads * groups * cp_head_dim * 4 + max_rows * (groups + 2) * 4
+
+    def consts(self, b: int) -> dict:
+        """Per-B index tensors of the code-predictor attention (made once, outside any capture)."""
+        if b not in self._consts:
+            dev = self.out.device
+            rows = torch.arange(b, dtype=torch.int32, device=dev)
+            self._consts[b] = dict(
+                table0=rows.repeat_interleave(2)[:, None].contiguous(),  # [2B, 1]: both queries read block b
+                lens0=torch.tensor([1, 2], dtype=torch.int32, device=dev).repeat(b),  # causal: 1, 2 keys
+                table=rows[:, None].contiguous(),
+                lens=[torch.full((b,), k + 2, dtype=torch.int32, device=dev) for k in range(self.p.num_passes)],
+                cos0=self.cp_cos[:2].repeat(b, 1), sin0=self.cp_sin[:2].repeat(b, 1))
+        return self._consts[b]
+
+    def _cp_in(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p.in_proj is None:
+            return x
+        return ops.linear(x, self.p.in_proj[0]) + self.p.in_proj[1]
+
+    def _predict(self, b: int, past: torch.Tensor, e0: torch.Tensor, ints, floats, seed, counter):
+        """past, e0 [B, H] -> codes [B, 15] int32, bad [B] int32 (bit k: group k + 1 non-finite)."""
+        p, c = self.p, self.consts(b)
+        sp = p.predictor
+        cfg = sp.cfg
+        scale = cfg.head_dim ** -0.5
+        x = self._cp_in(torch.stack((past, e0), 1).reshape(2 * b, -1))  # [2B, Hp]: positions 0, 1
+        codes, bad = [], torch.zeros(b, dtype=torch.int32, device=past.device)
+        for k in range(p.num_passes):
+            first = k == 0
+            cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
+            table, lens = (c["table0"], c["lens0"]) if first else (c["table"], c["lens"][k])
+            for i in range(cfg.num_layers):
+                ck, cv = self.cp_k[i], self.cp_v[i]
+
+                def write_kv(kk, vv, ck=ck, cv=cv, first=first, k=k):
+                    if first:
+                        ck[:b, :, 0:2] = kk.view(b, 2, *kk.shape[1:]).transpose(1, 2)
+                        cv[:b, :, 0:2] = vv.view(b, 2, *vv.shape[1:]).transpose(1, 2)
+                    else:
+                        ck[:b, :, k + 1] = kk
+                        cv[:b, :, k + 1] = vv
+
+                x = layer(x, sp, i, cos, sin, write_kv,
+                          lambda q, ck=ck, cv=cv, table=table, lens=lens: ops.paged_attention(
+                              q, ck, cv, table, lens, scale))
+            last = x.view(b, 2, -1)[:, 1].contiguous() if first else x
+            logits = ops.linear(ops.rms_norm(last, sp.final_norm, cfg.rms_norm_eps), p.predictor_heads[k])
+            if self.dump is not None:
+                self.dump[:b, k, :logits.shape[1]] = logits
+            code, finite = ops.sample_tokens(logits, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE],
+                                             ints[SUB_TOP_K], floats[SUB_TOP_P], seed, counter, k + 1)
+            code = code.clamp(0, logits.shape[1] - 1)
+            bad = bad | ((~finite).to(torch.int32) << k)
+            codes.append(code)
+            if k + 1 < p.num_passes:
+                x = self._cp_in(p.predictor_embeddings[k][code.long()].float())
+        return torch.stack(codes, 1), bad
+
+    def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, H] fp32 at positions pos [B] int32 of slots rows -> final-normed hidden [B, H]."""
+        sp, kv = self.p.talker, self.kv
+        cfg = sp.cfg
+        cos, sin = rope_cos_sin(pos[:, None], cfg, torch.float32)
+        cos, sin = cos[:, 0], sin[:, 0]  # [B, HD]
+        table = kv.table[rows]  # [B, MAX_BLOCKS] int32
+        blk = table.gather(1, (pos // kv.block_size).long()[:, None])[:, 0].long()
+        off = (pos % kv.block_size).long()
+        lens = pos + 1
+        scale = cfg.head_dim ** -0.5
+        for i in range(cfg.num_layers):
+            kp, vp = kv.k[i], kv.v[i]
+
+            def write_kv(kk, vv, kp=kp, vp=vp):
+                kp[blk, :, off] = kk.to(kp.dtype)
+                vp[blk, :, off] = vv.to(vp.dtype)
+
+            x = layer(x, sp, i, cos, sin, write_kv,
+                      lambda q, kp=kp, vp=vp: ops.paged_attention(q, kp, vp, table, lens, scale))
+        return ops.rms_norm(x, sp.final_norm, cfg.rms_norm_eps)
+
+    def __call__(self, rows: torch.Tensor) -> None:
+        p, s = self.p, self.s
+        ids = p.ids
+        b = rows.shape[0]
+        ints, floats, seed = s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [9, B], [5, B], [B]
+        pos, code0, n_sampled, text_step = ints[POS], ints[CODE0], ints[N_SAMPLED], ints[TEXT_STEP]
+        counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
+        e0 = p.codec_embedding[code0.long()].float()  # [B, H]
+        codes, bad = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, counter)
+        x = e0
+        for k in range(p.num_passes):
+            x = x + p.predictor_embeddings[k][codes[:, k].long()].float()
+        step = text_step.clamp(max=s.max_trailing - 1).long()
+        text = torch.where((text_step < ints[N_TRAILING])[:, None], s.trailing[rows, step], s.pad_embed[rows])
+        hidden = self._talker(x + text.float(), rows, pos)
+        logits = ops.linear(hidden, p.codec_head)  # [B, V]
+        if self.dump is not None:
+            self.dump[:b, ids.num_code_groups - 1, :logits.shape[1]] = logits
+        ops.talker_process_(logits, s.seen[rows], floats[PENALTY], n_sampled, ids.eos, ids.suppress_start,
+                            ids.min_new_tokens)
+        nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
+                                        floats[TOP_P], seed, counter, 0)
+        nxt = nxt.clamp(0, logits.shape[1] - 1)
+        bad = bad | ((~finite).to(torch.int32) << TALKER_BAD_BIT)
+        # commit (padding rows all point at the scratch slot, which is reset last)
+        s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
+        s.past_hidden[rows] = hidden
+        s.seen[rows, nxt.long()] = 1
+        s.ints[:NUM_STEP_INTS, s.scratch] = 0
+        self.out[:b] = torch.cat((code0[:, None], codes, nxt[:, None], bad[:, None]), 1)

@@ -1,0 +1,63 @@
+"""CUDA graphs of the batched frame, one per batch bucket (1, 2, 4, ..., max), captured at start-up
+into one shared memory pool (replays never overlap). A step pads its rows into the next bucket
+with the scratch slot and replays that bucket's graph."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .frame import FrameStep
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_rows (the last bucket is max_rows itself)."""
+    sizes, b = [], 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_rows]
+
+
+def bucket_for(n: int, sizes: list[int]) -> int:
+    for b in sizes:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket {sizes[-1]}")
+
+
+class StepGraphs:
+    """graphs[b] replays `step(rows[:b])`; the caller fills rows[:b] (device, int64) first."""
+
+    def __init__(self, step: FrameStep, sizes: list[int], scratch_slot: int, warmup: int = 2):
+        dev = step.out.device
+        self.sizes = sizes
+        self.rows = torch.full((sizes[-1],), scratch_slot, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(dev)
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile the kernels and warm the allocator off the capture
+            for b in reversed(sizes):
+                step.consts(b)
+                for _ in range(warmup):
+                    step(self.rows[:b])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(sizes):  # largest first, so smaller graphs reuse its pool blocks
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                step(self.rows[:b])
+            self.graphs[b] = g
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+        torch.cuda.empty_cache()
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - before
+
+    def replay(self, b: int) -> None:
+        self.graphs[b].replay()

@@ -1,0 +1,96 @@
+"""The batched engine's view of the decode weights: bf16 matrices (q|k|v fused), fp32 norms.
+
+Dims come from each stack's LMConfig, never from constants, so other model sizes load unchanged.
+Only the fused q|k|v matrices are new memory; every other tensor is a view when the weights are
+already bf16 on the engine's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...model.weights import CodecIds, DecodeWeights, LMConfig, LMWeights
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class StackParams:
+    """One decoder stack (talker or code predictor); per-layer lists, index = layer."""
+
+    cfg: LMConfig
+    in_norm: tuple[torch.Tensor, ...]  # [H] fp32
+    wqkv: tuple[torch.Tensor, ...]  # [(NH + 2 NKV) HD, H] bf16: q rows, then k, then v
+    q_norm: tuple[torch.Tensor, ...]  # [HD] fp32
+    k_norm: tuple[torch.Tensor, ...]  # [HD] fp32
+    wo: tuple[torch.Tensor, ...]  # [H, NH HD] bf16
+    post_norm: tuple[torch.Tensor, ...]  # [H] fp32
+    gate: tuple[torch.Tensor, ...]  # [I, H] bf16
+    up: tuple[torch.Tensor, ...]  # [I, H] bf16
+    down: tuple[torch.Tensor, ...]  # [H, I] bf16
+    final_norm: torch.Tensor  # [H] fp32
+
+    @property
+    def q_dim(self) -> int:
+        return self.cfg.num_heads * self.cfg.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.cfg.num_kv_heads * self.cfg.head_dim
+
+
+@dataclass(frozen=True)
+class FrameParams:
+    """Everything one batched frame reads."""
+
+    talker: StackParams
+    predictor: StackParams
+    codec_embedding: torch.Tensor  # [V, H] bf16 (talker input table: code 0)
+    codec_head: torch.Tensor  # [V, H] bf16
+    predictor_embeddings: tuple[torch.Tensor, ...]  # G-1 x [VC, H] bf16
+    predictor_heads: tuple[torch.Tensor, ...]  # G-1 x [VC, Hp] bf16
+    in_proj: tuple[torch.Tensor, torch.Tensor] | None  # (W [Hp, H] bf16, b [Hp] fp32); None = identity
+    ids: CodecIds
+
+    @property
+    def num_passes(self) -> int:
+        return self.ids.num_code_groups - 1
+
+
+def _stack(lm: LMWeights, device) -> StackParams:
+    f32 = lambda t: t.to(device, torch.float32)  # noqa: E731
+    b16 = lambda t: t.to(device, BF16)  # noqa: E731
+    ls = lm.layers
+    return StackParams(
+        cfg=lm.config,
+        in_norm=tuple(f32(l.input_norm) for l in ls),
+        wqkv=tuple(torch.cat((b16(l.q_proj), b16(l.k_proj), b16(l.v_proj))).contiguous() for l in ls),
+        q_norm=tuple(f32(l.q_norm) for l in ls), k_norm=tuple(f32(l.k_norm) for l in ls),
+        wo=tuple(b16(l.o_proj).contiguous() for l in ls), post_norm=tuple(f32(l.post_norm) for l in ls),
+        gate=tuple(b16(l.gate_proj).contiguous() for l in ls), up=tuple(b16(l.up_proj).contiguous() for l in ls),
+        down=tuple(b16(l.down_proj).contiguous() for l in ls), final_norm=f32(lm.final_norm))
+
+
+def prepare(w: DecodeWeights, device: torch.device | str | None = None) -> FrameParams:
+    """The engine's layout of `w` on `device` (default: where the weights are)."""
+    device = torch.device(device) if device is not None else w.codec_head.device
+    b16 = lambda t: t.to(device, BF16).contiguous()  # noqa: E731
+    proj = None
+    if w.predictor_in_proj is not None:
+        proj = (b16(w.predictor_in_proj[0]), w.predictor_in_proj[1].to(device, torch.float32))
+    return FrameParams(
+        talker=_stack(w.talker, device), predictor=_stack(w.predictor, device),
+        codec_embedding=b16(w.codec_embedding), codec_head=b16(w.codec_head),
+        predictor_embeddings=tuple(b16(e) for e in w.predictor_embeddings),
+        predictor_heads=tuple(b16(h) for h in w.predictor_heads), in_proj=proj, ids=w.ids)
+
+
+def fused_bytes(w: DecodeWeights) -> int:
+    """New device bytes that `prepare` allocates beside bf16 weights (the fused q|k|v copies)."""
+    n = 0
+    for lm in (w.talker, w.predictor):
+        c = lm.config
+        n += c.num_layers * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size * 2
+    return n

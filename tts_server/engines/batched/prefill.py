@@ -1,0 +1,57 @@
+"""Talker prefill of one prompt into its slot's KV blocks: plain PyTorch, fp32 activations over the
+bf16 weights (upcast one matrix at a time). One admission at a time, so batch size is always 1."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...model.lm import apply_rope, rope_cos_sin
+from .params import StackParams
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] fp32 -> [..., D] fp32 (as ops.rms_norm)."""
+    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [L, K] fp32 @ w [N, K] (bf16, upcast) -> [L, N] fp32."""
+    return x @ w.float().T
+
+
+def write_blocks(pool: torch.Tensor, blocks: torch.Tensor, t: torch.Tensor) -> None:
+    """pool [num_blocks, NKV, BS, HD]; blocks [nb] long; t [NKV, L, HD] with L <= nb * BS:
+    position i goes to block blocks[i // BS], offset i % BS."""
+    nkv, n, hd = t.shape
+    bs = pool.shape[2]
+    nb = blocks.numel()
+    padded = t.new_zeros(nkv, nb * bs, hd)
+    padded[:, :n] = t
+    pool[blocks] = padded.view(nkv, nb, bs, hd).transpose(0, 1).to(pool.dtype)
+
+
+@torch.inference_mode()
+def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            blocks: torch.Tensor) -> torch.Tensor:
+    """x [L, H] fp32 prompt embeddings; k_pool / v_pool [layers, num_blocks, NKV, BS, HD];
+    blocks [ceil(L / BS)] long: the slot's blocks. Writes K/V of positions 0..L-1 and returns
+    the final-normed hidden state of the last position [H] fp32."""
+    cfg = p.cfg
+    n, nh, nkv, hd, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    cos, sin = rope_cos_sin(torch.arange(n, device=x.device)[None], cfg, torch.float32)  # [1, L, HD]
+    for i in range(cfg.num_layers):
+        h = _rms(x, p.in_norm[i], eps)
+        qkv = _mm(h, p.wqkv[i])
+        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+        q = _rms(q.reshape(n, nh, hd), p.q_norm[i], eps).transpose(0, 1)[None]  # [1, NH, L, HD]
+        k = _rms(k.reshape(n, nkv, hd), p.k_norm[i], eps).transpose(0, 1)[None]
+        v = v.reshape(n, nkv, hd).transpose(0, 1)[None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_blocks(k_pool[i], blocks, k[0])
+        write_blocks(v_pool[i], blocks, v[0])
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=True)
+        x = x + _mm(att[0].transpose(0, 1).reshape(n, nh * hd), p.wo[i])
+        h = _rms(x, p.post_norm[i], eps)
+        x = x + _mm(F.silu(_mm(h, p.gate[i])) * _mm(h, p.up[i]), p.down[i])
+    return _rms(x[-1], p.final_norm, eps)

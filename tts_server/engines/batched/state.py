@@ -1,0 +1,63 @@
+"""Per-slot decode state in device arrays indexed by slot (the last slot is the padding scratch).
+
+Integer and float fields are stored field-major ([fields, slots]) so that one gather by the
+step's slot list yields every field as a contiguous [B] row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...api import SamplingConfig
+
+# int32 fields, rows of `ints`
+POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, DO_SAMPLE, TOP_K, SUB_DO_SAMPLE, SUB_TOP_K = range(9)
+NUM_INTS = 9
+NUM_STEP_INTS = 4  # POS..TEXT_STEP: what a frame advances
+# float32 fields, rows of `floats`
+TEMPERATURE, TOP_P, PENALTY, SUB_TEMPERATURE, SUB_TOP_P = range(5)
+NUM_FLOATS = 5
+
+
+class SlotState:
+    """Device arrays for `num_slots` slots (+1 scratch slot at index num_slots)."""
+
+    def __init__(self, num_slots: int, hidden: int, vocab: int, max_trailing: int,
+                 device: torch.device, text_dtype: torch.dtype = torch.bfloat16):
+        n = num_slots + 1
+        self.scratch = num_slots
+        self.max_trailing = max_trailing
+        self.ints = torch.zeros(NUM_INTS, n, dtype=torch.int32, device=device)
+        self.floats = torch.ones(NUM_FLOATS, n, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(n, dtype=torch.int64, device=device)
+        self.past_hidden = torch.zeros(n, hidden, dtype=torch.float32, device=device)
+        self.trailing = torch.zeros(n, max_trailing, hidden, dtype=text_dtype, device=device)
+        self.pad_embed = torch.zeros(n, hidden, dtype=text_dtype, device=device)
+        self.seen = torch.zeros(n, vocab, dtype=torch.uint8, device=device)
+
+    @staticmethod
+    def nbytes(num_slots: int, hidden: int, vocab: int, max_trailing: int, text_bytes: int = 2) -> int:
+        n = num_slots + 1
+        return n * (NUM_INTS * 4 + NUM_FLOATS * 4 + 8 + hidden * 4 + (max_trailing + 1) * hidden * text_bytes
+                    + vocab)
+
+    def admit(self, slot: int, sampling: SamplingConfig, length: int, trailing: torch.Tensor,
+              pad_embed: torch.Tensor, past_hidden: torch.Tensor) -> None:
+        """Fill `slot` for a stream whose prefill covered `length` positions (code 0 not yet drawn)."""
+        n_tr = trailing.shape[0]
+        if n_tr > self.max_trailing:
+            raise ValueError(f"{n_tr} pending text vectors exceed {self.max_trailing}")
+        dev = self.ints.device
+        s = sampling
+        self.ints[:, slot] = torch.tensor(
+            [length, 0, 0, 0, n_tr, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample),
+             int(s.subtalker_top_k)], dtype=torch.int32).to(dev, non_blocking=True)
+        self.floats[:, slot] = torch.tensor(
+            [s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p],
+            dtype=torch.float32).to(dev, non_blocking=True)
+        self.seed[slot] = int(s.seed) & (2**63 - 1)
+        self.past_hidden[slot] = past_hidden
+        if n_tr:
+            self.trailing[slot, :n_tr] = trailing.to(dev, self.trailing.dtype)
+        self.pad_embed[slot] = pad_embed.to(dev, self.pad_embed.dtype)
+        self.seen[slot].zero_()
