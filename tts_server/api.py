@@ -87,6 +87,7 @@ class AudioChunk:
     sample_offset: int  # index of samples[0] in the utterance, at the output rate
     num_frames: int  # codec frames this chunk completes
     sequence_number: int
+    timings: dict | None = None  # first chunk only: server-side breakdown of the first audio (ms)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from .api import ModelInfo
 from .config import ServerConfig
-from .serving.worker import Worker
+from .serving.loop import Worker
 from .model.loader import LoadedModel, load_model
 from .model.weights import decode_weights
 
@@ -54,6 +54,13 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     raise ValueError(f"unknown engine {name!r}; choose auto, torch or megakernel")
 
 
+def create_codec(loaded: LoadedModel, config: ServerConfig):
+    """The streaming codec: one batched decode step for every stream that made a frame."""
+    from .codec.per_stream import PerStreamCodec
+
+    return PerStreamCodec(loaded.model.speech_tokenizer.model.decoder, config.max_streams)
+
+
 @dataclass
 class App:
     loaded: LoadedModel
@@ -62,15 +69,13 @@ class App:
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
-    from .codec.streaming import StreamingCodecDecoder
-
     loaded = loaded or load_model(config.model, config.device, config.dtype)
     if loaded.device.type == "cuda":
         # the codec runs in fp32; TF32 convolutions put streamed audio ~5e-3 off the exact decode
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     engine = create_engine(config.engine, loaded, config)
-    codec = StreamingCodecDecoder(loaded.model.speech_tokenizer.model.decoder)
+    codec = create_codec(loaded, config)
     voices = tuple(loaded.speakers)
     default_voice = None
     if voices:

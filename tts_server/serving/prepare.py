@@ -1,15 +1,19 @@
-"""Turn a `SynthesisRequest` into engine inputs: tokenize, clone the voice, build the prefill."""
+"""Turn a `SynthesisRequest` into engine inputs: tokenize, clone the voice, build the prefill.
+
+Voice-clone prompts (speaker embedding, reference codes, tokenized transcript) are cached by a
+hash of the reference's content, so a repeated reference costs no encoder work."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
-from ..api import SynthesisRequest
-from ..model.prompt import Prompt
+from ..api import ReferenceAudio, SynthesisRequest
 from ..model.loader import LoadedModel
-from ..model.prompt import PromptBuilder, VoiceClone
+from ..model.prompt import Prompt, PromptBuilder, VoiceClone
 
 
 @dataclass
@@ -21,8 +25,11 @@ class Prepared:
 class RequestPreparer:
     """Runs on the engine thread (it calls the model's embedding tables and encoders)."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, max_cached_voices: int = 64):
         self.tts = loaded.tts
+        self.max_cached_voices = max_cached_voices
+        self._voices: collections.OrderedDict[str, VoiceClone] = collections.OrderedDict()
+        self.voice_cache_hits = 0
         self.builder = PromptBuilder(loaded.model)
         # qwen-tts wrapper defaults: CustomVoice/VoiceDesign put all text in the prefill,
         # voice cloning streams the text in alongside the codec frames.
@@ -34,17 +41,30 @@ class RequestPreparer:
     @torch.inference_mode()
     def prepare(self, req: SynthesisRequest) -> Prepared:
         ids = self._ids(self.tts._build_assistant_text(req.text))
-        clone = None
-        if req.reference is not None:
-            ref = req.reference
-            icl = bool(ref.transcript)
-            item = self.tts.create_voice_clone_prompt(
-                ref_audio=(ref.samples, ref.sample_rate), ref_text=ref.transcript or None,
-                x_vector_only_mode=not icl)[0]
-            clone = VoiceClone(
-                speaker_embedding=item.ref_spk_embedding,
-                ref_codes=item.ref_code if icl else None,
-                ref_ids=self._ids(self.tts._build_ref_text(ref.transcript)) if icl else None)
+        clone = self._voice(req.reference) if req.reference is not None else None
         prompt = self.builder.build(ids, req.language, req.voice, clone=clone,
                                     non_streaming=self.non_streaming)
         return Prepared(prompt, clone.ref_codes if clone is not None else None)
+
+    def _voice(self, ref: ReferenceAudio) -> VoiceClone:
+        """The reference's voice-clone prompt, from the cache when the same audio and transcript
+        came before (least recently used entries go first)."""
+        h = hashlib.sha256(ref.samples.tobytes())
+        h.update(f"|{ref.sample_rate}|{ref.samples.dtype}|".encode() + ref.transcript.encode())
+        key = h.hexdigest()
+        if key in self._voices:
+            self._voices.move_to_end(key)
+            self.voice_cache_hits += 1
+            return self._voices[key]
+        icl = bool(ref.transcript)
+        item = self.tts.create_voice_clone_prompt(
+            ref_audio=(ref.samples, ref.sample_rate), ref_text=ref.transcript or None,
+            x_vector_only_mode=not icl)[0]
+        clone = VoiceClone(
+            speaker_embedding=item.ref_spk_embedding,
+            ref_codes=item.ref_code if icl else None,
+            ref_ids=self._ids(self.tts._build_ref_text(ref.transcript)) if icl else None)
+        self._voices[key] = clone
+        if len(self._voices) > self.max_cached_voices:
+            self._voices.popitem(last=False)
+        return clone

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..engines.contract import FrameResult
+from ..engines.contract import StepOutput, StepPlan
 
 KINDS = ("stream_error", "device_error", "hang")
 
@@ -58,9 +58,6 @@ class FaultInjectingEngine:
         self._owner[slot] = request_id
         self._steps[slot] = 0
 
-    def prefill(self, slot, prompt, sampling) -> None:
-        self.inner.prefill(slot, prompt, sampling)
-
     def release(self, slot: int) -> None:
         self._owner.pop(slot, None)
         self._steps.pop(slot, None)
@@ -75,15 +72,15 @@ class FaultInjectingEngine:
                 due[slot] = fault
         return due
 
-    def step(self, slots: Sequence[int]) -> list[FrameResult]:
-        due = self._due(slots)
+    def run(self, plan: StepPlan) -> StepOutput:
+        due = self._due(plan.decode)
         kinds = {f.kind for f in due.values()}
         if "hang" in kinds:
             self.released.wait()
         if "device_error" in kinds:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        results = self.inner.step(slots)
-        for r in results:
+        out = self.inner.run(plan)
+        for r in out.frames:
             if r.slot in due and due[r.slot].kind == "stream_error":
                 r.error = "non-finite talker logits (injected)"
-        return results
+        return out

@@ -1,31 +1,37 @@
-"""The engine thread: admits requests into slots, steps all active streams one frame at a
-time, decodes finished frames into audio chunks and posts them to each stream's handle.
+"""The engine thread: one step at a time for every stream, prefill folded in.
 
-Failure handling: a fault confined to one stream (its prefill, a non-finite logits check, its
-codec decode) ends that stream with an error and the others carry on. A fault of the engine as
-a whole (a device error, or a step the watchdog finds hung) ends every stream with
-`EngineFailure` and tells the listeners (the server flips health to NOT_SERVING and exits
-non-zero so that its supervisor restarts it)."""
+Each iteration: the scheduler picks admissions and the streams to step -> the requests are
+prepared (tokenize, voice clone, prompt) -> ONE engine call (`run(StepPlan)`) advances every
+stream by a frame -> ONE batched codec step turns all new frames into audio -> each stream's
+frame is resampled and grouped into chunks for its handle.
+
+Failure handling: a fault confined to one stream (its preparation or prefill, non-finite logits)
+ends that stream with an error and the others carry on. A fault of the engine as a whole (a
+device error, or a step the watchdog finds hung) ends every stream with `EngineFailure` and
+tells the listeners (the server flips health to NOT_SERVING and exits non-zero so that its
+supervisor restarts it)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import sys
 import threading
 import time
 import traceback
 
+import numpy as np
 import torch
 
 from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Overloaded,
                    ShuttingDown, StreamEnd, StreamFailure, SynthesisRequest)
 from ..codec.pcm import StreamResampler
 from ..config import ServerConfig
+from ..engines.contract import Admission, StepPlan
 from ..metrics import Metrics
 from .prepare import RequestPreparer
-from .stream import ActiveStream, StreamHandle
+from .scheduler import Scheduler, SchedulerConfig
+from .streams import Stream, StreamHandle
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +54,19 @@ class Worker:
         self.engine = engine
         self.codec = codec
         self.preparer = RequestPreparer(loaded)
-        self.max_streams = min(config.max_streams, engine.max_streams)
+        self.max_streams = min(config.max_streams, engine.max_streams, codec.max_slots)
         self.max_outstanding = self.max_streams + config.max_queue
-        self.chunk_frames = config.chunk_frames
         self.frame_s = codec.samples_per_frame / codec.sample_rate
-        # Emit early whenever a player that started at the first chunk has less than this left,
-        # as long as the engine loop has slack: a codec call costs about the same for 1 frame as
-        # for 8, so extra calls on a saturated loop would only slow every stream down.
-        self.min_lead_s = 2.5 * self.frame_s
-        self.max_early_step_s = 0.75 * self.frame_s
-        self.step_s = 0.0  # moving average of one loop iteration (engine step + chunk decodes)
-        self.max_queue_wait_s = config.max_queue_wait_s
-        self.max_buffer_s = config.max_buffer_s
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_streams=self.max_streams, frame_s=self.frame_s, chunk_frames=config.chunk_frames,
+            max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s))
         self.watchdog_s = config.watchdog_s
+        # moving averages of one admission's cost and of one step (engine + codec), seconds
+        self.prefill_s = 0.005
+        self.step_s = 0.0
         self.metrics = Metrics()
         self.metrics.active_streams.set_function(lambda: self.num_active)
-        self.metrics.queued_streams.set_function(lambda: len(self._waiting) + len(self._incoming))
+        self.metrics.queued_streams.set_function(lambda: len(self.scheduler.waiting) + len(self._incoming))
         self.metrics.paused_streams.set_function(lambda: self.num_paused)
         self.failure: EngineFailure | None = None  # set once the engine is unusable
         self._fatal_listeners: list = []
@@ -72,10 +75,7 @@ class Worker:
         self.watchdog_tick = None  # called on every watchdog poll (the process backstop)
         self._kicked = False
         self._cond = threading.Condition()
-        self._incoming: collections.deque[StreamHandle] = collections.deque()
-        self._waiting: collections.deque[StreamHandle] = collections.deque()
-        self._active: dict[int, ActiveStream] = {}
-        self._free_slots = list(range(self.max_streams))[::-1]
+        self._incoming: list[StreamHandle] = []
         self._outstanding = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
@@ -93,18 +93,16 @@ class Worker:
         self._fatal_listeners.append(fn)
 
     @property
+    def _active(self) -> dict[int, Stream]:
+        return self.scheduler.active
+
+    @property
     def num_paused(self) -> int:
         return sum(1 for s in list(self._active.values()) if s.handle.paused)
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def stop(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
+        return len(self.scheduler.free_slots)
 
     @property
     def num_outstanding(self) -> int:
@@ -114,6 +112,12 @@ class Worker:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
 
     def submit(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop) -> StreamHandle:
         handle = StreamHandle(request, loop, self._wake)
@@ -142,7 +146,7 @@ class Worker:
             if self.failure is not None:
                 return
             self.failure = failure
-            handles = (list(self._incoming) + list(self._waiting)
+            handles = (list(self._incoming) + list(self.scheduler.waiting)
                        + [s.handle for s in list(self._active.values())])
             self._cond.notify()
         log.critical("decode engine failed: %s; ending %d streams", failure, len(handles))
@@ -181,76 +185,59 @@ class Worker:
             return
         if self.failure is not None:
             return
-        for handle in list(self._waiting) + list(self._incoming):
-            self._end(handle, None, FinishReason.CANCELLED, 0, 0)
+        for handle in list(self.scheduler.waiting) + self._incoming:
+            self._end(handle, None, FinishReason.CANCELLED)
+        self.scheduler.waiting.clear()
         for stream in list(self._active.values()):
             self._finish(stream, FinishReason.CANCELLED)
 
-    def _runnable(self) -> list[ActiveStream]:
-        """Active streams whose client keeps up (the others are paused this iteration)."""
-        out = []
-        for stream in self._active.values():
-            h = stream.handle
-            h.paused = h.backlog_s() > self.max_buffer_s
-            if not h.paused:
-                out.append(stream)
-        return out
-
-    def _wait_timeout(self) -> float | None:
-        timeouts = []
-        if self._waiting:
-            oldest = self._waiting[0].submitted_at
-            timeouts.append(max(0.0, oldest + self.max_queue_wait_s - time.monotonic()) + 1e-3)
-        if self._active:  # paused streams: look again soon even if no chunk is acknowledged
-            timeouts.append(0.05)
-        return min(timeouts) if timeouts else None
+    def _has_work(self) -> bool:
+        sch = self.scheduler
+        return bool(self._incoming or self._kicked or (sch.waiting and sch.free_slots) or sch.runnable())
 
     def _loop(self) -> None:
+        sch = self.scheduler
         while True:
             with self._cond:
-                while not (self._stopping or self.failure is not None or self._incoming
-                           or self._kicked or (self._waiting and self._free_slots)
-                           or self._runnable()):
-                    timeout = self._wait_timeout()
+                while not (self._stopping or self.failure is not None or self._has_work()):
+                    timeout = sch.wait_timeout(time.monotonic())
                     if not self._cond.wait(timeout) and timeout is not None:
                         break  # timed out: reap the queue, look at paused streams
                 self._kicked = False
                 if self._stopping or self.failure is not None:
                     return
-                self._waiting.extend(self._incoming)
+                sch.waiting.extend(self._incoming)
                 self._incoming.clear()
             self._reap()
-            while self._waiting and self._free_slots and self.failure is None:
-                self._admit(self._waiting.popleft())
-            runnable = self._runnable()
-            if runnable and self.failure is None:
-                self._step(runnable)
+            plan = sch.plan(time.monotonic(), self.prefill_s, self.step_s)
+            if (plan.admit or plan.step) and self.failure is None:
+                self._step(plan)
 
-    def _end(self, handle, slot, reason, frames, samples, error=None) -> None:
+    def _end(self, handle: StreamHandle, slot: int | None, reason: FinishReason, frames: int = 0,
+             samples: int = 0, error: BaseException | None = None) -> None:
         if slot is not None:
-            self._active.pop(slot, None)
             self.engine.release(slot)
-            self._free_slots.append(slot)
+            self.scheduler.release(slot)
         with self._cond:
             self._outstanding -= 1
         handle.post(StreamEnd(reason, frames, samples, error))
 
-    def _finish(self, stream: ActiveStream, reason: FinishReason, error=None) -> None:
+    def _finish(self, stream: Stream, reason: FinishReason, error=None) -> None:
         self._end(stream.handle, stream.slot, reason, stream.num_frames, stream.num_samples, error)
 
     def _reap(self) -> None:
         """Drop cancelled streams, and queued requests that waited too long for a slot."""
-        now = time.monotonic()
-        for handle in [h for h in self._waiting if h.cancelled]:
-            self._waiting.remove(handle)
-            self._end(handle, None, FinishReason.CANCELLED, 0, 0)
-        while self._waiting and now - self._waiting[0].submitted_at > self.max_queue_wait_s:
-            handle = self._waiting.popleft()
-            log.warning("request %s: no synthesis slot free within %.1f s", handle.request.request_id,
-                        self.max_queue_wait_s, extra={"request_id": handle.request.request_id})
-            self._end(handle, None, FinishReason.ERROR, 0, 0, Overloaded(
-                f"no synthesis slot became free within {self.max_queue_wait_s:g} s"))
-        for stream in [s for s in self._active.values() if s.handle.cancelled]:
+        cancelled, too_long, gone = self.scheduler.expired(time.monotonic())
+        for handle in cancelled:
+            self._end(handle, None, FinishReason.CANCELLED)
+        wait_s = self.scheduler.cfg.max_queue_wait_s
+        for handle in too_long:
+            rid = handle.request.request_id
+            log.warning("request %s: no synthesis slot free within %.1f s", rid, wait_s,
+                        extra={"request_id": rid})
+            self._end(handle, None, FinishReason.ERROR, error=Overloaded(
+                f"no synthesis slot became free within {wait_s:g} s"))
+        for stream in gone:
             rid = stream.handle.request.request_id
             log.info("request %s cancelled after %d frames", rid, stream.num_frames,
                      extra={"request_id": rid, "frames": stream.num_frames})
@@ -261,14 +248,23 @@ class Worker:
         self.busy_what = what or ""
         self.busy_since = time.monotonic() if what else None
 
-    def _admit(self, handle: StreamHandle) -> None:
-        if handle.cancelled:
-            self._end(handle, None, FinishReason.CANCELLED, 0, 0)
-            return
+    def _fault(self, e: BaseException, where: str) -> bool:
+        """True (after failing the engine) when `e` is a device fault or the engine already failed."""
+        if self.failure is not None:
+            return True
+        if is_device_fault(e):
+            self.fail(EngineFailure(f"device fault in {where}: {e}"))
+            return True
+        return False
+
+    def _prepare(self, handle: StreamHandle, slot: int, now: float) -> Admission | None:
+        """Prompt and codec state for one admission; None (stream ended) when it cannot start."""
         req = handle.request
-        self.metrics.queue_wait.observe(time.monotonic() - handle.submitted_at)
-        slot = self._free_slots.pop()
-        self._busy(f"prefill of request {req.request_id}")
+        if handle.cancelled:
+            self.scheduler.release(slot)
+            self._end(handle, None, FinishReason.CANCELLED)
+            return None
+        self.metrics.queue_wait.observe(now - handle.submitted_at)
         try:
             prepared = self.preparer.prepare(req)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
@@ -276,52 +272,45 @@ class Worker:
                 raise InvalidRequest("text", "too long for the model's context")
             if hasattr(self.engine, "bind_request"):  # fault injection (tests)
                 self.engine.bind_request(slot, req.request_id)
-            self.engine.prefill(slot, prepared.prompt, req.sampling)
-            state = self.codec.new_state()
-            if prepared.ref_codes is not None:
-                self.codec.decode(state, prepared.ref_codes)  # left context only
+            self.codec.reset(slot, prepared.ref_codes)
         except Exception as e:  # noqa: BLE001 - reported to this stream only
-            self._busy(None)
-            if self.failure is not None:
-                return
-            if is_device_fault(e):
-                self.fail(EngineFailure(f"device fault in prefill: {e}"))
-                return
-            self.engine.release(slot)
-            self._free_slots.append(slot)
+            if self._fault(e, "request preparation"):
+                return None
+            self.scheduler.release(slot)
             if not isinstance(e, InvalidRequest):
-                log.exception("request %s failed in prefill", req.request_id,
+                log.exception("request %s failed in preparation", req.request_id,
                               extra={"request_id": req.request_id})
-            self._end(handle, None, FinishReason.ERROR, 0, 0, e)
-            return
-        self._busy(None)
-        if self.failure is not None:
-            return
-        self._active[slot] = ActiveStream(
-            handle=handle, slot=slot, codec_state=state,
-            resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate),
-            max_frames=min(req.max_frames, room))
+            self._end(handle, None, FinishReason.ERROR, error=e)
+            return None
+        stream = Stream(handle=handle, slot=slot, max_frames=min(req.max_frames, room),
+                        resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate),
+                        admitted_at=now)
+        stream.timings["queue_ms"] = (now - handle.submitted_at) * 1e3
+        self.scheduler.add(stream)
+        return Admission(slot, prepared.prompt, req.sampling, req.request_id)
 
-    def _step(self, streams: list[ActiveStream]) -> None:
+    def _step(self, plan) -> None:
         t0 = time.monotonic()
-        self._busy(f"decode step of {len(streams)} streams")
+        self._busy(f"step of {len(plan.step)} streams with {len(plan.admit)} admissions")
         try:
-            self._step_streams(streams)
+            admissions = [a for a in (self._prepare(h, s, t0) for h, s in plan.admit) if a is not None]
+            if self.failure is None:
+                self._run_step(plan.step, admissions, t0)
         finally:
             self._busy(None)
         dt = time.monotonic() - t0
         self.metrics.step.observe(dt)
-        self.step_s = 0.9 * self.step_s + 0.1 * dt
+        self.step_s = dt if self.step_s == 0 else 0.9 * self.step_s + 0.1 * dt
 
-    def _step_streams(self, streams: list[ActiveStream]) -> None:
-        slots = [s.slot for s in streams]
+    def _run_step(self, streams: list[Stream], admissions: list[Admission], t0: float) -> None:
+        admitted = [self._active[a.slot] for a in admissions]
+        slots = tuple(s.slot for s in streams) + tuple(a.slot for a in admissions)
+        if not slots:
+            return
         try:
-            results = self.engine.step(slots)
+            out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)))
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams in it
-            if self.failure is not None:
-                return
-            if is_device_fault(e):
-                self.fail(EngineFailure(f"device fault in a decode step: {e}"))
+            if self._fault(e, "a decode step"):
                 return
             log.exception("decode step failed for %d streams", len(slots))
             for slot in slots:
@@ -329,9 +318,17 @@ class Worker:
             return
         if self.failure is not None:  # the watchdog gave up on this step meanwhile
             return
-        self.frames_generated += len(results)
-        self.metrics.frames.inc(len(results))
-        for result in results:
+        t_engine = time.monotonic()
+        if admissions:
+            each = out.prefill_s / len(admissions)
+            self.prefill_s = 0.8 * self.prefill_s + 0.2 * each
+        for slot, why in out.failed.items():
+            stream = self._active[slot]
+            rid = stream.handle.request.request_id
+            log.error("request %s failed in prefill: %s", rid, why, extra={"request_id": rid})
+            self._finish(stream, FinishReason.ERROR, StreamFailure(why))
+        good = []
+        for result in out.frames:
             stream = self._active[result.slot]
             if result.error is not None:
                 rid = stream.handle.request.request_id
@@ -339,47 +336,49 @@ class Worker:
                           stream.num_frames + 1, result.error, extra={"request_id": rid})
                 self._finish(stream, FinishReason.ERROR, StreamFailure(result.error))
                 continue
-            stream.pending.append(result.codes)
+            good.append((stream, result))
+        self.frames_generated += len(good)
+        self.metrics.frames.inc(len(good))
+        if not good:
+            return
+        try:
+            pcm = self.codec.step([s.slot for s, _ in good], np.stack([r.codes for _, r in good]))
+        except Exception as e:  # noqa: BLE001
+            if self._fault(e, "the codec"):
+                return
+            log.exception("codec step failed for %d streams", len(good))
+            for stream, _ in good:
+                self._finish(stream, FinishReason.ERROR, StreamFailure(f"codec decode: {e}"))
+            return
+        t_codec = time.monotonic()
+        for stream in admitted:
+            stream.timings.update(prefill_and_first_frame_ms=(t_engine - t0) * 1e3,
+                                  first_decode_ms=(t_codec - t_engine) * 1e3)
+        for (stream, result), audio in zip(good, pcm):
             stream.num_frames += 1
             done = result.next_is_eos or stream.num_frames >= stream.max_frames
-            if done or self._chunk_due(stream):
-                try:
-                    self._emit(stream, last=done)
-                except Exception as e:  # noqa: BLE001
-                    if is_device_fault(e):
-                        self.fail(EngineFailure(f"device fault in the codec: {e}"))
-                        return
-                    rid = stream.handle.request.request_id
-                    log.exception("codec decode failed for %s", rid, extra={"request_id": rid})
-                    self._finish(stream, FinishReason.ERROR, StreamFailure(f"codec decode: {e}"))
-                    continue
+            self._add_audio(stream, audio, last=done)
             if done:
                 reason = FinishReason.EOS if result.next_is_eos else FinishReason.MAX_LENGTH
                 self._finish(stream, reason)
 
-    def _chunk_due(self, stream: ActiveStream) -> bool:
-        """Chunks follow the schedule (small first, then larger to save per-call overhead),
-        except when synthesis runs near real time: then every frame goes out at once, so a
-        player that started at the first chunk does not run dry waiting for a full chunk."""
-        schedule = self.chunk_frames
-        if len(stream.pending) >= schedule[min(stream.num_chunks, len(schedule) - 1)]:
-            return True
-        if stream.first_chunk_at is None or self.step_s > self.max_early_step_s:
-            return False
-        played = time.monotonic() - stream.first_chunk_at
-        return stream.frames_emitted * self.frame_s - played < self.min_lead_s
-
-    def _emit(self, stream: ActiveStream, last: bool) -> None:
-        codes = torch.from_numpy(stream.take_codes())
-        num_frames = codes.shape[0]
-        stream.frames_emitted += num_frames
-        audio = self.codec.decode(stream.codec_state, codes).float().cpu().numpy()
+    def _add_audio(self, stream: Stream, audio: np.ndarray, last: bool) -> None:
+        """One frame of 24 kHz audio: resample it on its own (so chunking never changes the
+        samples), then post a chunk when the scheduler says one is due."""
         samples = stream.resample(audio, last=last)
-        if samples.size == 0:  # the resampler's start-up delay swallowed a tiny first chunk
+        if samples.size:
+            stream.pending.append(samples)
+        stream.pending_frames += 1
+        now = time.monotonic()
+        if not stream.pending or not (last or self.scheduler.chunk_due(stream, now)):
             return
+        samples = stream.take_audio()
+        num_frames, stream.pending_frames = stream.pending_frames, 0
+        stream.frames_emitted += num_frames
         stream.handle.post(AudioChunk(samples=samples, sample_offset=stream.num_samples,
-                                      num_frames=num_frames, sequence_number=stream.num_chunks))
+                                      num_frames=num_frames, sequence_number=stream.num_chunks,
+                                      timings=stream.timings if stream.num_chunks == 0 else None))
         if stream.first_chunk_at is None:
-            stream.first_chunk_at = time.monotonic()
+            stream.first_chunk_at = now
         stream.num_samples += samples.shape[0]
         stream.num_chunks += 1

@@ -75,22 +75,30 @@ class StreamHandle:
 
 
 @dataclass
-class ActiveStream:
-    """Engine-thread state of an admitted stream."""
+class Stream:
+    """Engine-thread state of an admitted stream (torch-free: the scheduler reads it too)."""
 
     handle: StreamHandle
     slot: int
-    codec_state: object
-    resample: object  # codec.pcm.StreamResampler
     max_frames: int
-    pending: list = field(default_factory=list)  # [16] code arrays not yet decoded
-    num_frames: int = 0
-    num_samples: int = 0  # emitted, at the output rate
+    resample: object  # codec.resample.StreamResampler: fed one frame at a time
+    admitted_at: float = 0.0  # monotonic: prefill started
+    num_frames: int = 0  # frames generated
+    pending: list = field(default_factory=list)  # resampled audio not yet posted
+    pending_frames: int = 0
+    num_samples: int = 0  # posted, at the output rate
     num_chunks: int = 0
     frames_emitted: int = 0
     first_chunk_at: float | None = None  # monotonic time the first chunk was posted
+    timings: dict = field(default_factory=dict)  # first-audio breakdown (ms), see serving/loop.py
 
-    def take_codes(self) -> np.ndarray:
-        codes = np.stack(self.pending)  # [T, 16]
+    def lead_s(self, now: float, frame_s: float) -> float:
+        """Audio posted ahead of a player that started at the first chunk (inf before it)."""
+        if self.first_chunk_at is None:
+            return float("inf")
+        return self.frames_emitted * frame_s - (now - self.first_chunk_at)
+
+    def take_audio(self) -> np.ndarray:
+        samples = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
         self.pending.clear()
-        return codes
+        return samples

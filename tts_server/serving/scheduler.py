@@ -1,0 +1,126 @@
+"""Scheduling policy, pure Python (no torch): which waiting requests are admitted this step, which
+active streams step, when a stream's audio goes out as a chunk.
+
+Every active stream whose client keeps up advances one frame per step (the engine batches them);
+admissions are budgeted against the running streams' playback deadlines, so that the prefill work
+added to a step never makes a running stream's player run dry.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+from .streams import Stream, StreamHandle
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_streams: int  # engine slots
+    frame_s: float = 0.08  # audio per frame
+    chunk_frames: tuple[int, ...] = (1, 2, 4, 8)  # frames per chunk: the first ones small
+    max_queue_wait_s: float = 5.0  # a request waiting longer for a slot is refused
+    max_buffer_s: float = 10.0  # a stream this far ahead of its client pauses
+    min_lead_s: float = 0.2  # a stream with less audio ahead of its player gets every frame at once
+    margin_s: float = 0.04  # kept free of prefill work below the most urgent stream's deadline
+    max_admit_per_step: int = 64
+
+
+@dataclass
+class Plan:
+    """What the loop runs next: requests to admit (with their slots) and streams to step."""
+
+    admit: list[tuple[StreamHandle, int]]
+    step: list[Stream]
+
+
+class Scheduler:
+    """Owns the waiting queue, the active streams and the free slots; the loop asks it what to run."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.cfg = config
+        self.waiting: collections.deque[StreamHandle] = collections.deque()
+        self.active: dict[int, Stream] = {}
+        self.free_slots = list(range(config.max_streams))[::-1]
+
+    # ---- queue and slots ------------------------------------------------------------------
+    def expired(self, now: float) -> tuple[list[StreamHandle], list[StreamHandle], list[Stream]]:
+        """Remove and return (cancelled waiting, waited too long, cancelled active) streams."""
+        cancelled = [h for h in self.waiting if h.cancelled]
+        for h in cancelled:
+            self.waiting.remove(h)
+        too_long = []
+        while self.waiting and now - self.waiting[0].submitted_at > self.cfg.max_queue_wait_s:
+            too_long.append(self.waiting.popleft())
+        gone = [s for s in self.active.values() if s.handle.cancelled]
+        return cancelled, too_long, gone
+
+    def take_slot(self) -> int:
+        return self.free_slots.pop()
+
+    def add(self, stream: Stream) -> None:
+        self.active[stream.slot] = stream
+
+    def release(self, slot: int) -> None:
+        """The slot's stream has ended (or its admission failed): the slot is free again."""
+        self.active.pop(slot, None)
+        if slot not in self.free_slots:
+            self.free_slots.append(slot)
+
+    # ---- one step -------------------------------------------------------------------------
+    def runnable(self) -> list[Stream]:
+        """Active streams whose client keeps up (the others pause until it reads)."""
+        out = []
+        for stream in self.active.values():
+            h = stream.handle
+            h.paused = h.backlog_s() > self.cfg.max_buffer_s
+            if not h.paused:
+                out.append(stream)
+        return out
+
+    def admission_budget(self, now: float, prefill_s: float, step_s: float) -> int:
+        """How many waiting requests this step may admit. Each costs about `prefill_s` of engine
+        time before the step (`step_s`) finishes; the most urgent running stream must still have
+        audio left when the step ends. At least one admission when no running stream is at risk,
+        so that waiting requests are never starved by a server that keeps up."""
+        room = min(len(self.waiting), len(self.free_slots), self.cfg.max_admit_per_step)
+        if room == 0:
+            return 0
+        lead = min((s.lead_s(now, self.cfg.frame_s) for s in self.active.values()
+                    if not s.handle.paused), default=math.inf)
+        spare = lead - step_s - self.cfg.margin_s
+        if math.isinf(spare):
+            return room
+        if spare < prefill_s:
+            return 0
+        return max(1, min(room, int(spare / max(prefill_s, 1e-4))))
+
+    def plan(self, now: float, prefill_s: float, step_s: float) -> Plan:
+        """Admissions (popped from the queue, each with a free slot) and the streams to step."""
+        admit = []
+        for _ in range(self.admission_budget(now, prefill_s, step_s)):
+            admit.append((self.waiting.popleft(), self.take_slot()))
+        return Plan(admit=admit, step=self.runnable())
+
+    # ---- chunking -------------------------------------------------------------------------
+    def chunk_due(self, stream: Stream, now: float) -> bool:
+        """A chunk goes out when it has its scheduled size (small first: 1, 2, 4, then 8 frames),
+        or at once when the stream's player has less than `min_lead_s` of audio left. The audio
+        itself never depends on this: every frame is decoded (and resampled) on its own."""
+        if stream.pending_frames == 0:
+            return False
+        schedule = self.cfg.chunk_frames
+        if stream.pending_frames >= schedule[min(stream.num_chunks, len(schedule) - 1)]:
+            return True
+        return stream.lead_s(now, self.cfg.frame_s) < self.cfg.min_lead_s
+
+    def wait_timeout(self, now: float) -> float | None:
+        """How long the loop may sleep with nothing runnable (None: until woken)."""
+        timeouts = []
+        if self.waiting:
+            oldest = self.waiting[0].submitted_at
+            timeouts.append(max(0.0, oldest + self.cfg.max_queue_wait_s - now) + 1e-3)
+        if self.active:  # paused streams: look again soon even if no chunk is acknowledged
+            timeouts.append(0.05)
+        return min(timeouts) if timeouts else None
