@@ -1,0 +1,285 @@
+"""Batched decode ops: torch references against model/sampler.py, the Triton kernels (CPU through the
+Triton interpreter in a subprocess, or CUDA) against the references, and bitwise batch invariance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_server.engines.batched import ops_ref
+from tts_server.model.sampler import repetition_penalty_, talker_mask_, warp
+
+ROOT = Path(__file__).resolve().parents[1]
+LIN_TOL = 2e-5     # linear / swiglu: max |err| / max |ref| against fp64 on the same (bf16) weights
+F32_TOL = 2e-6     # rms_norm / attention
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max())
+
+
+# ---------------------------------------------------------------- cases shared by CPU and GPU
+def gemm_case(m: int, k: int, n: int, seed: int, dev: str):
+    g = _gen(seed)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    w2 = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    return x.to(dev), w.to(dev), w2.to(dev)
+
+
+def attn_case(b: int, nh: int, nkv: int, hd: int, block: int, max_blocks: int, lens, seed: int,
+              dev: str, kv_dtype=torch.bfloat16):
+    g = _gen(seed)
+    num_blocks = b * max_blocks + 3
+    q = torch.randn(b, nh, hd, generator=g)
+    kp = torch.randn(num_blocks, nkv, block, hd, generator=g).to(kv_dtype)
+    vp = torch.randn(num_blocks, nkv, block, hd, generator=g).to(kv_dtype)
+    bt = torch.randperm(num_blocks, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    return (q.to(dev), kp.to(dev), vp.to(dev), bt.to(dev),
+            torch.tensor(lens, dtype=torch.int32).to(dev))
+
+
+def sample_case(b: int, v: int, seed: int, dev: str):
+    g = _gen(seed)
+    logits = torch.randn(b, v, generator=g) * 3
+    do_sample = (torch.rand(b, generator=g) < 0.8).int()
+    temp = 0.5 + torch.rand(b, generator=g)
+    top_k = torch.randint(0, v + 5, (b,), generator=g).int()
+    top_p = torch.where(torch.rand(b, generator=g) < 0.5, torch.ones(b), 0.3 + 0.7 * torch.rand(b, generator=g))
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (b,), generator=g)
+    counter = torch.randint(0, 2 ** 40, (b,), generator=g)
+    return [t.to(dev) for t in (logits, do_sample, temp, top_k, top_p, seeds, counter)]
+
+
+def _rows_in_batches(make_batch, run, sizes, seed: int):
+    """Run `run` on batches of each size holding the same row at a random position among random
+    neighbours; returns the target row's outputs per size (tuples of tensors)."""
+    g = _gen(seed)
+    outs = []
+    for m in sizes:
+        pos = int(torch.randint(0, m, (1,), generator=g))
+        res = run(*make_batch(m, pos, int(torch.randint(0, 2 ** 30, (1,), generator=g))))
+        res = res if isinstance(res, tuple) else (res,)
+        outs.append(tuple(r[pos].cpu() for r in res))
+    return outs
+
+
+def _place(target: torch.Tensor, m: int, pos: int, fill: torch.Tensor) -> torch.Tensor:
+    """fill [m, ...] with row `pos` replaced by target [...]."""
+    fill = fill.clone()
+    fill[pos] = target
+    return fill
+
+
+def check_accuracy(ops, dev: str) -> dict:
+    """Kernels against the references; returns the measured errors (asserts the tolerances)."""
+    res = {}
+    for (m, k, n) in [(5, 96, 40), (3, 2500, 24), (17, 64, 80)]:  # 2500: split-K path
+        x, w, w2 = gemm_case(m, k, n, m + k, dev)
+        res[f"linear_{m}x{k}x{n}"] = _rel(ops.linear(x, w), ops_ref.linear(x.cpu(), w.cpu()))
+        res[f"swiglu_{m}x{k}x{n}"] = _rel(ops.swiglu(x, w, w2),
+                                          ops_ref.swiglu(x.cpu(), w.cpu(), w2.cpu()))
+    for key, val in res.items():
+        assert val < LIN_TOL, (key, val)
+    x = torch.randn(6, 200, generator=_gen(1)).to(dev)
+    wn = torch.randn(200, generator=_gen(2)).bfloat16().to(dev)
+    res["rms_norm"] = _rel(ops.rms_norm(x, wn, 1e-6), ops_ref.rms_norm(x.cpu(), wn.cpu(), 1e-6))
+    assert res["rms_norm"] < F32_TOL
+    for kv in (torch.bfloat16, torch.float32):
+        case = attn_case(4, 4, 2, 32, 8, 7, [0, 1, 13, 56], 3, dev, kv)
+        out = ops.paged_attention(*case, 0.17)
+        ref = ops_ref.paged_attention(*[c.cpu() for c in case], 0.17)
+        assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+        res[f"attention_{str(kv)[6:]}"] = _rel(out, ref)
+        assert res[f"attention_{str(kv)[6:]}"] < F32_TOL
+    return res
+
+
+def check_talker_process(ops, dev: str) -> None:
+    g = _gen(4)
+    b, v = 5, 300
+    logits = torch.randn(b, v, generator=g) * 4
+    seen = (torch.rand(b, v, generator=g) < 0.3).to(torch.uint8)
+    pen = torch.tensor([1.05, 1.0, 1.3, 2.0, 0.9])
+    nsamp = torch.tensor([0, 1, 2, 7, 1], dtype=torch.int32)
+    out = logits.clone().to(dev)
+    ops.talker_process_(out, seen.to(dev), pen.to(dev), nsamp.to(dev), 260, 250, 2)
+    ref = logits.clone()
+    ops_ref.talker_process_(ref, seen, pen, nsamp, 260, 250, 2)
+    assert torch.equal(out.cpu(), ref)
+
+
+def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:
+    case = sample_case(b, v, 5, "cpu")
+    case[0][3, 7] = float("nan")
+    case[0][4, 9] = float("inf")
+    case[0][5] = float("-inf")
+    case[0][6, : v // 2] = float("-inf")  # masked entries do not make a row non-finite
+    codes, fin = ops.sample_tokens(*[c.to(dev) for c in case], 2)
+    rcodes, rfin = ops_ref.sample_tokens(*case, 2)
+    assert codes.dtype == torch.int32 and fin.dtype == torch.bool
+    assert torch.equal(fin.cpu(), rfin) and not rfin[3:6].any() and rfin[6]
+    assert torch.equal(codes.cpu(), rcodes), (codes.cpu() != rcodes).nonzero().flatten().tolist()
+
+
+def check_invariance(ops, dev: str, sizes=(1, 3, 17, 64)) -> None:
+    """Each op's target row is bit-identical in every batch size / position."""
+    k, n, v = 64, 48, 300
+    tx, tw, tw2 = gemm_case(1, k, n, 11, dev)
+    x_rows = lambda m, pos, s: (_place(tx[0], m, pos, gemm_case(m, k, n, s, dev)[0]),)
+    checks = {
+        "linear": (x_rows, lambda x: ops.linear(x, tw)),
+        "swiglu": (x_rows, lambda x: ops.swiglu(x, tw, tw2)),
+        "rms_norm": (x_rows, lambda x: ops.rms_norm(x, tw[0], 1e-6)),
+    }
+    nh, nkv, hd, blk, mb = 4, 2, 32, 8, 9
+    tq, kp, vp, tbt, _ = attn_case(1, nh, nkv, hd, blk, mb, [50], 12, dev)
+
+    def attn_rows(m, pos, s):
+        g = _gen(s)
+        q = _place(tq[0], m, pos, torch.randn(m, nh, hd, generator=g).to(dev))
+        bt = torch.randint(0, kp.shape[0], (m, mb), generator=g).int().to(dev)
+        lens = torch.randint(0, mb * blk + 1, (m,), generator=g).int().to(dev)
+        bt[pos], lens[pos] = tbt[0], 50
+        return q, bt, lens
+
+    checks["paged_attention"] = (attn_rows, lambda q, bt, lens: ops.paged_attention(q, kp, vp, bt, lens, 0.2))
+    target = sample_case(1, v, 13, dev)
+    target[1][0] = 1  # sampled
+
+    def sample_rows(m, pos, s):
+        return tuple(_place(t[0], m, pos, f) for t, f in zip(target, sample_case(m, v, s, dev)))
+
+    def talker_then_sample(lg, ds, tp, tk, pp, sd, ct):
+        lg = lg.clone()
+        m = lg.shape[0]
+        seen = (lg > 2).to(torch.uint8)  # a function of the row itself
+        ops.talker_process_(lg, seen, torch.full((m,), 1.05, device=lg.device),
+                            torch.full((m,), 3, dtype=torch.int32, device=lg.device), 290, 280, 2)
+        return (lg,) + ops.sample_tokens(lg, ds, tp, tk, pp, sd, ct, 0)
+
+    checks["talker_process_+sample_tokens"] = (sample_rows, talker_then_sample)
+    for name, (make, run) in checks.items():
+        outs = _rows_in_batches(make, run, sizes, seed=len(name))
+        for o in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], o)), name
+
+
+def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
+    from tts_server.engines.batched import ops
+
+    res = check_accuracy(ops, dev)
+    check_talker_process(ops, dev)
+    check_sampling(ops, dev)
+    check_invariance(ops, dev, sizes)
+    return res
+
+
+# ---------------------------------------------------------------- CPU: references vs sampler.py
+def test_ref_talker_process_matches_sampler():
+    g = _gen(0)
+    b, v = 6, 128
+    logits = torch.randn(b, v, generator=g) * 3
+    seen = torch.rand(b, v, generator=g) < 0.25
+    pen = torch.tensor([1.05, 1.0, 1.5, 1.05, 2.0, 1.1])
+    nsamp = torch.tensor([0, 1, 2, 3, 0, 9], dtype=torch.int32)
+    out = logits.clone()
+    ops_ref.talker_process_(out, seen.to(torch.uint8), pen, nsamp, 100, 96, 2)
+    for i in range(b):
+        row = logits[i].clone()
+        repetition_penalty_(row, seen[i], float(pen[i]))
+        talker_mask_(row, int(nsamp[i]), 100, 96, 2)
+        assert torch.equal(out[i], row), i
+
+
+def test_ref_warp_matches_sampler():
+    logits, _, temp, top_k, top_p, _, _ = sample_case(64, 200, 1, "cpu")
+    out = ops_ref.warp_rows(logits, temp, top_k, top_p)
+    for i in range(64):
+        ref = warp(logits[i], float(temp[i]), int(top_k[i]), float(top_p[i]))
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), i
+        kept = ~torch.isinf(ref)
+        torch.testing.assert_close(out[i][kept], ref[kept], rtol=0, atol=0)
+
+
+def test_ref_greedy_is_argmax_first_index():
+    logits, ds, temp, top_k, top_p, seed, ctr = sample_case(32, 50, 2, "cpu")
+    logits[:, 10] = logits.max(-1).values + 1  # ties: the first index wins
+    logits[:, 20] = logits[:, 10]
+    codes, _ = ops_ref.sample_tokens(logits, torch.zeros_like(ds), temp, top_k, top_p, seed, ctr, 0)
+    assert torch.equal(codes.long(), torch.argmax(logits, -1)) and (codes == 10).all()
+
+
+def test_ref_sampling_distribution_and_keys():
+    """Draws over 40000 counters follow softmax(warped logits) and stay inside top-k / top-p."""
+    v, n = 12, 40000
+    logits = torch.linspace(-2, 2, v)[torch.randperm(v, generator=_gen(3))]
+    for temp, top_k, top_p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6)]:
+        rows = logits.expand(n, v).contiguous()
+        args = (torch.ones(n, dtype=torch.int32), torch.full((n,), temp),
+                torch.full((n,), top_k, dtype=torch.int32), torch.full((n,), top_p))
+        codes, fin = ops_ref.sample_tokens(rows, *args, torch.full((n,), 77, dtype=torch.int64),
+                                           torch.arange(n, dtype=torch.int64), 1)
+        want = warp(logits, temp, top_k, top_p).softmax(-1)
+        freq = torch.bincount(codes.long(), minlength=v).double() / n
+        assert fin.all() and (freq[want == 0] == 0).all()
+        # max |freq - p| <= 5 sigma of a binomial proportion (sigma <= 0.0025 at n = 40000)
+        assert (freq - want.double()).abs().max() < 5 * (0.25 / n) ** 0.5, (freq, want)
+        again, _ = ops_ref.sample_tokens(rows, *args, torch.full((n,), 77, dtype=torch.int64),
+                                         torch.arange(n, dtype=torch.int64), 1)
+        other, _ = ops_ref.sample_tokens(rows, *args, torch.full((n,), 78, dtype=torch.int64),
+                                         torch.arange(n, dtype=torch.int64), 1)
+        stream, _ = ops_ref.sample_tokens(rows, *args, torch.full((n,), 77, dtype=torch.int64),
+                                          torch.arange(n, dtype=torch.int64), 2)
+        assert torch.equal(again, codes)
+        assert (other != codes).float().mean() > 0.3 and (stream != codes).float().mean() > 0.3
+
+
+def test_ref_attention_matches_dense_sdpa():
+    q, kp, vp, bt, lens = attn_case(3, 4, 2, 16, 4, 5, [3, 20, 9], 4, "cpu", torch.float32)
+    out = ops_ref.paged_attention(q, kp, vp, bt, lens, 0.25)
+    for b, n in enumerate(lens.tolist()):
+        k = kp[bt[b].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
+        v = vp[bt[b].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.25)
+        torch.testing.assert_close(out[b], ref[:, 0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- kernels: interpreter / GPU
+def test_triton_kernels_in_interpreter():
+    """All kernels on CPU through TRITON_INTERPRET=1 (a subprocess, so no other module sees it)."""
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_batched_ops as t; "
+            "print('RESULT', json.dumps(t.run_all('cpu')))")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert max(errors.values()) < LIN_TOL, errors
+
+
+@pytest.mark.gpu
+def test_triton_kernels_gpu():
+    run_all("cuda", sizes=(1, 3, 17, 64, 256))
+
+
+@pytest.mark.gpu
+def test_sampling_gpu_matches_reference_many_rows():
+    from tts_server.engines.batched import ops
+
+    for v in (2048, 3072):
+        case = sample_case(4096, v, v, "cpu")
+        codes, fin = ops.sample_tokens(*[c.cuda() for c in case], 5)
+        rcodes, rfin = ops_ref.sample_tokens(*case, 5)
+        assert torch.equal(fin.cpu(), rfin)
+        assert torch.equal(codes.cpu(), rcodes), int((codes.cpu() != rcodes).sum())

@@ -1,0 +1,102 @@
+"""Batch-invariant paged decode attention in Triton: fixed-size position splits per (row, kv head),
+combined in split order. The split size depends on the page size only, never on B or the context."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_POSITIONS = 64  # positions per split (rounded up to whole pages)
+
+
+def pages_per_split(block: int) -> int:
+    return max(1, triton.cdiv(SPLIT_POSITIONS, block))
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                       MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                       PPS: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr):
+    # program (b, kv head, split): positions [split*PPS*BLOCK, +PPS*BLOCK) of row b for the G query
+    # heads of this kv head -> partial max m, sum l, unnormalised acc [HD] per query head.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(len_ptr + b)
+    start = sp * PPS * BLOCK
+    if start >= n:
+        return
+    j = tl.arange(0, PPS * BLOCK)
+    pos = start + j
+    pmask = pos < n
+    page = tl.load(bt_ptr + b * MAX_BLOCKS + sp * PPS + j // BLOCK, mask=pmask, other=0)
+    d = tl.arange(0, HD_P2)
+    dmask = d < HD
+    row_off = ((page.to(tl.int64) * NKV + kvh) * BLOCK + j % BLOCK) * HD
+    kvmask = pmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+    for g in tl.static_range(G):
+        h = kvh * G + g
+        q = tl.load(q_ptr + (b * NKV * G + h) * HD + d, mask=dmask, other=0.0)
+        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.where(pmask, s, float("-inf"))
+        m = tl.max(s, axis=0)
+        p = tl.exp(s - m)
+        o = ((b * NKV * G + h) * NSPLIT + sp)
+        tl.store(m_ptr + o, m)
+        tl.store(l_ptr + o, tl.sum(p, axis=0))
+        tl.store(acc_ptr + o * HD + d, tl.sum(p[:, None] * v, axis=0), mask=dmask)
+
+
+@triton.jit
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, NH, NSPLIT,
+                         SPLIT_LEN: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr):
+    # program (b, h): the used splits of row b, head h, merged in split order -> out [HD]
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(len_ptr + b)
+    used = (n + SPLIT_LEN - 1) // SPLIT_LEN
+    d = tl.arange(0, HD_P2)
+    dmask = d < HD
+    base = (b * NH + h) * NSPLIT
+    m = tl.full((), float("-inf"), tl.float32)
+    l = tl.zeros((), tl.float32)
+    acc = tl.zeros((HD_P2,), tl.float32)
+    for s in range(0, used):
+        ms = tl.load(m_ptr + base + s)
+        m_new = tl.maximum(m, ms)
+        a_old = tl.exp(m - m_new)
+        a_new = tl.exp(ms - m_new)
+        l = l * a_old + tl.load(l_ptr + base + s) * a_new
+        acc = acc * a_old + tl.load(acc_ptr + (base + s) * HD + d, mask=dmask, other=0.0) * a_new
+        m = m_new
+    out = tl.where(used > 0, acc / tl.where(used > 0, l, 1.0), 0.0)
+    tl.store(out_ptr + (b * NH + h) * HD + d, out, mask=dmask)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD]; block_table [B, MAX_BLOCKS]
+    int32; seq_lens [B] int32 -> [B, NH, HD] fp32. Grid fixed by (B, NKV, MAX_BLOCKS)."""
+    b, nh, hd = q.shape
+    nkv, block = k_pool.shape[1], k_pool.shape[2]
+    max_blocks = block_table.shape[1]
+    assert q.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
+    pps = pages_per_split(block)
+    nsplit = triton.cdiv(max_blocks, pps)
+    q = q.contiguous()
+    bt = block_table.contiguous()
+    lens = seq_lens.contiguous()
+    m = torch.empty((b, nh, nsplit), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((b, nh, nsplit, hd), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, nh, hd), dtype=torch.float32, device=q.device)
+    hd_p2 = triton.next_power_of_2(hd)
+    _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
+                                         max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
+                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=4)
+    _attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=pps * block, HD=hd,
+                                  HD_P2=hd_p2, num_warps=1)
+    return out

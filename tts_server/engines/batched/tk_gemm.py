@@ -1,0 +1,134 @@
+"""Batch-invariant skinny GEMMs (linear, fused SwiGLU) and RMSNorm in Triton. Tile configs depend on
+(N, K) only, never on M; fp32 activations go through two bf16 tensor-core dots (hi + lo parts)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMM kind; overridable for benchmarks.
+# Chosen from N and K alone: the same tile for every M keeps each row's reduction order fixed.
+CONFIG = {"linear": (16, 32, 128, 4, 4), "swiglu": (16, 32, 128, 4, 4)}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SPLIT_K_CHUNK = 1024  # K > this is split into fixed chunks of ceil(K / chunk) (from K alone)
+
+
+def _split_k(k: int) -> int:
+    return triton.cdiv(k, SPLIT_K_CHUNK)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    # bf16 [BM, BK] @ bf16 [BK, BN] + fp32 acc; the interpreter's bf16 dot multiplies raw bits, so
+    # there the exact bf16 values go through an fp32 ("ieee") dot instead
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                 stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    # x [M, K] fp32; w, w2 [N, K] bf16; out [SPLIT, M, N] fp32 (split s covers K range s*K_PER_SPLIT..)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < k_hi
+        xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                     mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
+        x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        wmask = kmask[:, None] & (rn < N)[None, :]
+        wk = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
+        acc = _dot(x_hi, wk, acc, INTERPRET)
+        acc = _dot(x_lo, wk, acc, INTERPRET)
+        if SWIGLU:
+            wk2 = tl.load(w2_ptr + rn[None, :] * stride_w2n + kk[:, None], mask=wmask, other=0.0)
+            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+    if SWIGLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # part [SPLIT, M*N] fp32 -> out [M*N] fp32, summed in split order 0..SPLIT-1
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc, mask=mask)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T))."""
+    assert x.dtype == torch.float32 and w.dtype == torch.bfloat16, (x.dtype, w.dtype)
+    x = x.contiguous()
+    w = w.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    swiglu = w2 is not None
+    w2 = w2.contiguous() if swiglu else w
+    bm, bn, bk, warps, stages = CONFIG["swiglu" if swiglu else "linear"]
+    split = 1 if swiglu else _split_k(k)  # silu needs the full sum; swiglu's K is the hidden size
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per)
+    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
+                       m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                       INTERPRET=_INTERPRET,
+                       num_warps=warps, num_stages=stages)
+    if split > 1:
+        blk = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, blk),)](part, out, m * n, SPLIT=split, BLOCK=blk)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w [N, K] bf16 -> [M, N] fp32."""
+    return _gemm(x, w, None)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32."""
+    return _gemm(x, w_gate, w_up)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xm, stride_om, BLOCK_D: tl.constexpr):
+    # one program per row: x [D] fp32, w [D] -> out [D] fp32
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(out_ptr + row * stride_om + offs, w * (x * r), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, D] fp32, w [D] -> [M, D] fp32."""
+    assert x.dtype == torch.float32 and x.stride(-1) == 1
+    m, d = x.shape
+    out = torch.empty((m, d), dtype=torch.float32, device=x.device)
+    _rms_norm_kernel[(m,)](x, w.contiguous(), out, d, float(eps), x.stride(0), out.stride(0),
+                           BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return out

@@ -1,0 +1,128 @@
+"""Talker logits processing and per-row sampling in Triton (one program per row, whole vocabulary in
+registers): temperature -> top-k -> top-p by threshold search -> Gumbel-max with a counter-based
+hash RNG identical to ops_ref's (seed, counter, stream, token id)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _talker_process_kernel(logits_ptr, seen_ptr, pen_ptr, nsamp_ptr, V, stride_l, stride_s, eos,
+                           suppress_start, min_new_tokens, BLOCK: tl.constexpr):
+    # program (b, chunk): logits[b, chunk] in place
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=0.0)
+    seen = tl.load(seen_ptr + b * stride_s + offs, mask=mask, other=0)
+    p = tl.load(pen_ptr + b)
+    pen = tl.where(x < 0, x * p, tl.math.div_rn(x, p))
+    x = tl.where(seen != 0, pen, x)
+    ninf = float("-inf")
+    x = tl.where((offs >= suppress_start) & (offs != eos), ninf, x)
+    x = tl.where((offs == eos) & (tl.load(nsamp_ptr + b) < min_new_tokens), ninf, x)
+    tl.store(logits_ptr + b * stride_l + offs, x, mask=mask)
+
+
+def talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start, min_new_tokens) -> None:
+    """In place on logits [B, V] fp32 (seen [B, V] uint8, penalty [B] fp32, n_sampled [B] int32)."""
+    b, v = logits.shape
+    assert logits.stride(1) == 1 and seen.stride(1) == 1 and seen.dtype == torch.uint8
+    blk = 1024
+    _talker_process_kernel[(b, triton.cdiv(v, blk))](
+        logits, seen, penalty.contiguous(), n_sampled.contiguous(), v, logits.stride(0),
+        seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk)
+
+
+@triton.jit
+def _mix32(x):
+    # uint32 -> uint32 avalanche hash (lowbias32); ops_ref.mix32 is the same in int64
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _order_key(x):
+    # fp32 -> int64 with the same order (+0 and -0 equal)
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
+                   fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one program per row b: logits[b, :V] -> code[b] int32, finite[b] uint8
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    ninf = float("-inf")
+    x = tl.load(logits_ptr + b * stride_l + offs, mask=valid, other=ninf)
+    bad = (x != x) | (x == float("inf"))
+    finite = (tl.sum(bad.to(tl.int32), axis=0) == 0) & (tl.max(tl.where(bad, ninf, x), axis=0) > ninf)
+    x = tl.where(finite, x, tl.where(valid, 0.0, ninf))
+    greedy = tl.argmax(x, axis=0, tie_break_left=True)
+
+    # temperature, then top-k: keep values >= the k-th largest (search over order keys)
+    s = tl.math.div_rn(x, tl.load(temp_ptr + b))
+    key = tl.where(valid, _order_key(s), -0x7F800001)
+    k = tl.load(topk_ptr + b)
+    k = tl.where((k > 0) & (k < V), k, V)
+    lo = tl.full((), -0x7F800000, tl.int64)  # count(key >= lo) = V >= k
+    hi = tl.full((), 0x7F800001, tl.int64)   # count(key >= hi) = 0 < k
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    s = tl.where(key >= lo, s, ninf)
+
+    # top-p: remove the smallest values (ties together) whose mass is <= 1 - top_p, never the max
+    top_p = tl.load(topp_ptr + b)
+    mx = tl.max(s, axis=0)
+    e = tl.exp(s - mx)
+    budget = (1.0 - top_p) * tl.sum(e, axis=0)
+    key = tl.where(s > ninf, key, -0x7F800001)
+    lo = tl.full((), -0x7F800001, tl.int64)  # mass(key <= lo) = 0 <= budget
+    hi = tl.full((), 0x7F800000, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = tl.sum(tl.where(key <= mid, e, 0.0), axis=0) <= budget
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    remove = (key <= lo) & (s < mx)
+    s = tl.where(top_p < 1.0, tl.where(remove, ninf, s), s)
+
+    # Gumbel-max draw, 32 hashed bits per (row key, token id), scored in fp64
+    seed = tl.load(seed_ptr + b)
+    ctr = tl.load(ctr_ptr + b)
+    h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (seed >> 32).to(tl.uint32))
+    h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
+    h = _mix32(h ^ (ctr >> 32).to(tl.uint32))
+    h = _mix32(h ^ STREAM)
+    r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
+    u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
+    score = s.to(tl.float64) - tl.log(-tl.log(u))
+    drawn = tl.argmax(score, axis=0, tie_break_left=True)
+    code = tl.where(tl.load(ds_ptr + b) != 0, drawn, greedy)
+    tl.store(code_ptr + b, code.to(tl.int32))
+    tl.store(fin_ptr + b, finite.to(tl.uint8))
+
+
+def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream):
+    """logits [B, V] fp32 -> (codes [B] int32, finite [B] bool); see ops.sample_tokens."""
+    b, v = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    codes = torch.empty(b, dtype=torch.int32, device=logits.device)
+    fin = torch.empty(b, dtype=torch.uint8, device=logits.device)
+    _sample_kernel[(b,)](logits, do_sample.contiguous(), temperature.contiguous(), top_k.contiguous(),
+                         top_p.contiguous(), seed.contiguous(), counter.contiguous(), codes, fin, v,
+                         logits.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
+                         num_warps=8)
+    return codes, fin.view(torch.bool)
