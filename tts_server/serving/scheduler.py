@@ -94,7 +94,7 @@ class Scheduler:
             return room
         if spare < prefill_s:
             return 0
-        return max(1, min(room, int(spare / max(prefill_s, 1e-4))))
+        return max(1, min(room, int(spare / max(prefill_s, 1e-4) + 1e-9)))
 
     def plan(self, now: float, prefill_s: float, step_s: float) -> Plan:
         """Admissions (popped from the queue, each with a free slot) and the streams to step."""

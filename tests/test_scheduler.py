@@ -1,0 +1,119 @@
+"""The scheduler is pure policy: driven here with fake handles and a fake clock, no torch, no engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from tts_server.serving.scheduler import Scheduler, SchedulerConfig
+from tts_server.serving.streams import Stream
+
+FRAME = 0.08
+
+
+class FakeHandle:
+    def __init__(self, submitted_at=0.0, backlog=0.0, rate=24000):
+        self.submitted_at = submitted_at
+        self.cancelled = False
+        self.paused = False
+        self.request = SimpleNamespace(request_id="r", output_sample_rate=rate)
+        self._backlog = backlog
+
+    def backlog_s(self):
+        return self._backlog
+
+
+def make(max_streams=4, **kw):
+    return Scheduler(SchedulerConfig(max_streams=max_streams, frame_s=FRAME, **kw))
+
+
+def running(sch, now, lead_s, slot=None):
+    """An active stream whose player (started at its first chunk) has `lead_s` of audio left."""
+    slot = sch.take_slot() if slot is None else slot
+    s = Stream(handle=FakeHandle(), slot=slot, max_frames=100, resample=None)
+    s.frames_emitted = 50
+    s.first_chunk_at = now - (50 * FRAME - lead_s)
+    sch.add(s)
+    return s
+
+
+def test_scheduler_imports_no_torch():
+    code = "import sys, tts_server.serving.scheduler; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def test_idle_server_admits_everything_that_fits():
+    sch = make(max_streams=4)
+    sch.waiting.extend(FakeHandle() for _ in range(6))
+    plan = sch.plan(now=0.0, prefill_s=0.005, step_s=0.01)
+    assert len(plan.admit) == 4 and len(sch.waiting) == 2 and not sch.free_slots
+    assert sorted(slot for _, slot in plan.admit) == [0, 1, 2, 3]
+
+
+def test_admissions_are_budgeted_against_the_most_urgent_stream():
+    sch = make(max_streams=64, margin_s=0.0)
+    running(sch, now=10.0, lead_s=0.5)
+    running(sch, now=10.0, lead_s=0.1)  # the most urgent: 100 ms of audio left
+    sch.waiting.extend(FakeHandle() for _ in range(40))
+    # 100 ms lead - 20 ms step = 80 ms of room for prefills of 10 ms each
+    assert sch.admission_budget(10.0, prefill_s=0.01, step_s=0.02) == 8
+    # no room at all: nobody is admitted (a running stream would underrun)
+    assert sch.admission_budget(10.0, prefill_s=0.2, step_s=0.02) == 0
+
+
+def test_at_least_one_admission_when_no_stream_is_at_risk():
+    sch = make(max_streams=8)
+    running(sch, now=5.0, lead_s=2.0)
+    sch.waiting.append(FakeHandle())
+    assert sch.admission_budget(5.0, prefill_s=0.5, step_s=0.02) == 1
+
+
+def test_streams_without_audio_yet_do_not_block_admissions():
+    sch = make(max_streams=8)
+    s = Stream(handle=FakeHandle(), slot=sch.take_slot(), max_frames=10, resample=None)
+    sch.add(s)  # admitted, no chunk yet: no player to starve
+    sch.waiting.extend(FakeHandle() for _ in range(3))
+    assert sch.admission_budget(0.0, prefill_s=0.01, step_s=0.01) == 3
+
+
+def test_paused_streams_do_not_step_and_do_not_count_as_urgent():
+    sch = make(max_streams=4, max_buffer_s=1.0)
+    fast = running(sch, now=0.0, lead_s=0.05)
+    fast.handle._backlog = 5.0  # client stopped reading: paused
+    slow = running(sch, now=0.0, lead_s=3.0)
+    assert [s.slot for s in sch.runnable()] == [slow.slot] and fast.handle.paused
+    sch.waiting.append(FakeHandle())
+    assert sch.admission_budget(0.0, prefill_s=0.01, step_s=0.01) == 1
+
+
+def test_expired_queue_entries_and_cancellations():
+    sch = make(max_streams=1, max_queue_wait_s=2.0)
+    old, cancelled, fresh = FakeHandle(0.0), FakeHandle(1.0), FakeHandle(2.5)
+    cancelled.cancelled = True
+    sch.waiting.extend([old, cancelled, fresh])
+    gone = running(sch, now=3.0, lead_s=1.0)
+    gone.handle.cancelled = True
+    c, too_long, active = sch.expired(now=3.0)
+    assert c == [cancelled] and too_long == [old] and active == [gone]
+    assert list(sch.waiting) == [fresh]
+    sch.release(gone.slot)
+    assert sch.free_slots == [0] and not sch.active
+
+
+def test_chunk_schedule_then_early_when_the_player_runs_low():
+    sch = make(chunk_frames=(1, 2, 4), min_lead_s=0.2)
+    s = Stream(handle=FakeHandle(), slot=0, max_frames=100, resample=None)
+    s.pending_frames = 1
+    assert sch.chunk_due(s, now=0.0)  # first chunk: one frame
+    s.num_chunks, s.frames_emitted, s.first_chunk_at = 1, 1, 0.0
+    s.pending_frames = 1
+    assert sch.chunk_due(s, now=0.0)  # player has 80 ms left < 200 ms: at once
+    s.frames_emitted = 20  # 1.6 s ahead
+    assert not sch.chunk_due(s, now=0.0)
+    s.pending_frames = 2
+    assert sch.chunk_due(s, now=0.0)  # the schedule's second size
+    s.num_chunks, s.pending_frames = 5, 3
+    assert not sch.chunk_due(s, now=0.0)  # later chunks: 4 frames
+    assert sch.chunk_due(s, now=1.5)  # ...unless the player is about to run dry
