@@ -9,6 +9,7 @@ import logging
 import os
 
 from .config import ServerConfig
+from .memory_plan import StartupError
 from .logs import setup_logging
 
 
@@ -20,13 +21,20 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--model", default=d.model,
                    help="synthetic | synthetic-tiny | synthetic-base | a local Qwen3-TTS snapshot "
                         "folder | a Hugging Face hub id (default: synthetic, random weights = noise)")
-    p.add_argument("--engine", default=d.engine, choices=["auto", "torch", "megakernel"],
-                   help="decode engine (auto: megakernel on CUDA when built, else torch)")
+    p.add_argument("--engine", default=d.engine, choices=["auto", "batched", "torch", "megakernel"],
+                   help="decode engine (default auto: batched on CUDA, torch on CPU; megakernel: "
+                        "one launch per stream and frame, lowest single-stream latency, no batching)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-streams", type=int, default=d.max_streams)
+    p.add_argument("--max-streams", type=int, default=d.max_streams,
+                   help="concurrent streams (engine slots); default: on a GPU as many as fit in "
+                        "memory up to 256, else 8. Checked against free device memory at start-up")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="requests that may wait for a free stream; beyond: RESOURCE_EXHAUSTED")
+                   help="requests that may wait for a free stream (default: --max-streams); "
+                        "beyond: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-positions", type=int, default=d.max_positions,
+                   help="talker context per stream, prompt + frames (default %(default)s: "
+                        "about 5 minutes of audio)")
     p.add_argument("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
                    help="a queued request gets RESOURCE_EXHAUSTED after waiting this long")
     p.add_argument("--max-buffer-s", type=float, default=d.max_buffer_s,
@@ -53,6 +61,10 @@ def parse_args(argv=None) -> ServerConfig:
                         "is this file's first line (or set TTS_AUTH_TOKEN)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
+    for flag, value, low in (("--max-streams", a.max_streams, 1), ("--max-queue", a.max_queue, 0),
+                             ("--max-positions", a.max_positions, 64)):
+        if value is not None and value < low:
+            p.error(f"{flag} must be at least {low}, got {value}")
     setup_logging(a.log_level, a.log_format)
     token = os.environ.get("TTS_AUTH_TOKEN") or None
     if a.auth_token_file:
@@ -62,7 +74,8 @@ def parse_args(argv=None) -> ServerConfig:
             p.error(f"--auth-token-file {a.auth_token_file}: empty")
     return ServerConfig(
         host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, dtype=a.dtype,
-        max_streams=a.max_streams, max_queue=a.max_queue, max_text_chars=a.max_text_chars,
+        max_streams=a.max_streams, max_queue=a.max_queue, max_positions=a.max_positions,
+        max_text_chars=a.max_text_chars,
         max_duration_s=a.max_duration_s,
         chunk_frames=tuple(int(x) for x in a.chunk_frames.split(",") if x),
         grace_period_s=a.grace_period_s, default_voice=a.default_voice,
@@ -96,7 +109,11 @@ async def _serve(config: ServerConfig) -> int:
 
 def main(argv=None) -> None:
     config = parse_args(argv)
-    code = asyncio.run(_serve(config))
+    try:
+        code = asyncio.run(_serve(config))
+    except StartupError as e:
+        logging.getLogger("tts_server").critical("cannot start: %s", e)
+        raise SystemExit(2) from None
     faulthandler.cancel_dump_traceback_later()
     if code:
         logging.shutdown()

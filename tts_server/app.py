@@ -9,6 +9,7 @@ import torch
 
 from .api import ModelInfo
 from .config import ServerConfig
+from .memory_plan import StartupError, plan_streams
 from .serving.loop import Worker
 from .model.loader import LoadedModel, load_model
 from .model.weights import decode_weights
@@ -27,8 +28,11 @@ def megakernel_available() -> bool:
         return False
 
 
+CPU_STREAMS = 8
+
+
 def create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
-    engine = _create_engine(name, loaded, config)
+    engine = _create_engine(resolve_engine(name, loaded), loaded, config)
     if config.inject_fault:
         from .testing.faults import FaultInjectingEngine
 
@@ -37,28 +41,71 @@ def create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     return engine
 
 
-def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
+def resolve_engine(name: str, loaded: LoadedModel) -> str:
     if name == "auto":
-        name = "megakernel" if loaded.device.type == "cuda" and megakernel_available() else "torch"
+        return "batched" if loaded.device.type == "cuda" else "torch"
+    if name not in ("batched", "torch", "megakernel"):
+        raise StartupError(f"unknown engine {name!r}; choose auto, batched, torch or megakernel")
+    if name in ("batched", "megakernel") and loaded.device.type != "cuda":
+        raise StartupError(f"--engine {name} needs a CUDA device")
+    return name
+
+
+def plan_memory(name: str, loaded: LoadedModel, config: ServerConfig, weights) -> int:
+    """The number of slots to create: --max-streams if its memory fits (else a StartupError
+    that says how many fit); by default what fits on a GPU up to 256, or 8 on the CPU."""
+    if loaded.device.type != "cuda" or name != "batched":
+        n = config.max_streams or CPU_STREAMS
+        if n < 1:
+            raise StartupError(f"--max-streams must be at least 1, got {n}")
+        return n
+    from .codec.batched import BatchedCodecDecoder
+    from .engines.batched.engine import BatchedEngine
+
+    decoder = loaded.model.speech_tokenizer.model.decoder
+    codec_dtype = codec_dtype_for(loaded)
+
+    def need(n: int) -> int:
+        return (BatchedEngine.memory_bytes(n, config.max_positions, weights)
+                + BatchedCodecDecoder.memory_bytes(decoder, n, codec_dtype))
+
+    free, _ = torch.cuda.mem_get_info(loaded.device)
+    plan = plan_streams(need, free, config.max_streams)
+    log.info("memory plan: %s", plan.describe())
+    return plan.max_streams
+
+
+def codec_dtype_for(loaded: LoadedModel) -> torch.dtype:
+    return torch.bfloat16 if loaded.device.type == "cuda" else torch.float32
+
+
+def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     weights = decode_weights(loaded.model)
+    n = plan_memory(name, loaded, config, weights)
+    if name == "batched":
+        from .engines.batched.engine import BatchedEngine
+
+        engine = BatchedEngine(weights, n, config.max_positions)
+        log.info("batched engine: %d slots, graphs captured in %.1f s (%.2f GiB)", n,
+                 engine.capture_s, engine.graph_memory_bytes / 2**30)
+        return engine
     if name == "torch":
         from .engines.torch_ref import TorchEngine
 
-        return TorchEngine(weights, config.max_streams, config.max_positions)
-    if name == "megakernel":
-        if loaded.device.type != "cuda":
-            raise RuntimeError("--engine megakernel needs a CUDA device")
-        from .engines.megakernel import MegakernelEngine
+        return TorchEngine(weights, n, config.max_positions)
+    if not megakernel_available():
+        raise StartupError("--engine megakernel: the kernel library is not built or the GPU cannot "
+                           "hold its grid (build it with `make kernel`)")
+    from .engines.megakernel import MegakernelEngine
 
-        return MegakernelEngine(weights, config.max_streams, config.max_positions)
-    raise ValueError(f"unknown engine {name!r}; choose auto, torch or megakernel")
+    return MegakernelEngine(weights, n, config.max_positions)
 
 
-def create_codec(loaded: LoadedModel, config: ServerConfig):
+def create_codec(loaded: LoadedModel, max_slots: int):
     """The streaming codec: one batched decode step for every stream that made a frame."""
     from .codec.per_stream import PerStreamCodec
 
-    return PerStreamCodec(loaded.model.speech_tokenizer.model.decoder, config.max_streams)
+    return PerStreamCodec(loaded.model.speech_tokenizer.model.decoder, max_slots)
 
 
 @dataclass
@@ -75,7 +122,7 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     engine = create_engine(config.engine, loaded, config)
-    codec = create_codec(loaded, config)
+    codec = create_codec(loaded, engine.max_streams)
     voices = tuple(loaded.speakers)
     default_voice = None
     if voices:

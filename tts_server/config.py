@@ -10,11 +10,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     model: str = "synthetic"  # synthetic[-tiny][-base], a local snapshot folder, or a hub id
-    engine: str = "auto"  # auto | torch | megakernel
+    engine: str = "auto"  # auto (batched on CUDA, torch on CPU) | batched | torch | megakernel
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    max_streams: int = 8  # concurrent synthesis streams (engine slots)
-    max_queue: int = 8  # requests waiting for a slot beyond max_streams; more: RESOURCE_EXHAUSTED
+    max_streams: int | None = None  # engine slots; None: what fits on a GPU (up to 256), 8 on CPU
+    max_queue: int | None = None  # requests waiting beyond max_streams (None: max_streams); more: RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 5.0  # a queued request gets RESOURCE_EXHAUSTED after this long
     max_positions: int = 4096  # talker context per stream (prompt + frames)
     max_text_chars: int = 2000

@@ -54,8 +54,10 @@ class Worker:
         self.engine = engine
         self.codec = codec
         self.preparer = RequestPreparer(loaded)
-        self.max_streams = min(config.max_streams, engine.max_streams, codec.max_slots)
-        self.max_outstanding = self.max_streams + config.max_queue
+        self.max_streams = min(config.max_streams or engine.max_streams, engine.max_streams,
+                               codec.max_slots)
+        max_queue = self.max_streams if config.max_queue is None else config.max_queue
+        self.max_outstanding = self.max_streams + max_queue
         self.frame_s = codec.samples_per_frame / codec.sample_rate
         self.scheduler = Scheduler(SchedulerConfig(
             max_streams=self.max_streams, frame_s=self.frame_s, chunk_frames=config.chunk_frames,
