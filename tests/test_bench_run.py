@@ -40,13 +40,38 @@ async def test_short_run_against_loopback_server(tiny_server, tmp_path, capsys):
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+async def test_open_loop_poisson_run_reports_capacity_and_first_audio(tiny_server, tmp_path, capsys):
+    out = tmp_path / "rps.json"
+    argv = ["--address", tiny_server, "--concurrency", "", "--rps", "2", "--requests", "4",
+            "--warmup", "0", "--max-duration", "0.4", "--workload", "english", "--fixed-duration",
+            "--json", str(out), "--no-progress"]
+    assert await asyncio.to_thread(bench.main, argv) == 0
+    result = json.loads(out.read_text())
+    records = result["records"]
+    assert [r["system"] for r in records] == ["grpc-rps"] * 4
+    assert all(r["status"] == "OK" and r["num_frames"] == 5 for r in records)  # fixed 0.4 s each
+    assert all(r["text_id"].startswith("en") for r in records)
+    # the arrivals are spread out (Poisson at 2/s), not sent at once
+    starts = sorted(r["start_s"] for r in records)
+    assert starts[-1] - starts[0] > 0.2
+    for r in records:
+        assert set(r["first_audio"]) >= {"queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms"}
+        assert sum(r["first_audio"].values()) <= r["server_ttfc_ms"] + 1.0
+        assert r["lag_ms"] >= 0 and r["underruns_no_preroll"] >= r["underruns"]
+    level = result["levels"][0]
+    assert level["concurrency"] == 2 and level["peak_in_flight"] >= 1
+    assert "rps" in result["summary"] and "capacity" in result["summary"]
+    assert set(result["capacity"]) == {"grpc-rps"}
+    assert "first audio p50 at rps=2" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_self_started_server_with_baseline(tmp_path, monkeypatch):
     started = []
 
     class Spy(bench.ServerProcess):
-        def __init__(self, *args):
-            super().__init__(*args)
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
             started.append(self)
 
     monkeypatch.setattr(bench, "ServerProcess", Spy)

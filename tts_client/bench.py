@@ -1,5 +1,7 @@
-"""`tts-bench`: time to first chunk, real-time factor and playback underruns measured through the
-gRPC client under concurrency, beside the unmodified qwen-tts generate path in the same run."""
+"""`tts-bench`: time to first audio, real-time factor and playback underruns measured through the
+gRPC client, closed loop (c concurrent clients) and open loop (Poisson arrivals at R requests/s),
+beside the unmodified qwen-tts generate path in the same run; the largest load with zero underruns
+is reported as the capacity."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +23,8 @@ from google.protobuf.json_format import MessageToDict
 
 from .client import TTSClient, build_request
 from .pb.tts.v1 import tts_pb2
-from .stats import RequestRecord, format_table, summarize, summary_line
-from .workloads import BUILTIN, load_text_file, schedule
+from .stats import RequestRecord, capacity, format_table, summarize, summary_line
+from .workloads import WORKLOADS, load_text_file, schedule
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = b"\x08\x01"  # HealthCheckResponse{status: SERVING} in protobuf wire format
@@ -57,12 +60,15 @@ class ServerProcess:
     """`tts-server` as a subprocess on a free loopback port; stop() always reaps it."""
 
     def __init__(self, model: str, engine: str, max_streams: int, extra_args=(), max_queue: int = 0):
+        # max_streams 0: the server's default (what fits on a GPU)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         exe = os.path.join(os.path.dirname(sys.executable), "tts-server")
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tts_server"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--model", model, "--engine", engine,
-                "--max-streams", str(max_streams), "--max-queue", str(max_queue), *extra_args]
+                "--max-queue", str(max_queue), *extra_args]
+        if max_streams:
+            cmd += ["--max-streams", str(max_streams)]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tts-bench-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -98,15 +104,19 @@ class ServerProcess:
         self.log.close()
 
 
-async def run_one(client: TTSClient, item, level: int, voice: str, frame_rate: float,
-                  timeout: float, preroll_s: float, t_level: float) -> RequestRecord:
+async def run_one(client: TTSClient, item, level: float, voice: str, frame_rate: float,
+                  timeout: float, preroll_s: float, t_level: float, system: str = "grpc",
+                  scheduled_s: float | None = None) -> RequestRecord:
     u = item.utterance
-    rec = RequestRecord("grpc", level, item.index, u.text_id, u.language, len(u.text),
+    rec = RequestRecord(system, level, item.index, u.text_id, u.language, len(u.text),
                         item.max_duration_s(frame_rate))
+    tag = f"r{level:g}" if system == "grpc-rps" else f"c{level}"
     req = build_request(u.text, voice=voice, language=u.language, seed=item.seed,
-                        max_duration_s=rec.max_duration_s, request_id=f"bench-c{level}-{item.index}")
+                        max_duration_s=rec.max_duration_s, request_id=f"bench-{tag}-{item.index}")
     arrivals, durations, summary = [], [], None
     t0 = time.perf_counter()
+    if scheduled_s is not None:
+        rec.lag_ms = (t0 - t_level - scheduled_s) * 1000
     try:
         async for msg in client.chunks(req, timeout):
             if msg.HasField("audio"):
@@ -122,6 +132,8 @@ async def run_one(client: TTSClient, item, level: int, voice: str, frame_rate: f
     rec.add_trace(arrivals, durations, t1 - t0, preroll_s)
     if summary is not None:
         rec.server_ttfc_ms, rec.server_rtf = summary.time_to_first_chunk_ms, summary.real_time_factor
+        if summary.HasField("first_audio"):
+            rec.first_audio = MessageToDict(summary.first_audio, preserving_proto_field_name=True)
         name = tts_pb2.FinishReason.Name(summary.finish_reason)
         rec.finish_reason = name.removeprefix("FINISH_REASON_").lower()
     elif rec.status == "OK":
@@ -153,6 +165,39 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
         await asyncio.gather(*(c.close() for c in clients))
 
 
+async def run_rate(address: str, items, rps: float, a, voice: str, frame_rate: float,
+                   progress: Progress | None) -> list[RequestRecord]:
+    """Open loop: the requests arrive as a Poisson process of `rps` per second (seeded), whatever
+    the server's state, spread over `a.channels` channels; each arrival's lag behind its schedule
+    is recorded (the load generator's own delay, not the server's)."""
+    rng = random.Random(a.seed + int(rps * 1000))
+    arrivals, t = [], 0.0
+    for _ in items:
+        t += rng.expovariate(rps)
+        arrivals.append(t)
+    clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(min(a.channels, len(items)))]
+    try:
+        await asyncio.gather(*(asyncio.wait_for(c.channel.channel_ready(), 30) for c in clients))
+        t_level, tasks = time.perf_counter(), []
+
+        async def one(i, item):
+            rec = await run_one(clients[i % len(clients)], item, rps, voice, frame_rate, a.timeout,
+                                a.preroll_ms / 1000, t_level, "grpc-rps", arrivals[i])
+            if progress:
+                progress.update(rec.status == "OK")
+            return rec
+
+        for i, item in enumerate(items):
+            delay = t_level + arrivals[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, item)))
+        return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
 async def run_grpc(address: str, items, a, server: ServerProcess | None):
     """Waits for the server, warms it up, then sweeps the concurrency levels."""
     if server:
@@ -163,7 +208,8 @@ async def run_grpc(address: str, items, a, server: ServerProcess | None):
     voice = a.voice or next((v.name for v in voices.voices if v.is_default), "")
     frame_rate = info.frame_rate_hz or 12.5
     levels = [int(x) for x in a.concurrency.split(",") if x]
-    if not server and max(levels) > info.max_concurrent_streams:
+    rates = [float(x) for x in (a.rps or "").split(",") if x]
+    if levels and max(levels) > info.max_concurrent_streams:
         print(f"note: the server allows {info.max_concurrent_streams} concurrent streams; requests "
               "beyond that are rejected (RESOURCE_EXHAUSTED) and counted as errors", file=sys.stderr)
     if a.warmup:
@@ -173,6 +219,9 @@ async def run_grpc(address: str, items, a, server: ServerProcess | None):
     for level in levels:
         records += await run_level(address, items, level, a, voice, frame_rate,
                                    Progress(len(items), f"grpc c={level}", a.progress))
+    for rps in rates:
+        records += await run_rate(address, items, rps, a, voice, frame_rate,
+                                  Progress(len(items), f"grpc {rps:g}/s", a.progress))
     return info, voice, records
 
 
@@ -223,10 +272,13 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     levels, comparisons = summarize(records)
     ok = [r for r in records if r.status == "OK"]
     capped = sum(r.finish_reason == "max_length" for r in ok)
-    notes = [f"method: closed loop, c clients on separate channels; {len(items)} requests per level (same "
+    notes = [f"method: closed loop, c clients on separate channels; open loop (grpc-rps), Poisson "
+             f"arrivals at R requests/s over {a.channels} channels; {len(items)} requests per level (same "
              f"texts and seeds at every level), {a.warmup} warm-up; TTFC = client send -> first audio "
              f"bytes; RTF = client wall / audio s; underrun = a player started {a.preroll_ms:.0f} ms after "
-             "the first chunk runs dry; qwen-tts is non-streaming, so its TTFC is the whole utterance",
+             "the first chunk (@0ms: at the first chunk) runs dry; capacity = the largest level with "
+             "every request OK and zero underruns; qwen-tts is non-streaming, so its TTFC is the whole "
+             "utterance",
              f"caps: max_duration_s = min(spoken length, {a.max_duration:g} s) per request, sent explicitly "
              f"and used as max_new_tokens for qwen-tts; {capped}/{len(ok)} requests ran to the cap"]
     host = dict(cpu_count=os.cpu_count(), load_avg_1m_start=load_start, load_avg_1m_end=os.getloadavg()[0])
@@ -238,8 +290,22 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
                      "the audio is noise, only the speed is real")
     label = (f"{time.strftime('%Y-%m-%d')} {info.model} {info.engine}/{info.device}/{info.dtype} "
              f"cap {a.max_duration:g}s")
+    caps = {system: capacity(levels, system) for system in ("grpc", "grpc-rps")
+            if any(x["system"] == system for x in levels)}
     line = summary_line(label, levels, comparisons)
+    if caps:
+        line += " | capacity (zero underruns at {:.0f} ms pre-roll): ".format(a.preroll_ms) + ", ".join(
+            f"{'c' if k == 'grpc' else 'rps'}={v if v is not None else 'none'}" for k, v in caps.items())
     print(format_table(levels))
+    for x in levels:
+        if x.get("first_audio_queue_ms_p50") is not None:
+            key = "rps" if x["system"] == "grpc-rps" else "c"
+            parts = ("queue", "prefill", "first_frame", "first_decode", "write")
+            print(f"first audio p50 at {key}={x['concurrency']:g} (server ms): " + ", ".join(
+                f"{p} {x[f'first_audio_{p}_ms_p50']:.1f}" for p in parts
+                if x.get(f"first_audio_{p}_ms_p50") is not None)
+                + f"; client TTFC p50 {x['ttfc_ms_p50']:.1f}; peak in flight {x['peak_in_flight']}"
+                + (f"; generator lag p95 {x['lag_ms_p95']:.1f} ms" if key == "rps" else ""))
     for c in comparisons:
         print(f"qwen-tts/server at c={c['concurrency']} on the same {c['num_requests']} requests: TTFC p50 "
               f"{c['ttfc_p50_ratio'] or 0:.1f}x, RTF p50 {c['rtf_p50_ratio'] or 0:.1f}x, "
@@ -249,7 +315,7 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     return dict(schema="tts-bench/1", created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 config=vars(a), host=host, voice=voice, notes=notes,
                 server=MessageToDict(info, preserving_proto_field_name=True), records=[asdict(r) for r in records], levels=levels,
-                comparisons=comparisons, summary=line)
+                comparisons=comparisons, capacity=caps, summary=line)
 
 
 def plot(result: dict, path: str) -> None:
@@ -263,23 +329,27 @@ def plot(result: dict, path: str) -> None:
     except ImportError:
         print(f"note: matplotlib is not installed; no plot written to {path}", file=sys.stderr)
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, marker in (("grpc", "o"), ("qwen-tts", "s")):
-        rows = [x for x in result["levels"] if x["system"] == system and x["num_ok"]]
-        cs = [x["concurrency"] for x in rows]
-        for q, style in (("p50", "-"), ("p95", "--")):
-            ax1.plot(cs, [x[f"ttfc_ms_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
-            ax2.plot(cs, [x[f"rtf_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    levels = sorted({x["concurrency"] for x in result["levels"]})
-    for ax, title in ((ax1, "time to first chunk (ms, client)"), (ax2, "real-time factor (client)")):
-        ax.set(xscale="log", yscale="log", xlabel="concurrent streams", title=title)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.legend(fontsize=8)
+    panels = [("concurrent streams", ("grpc", "qwen-tts"))]
+    if any(x["system"] == "grpc-rps" for x in result["levels"]):
+        panels.append(("requests per second (open loop)", ("grpc-rps",)))
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 4.2 * len(panels)), squeeze=False)
+    for (xlabel, systems), (ax1, ax2) in zip(panels, axes):
+        for system, marker in zip(systems, "os"):
+            rows = [x for x in result["levels"] if x["system"] == system and x["num_ok"]]
+            cs = [x["concurrency"] for x in rows]
+            for q, style in (("p50", "-"), ("p95", "--")):
+                ax1.plot(cs, [x[f"ttfc_ms_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
+                ax2.plot(cs, [x[f"rtf_{q}"] for x in rows], style, marker=marker, label=f"{system} {q}")
+        ax2.axhline(1.0, color="grey", lw=0.8)
+        levels = sorted({x["concurrency"] for x in result["levels"] if x["system"] in systems})
+        for ax, title in ((ax1, "time to first chunk (ms, client)"), (ax2, "real-time factor (client)")):
+            ax.set(xscale="log", yscale="log", xlabel=xlabel, title=title)
+            ax.set_xticks(levels, [f"{c:g}" for c in levels])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.legend(fontsize=8)
     fig.suptitle(result["summary"].split(" | ")[0], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -291,16 +361,27 @@ def parse_args(argv=None):
     p.add_argument("--address", help="HOST:PORT of a running server; none starts tts-server for the run")
     p.add_argument("--model", default="synthetic-tiny", help="model of a self-started server")
     p.add_argument("--engine", default="auto", help="engine of a self-started server")
-    p.add_argument("--max-streams", type=int, help="of a self-started server (default: max concurrency)")
+    p.add_argument("--max-streams", type=int,
+                   help="of a self-started server (default: max concurrency, or the server's own "
+                        "default with --rps)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--concurrency", default="1,2,4", help="comma-separated levels, e.g. 1,4,16,64")
+    p.add_argument("--concurrency", default="1,2,4",
+                   help="closed-loop levels, comma-separated, e.g. 1,4,16,64 ('' for none)")
+    p.add_argument("--rps", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 5,10,20")
+    p.add_argument("--channels", type=int, default=64, help="gRPC channels of the open-loop generator")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="builtin",
+                   help="built-in texts: builtin (ten languages, short to paragraph) or english "
+                        "(24 voice-agent replies of 5-40 words)")
+    p.add_argument("--fixed-duration", action="store_true",
+                   help="every request runs to --max-duration (streams of one set length)")
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before the sweep")
     p.add_argument("--seed", type=int, default=1234, help="workload order and sampling seeds")
     p.add_argument("--text-file", help="one text per line (or LANGUAGE<TAB>TEXT) instead of the built-ins")
     p.add_argument("--max-duration", type=float, default=20.0, help="cap on each request's audio (s)")
     p.add_argument("--voice", default="", help="voice for every request (default: the server's default)")
-    p.add_argument("--preroll-ms", type=float, default=0.0, help="player start delay after the first chunk")
+    p.add_argument("--preroll-ms", type=float, default=200.0,
+                   help="player start delay after the first chunk (underruns at 0 ms are also reported)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     p.add_argument("--baseline", choices=["none", "qwen-tts"], default="none")
     p.add_argument("--baseline-concurrency", default="1", help="static batch sizes of the baseline")
@@ -314,15 +395,19 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    utterances = load_text_file(a.text_file) if a.text_file else BUILTIN
-    items = schedule(utterances, a.requests, a.seed, a.max_duration)
+    utterances = load_text_file(a.text_file) if a.text_file else WORKLOADS[a.workload]
+    items = schedule(utterances, a.requests, a.seed, a.max_duration, fixed=a.fixed_duration)
     levels = [int(x) for x in a.concurrency.split(",") if x]
+    if not levels and not a.rps:
+        print("error: give --concurrency levels or --rps rates", file=sys.stderr)
+        return 2
     for path in (a.json, a.plot):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     load_start = os.getloadavg()[0]
-    server = None if a.address else ServerProcess(a.model, a.engine, a.max_streams or max(levels),
-                                                  ("--metrics-port", "-1"))
+    max_streams = a.max_streams or (0 if a.rps else max(levels))
+    server = None if a.address else ServerProcess(a.model, a.engine, max_streams, ("--metrics-port", "-1"),
+                                                  max_queue=a.requests if a.rps else 0)
     try:
         info, voice, records = asyncio.run(run_grpc(a.address or server.address, items, a, server))
         if server:

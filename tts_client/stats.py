@@ -41,8 +41,8 @@ def underruns(arrivals_s, durations_s, preroll_s: float = 0.0) -> tuple[int, flo
 class RequestRecord:
     """One request of one system at one concurrency level (times in ms unless named _s)."""
 
-    system: str  # "grpc" or "qwen-tts"
-    concurrency: int
+    system: str  # "grpc" (closed loop), "grpc-rps" (open loop) or "qwen-tts"
+    concurrency: float  # concurrent clients, or requests per second for "grpc-rps"
     index: int  # position in the workload schedule (same text and seed at every level)
     text_id: str
     language: str
@@ -61,8 +61,11 @@ class RequestRecord:
     num_frames: int = 0
     num_chunks: int = 0
     finish_reason: str = ""  # "eos", "max_length", "cancelled" or ""
-    underruns: int = 0
+    underruns: int = 0  # at the run's pre-roll
     stall_ms: float = 0.0
+    underruns_no_preroll: int = 0  # a player that starts at the first chunk
+    lag_ms: float = 0.0  # open loop: actual send time - scheduled arrival (the load generator's lag)
+    first_audio: dict = field(default_factory=dict)  # server-side breakdown of the TTFC (ms)
     chunk_arrival_ms: list[float] = field(default_factory=list)
     chunk_audio_ms: list[float] = field(default_factory=list)
 
@@ -77,6 +80,7 @@ class RequestRecord:
         self.rtf = wall_s / self.audio_s if self.audio_s else None
         self.underruns, stall = underruns(arrivals_s, durations_s, preroll_s)
         self.stall_ms = stall * 1000
+        self.underruns_no_preroll = underruns(arrivals_s, durations_s, 0.0)[0]
 
 
 def aggregate(records: list[RequestRecord]) -> dict:
@@ -95,12 +99,40 @@ def aggregate(records: list[RequestRecord]) -> dict:
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
     out["underrun_rate"] = sum(r.underruns > 0 for r in ok) / len(ok) if ok else None
+    out["underrun_rate_no_preroll"] = (sum(r.underruns_no_preroll > 0 for r in ok) / len(ok)
+                                       if ok else None)
     out["underruns_mean"] = sum(r.underruns for r in ok) / len(ok) if ok else None
     out["stall_ms_p95"] = percentile([r.stall_ms for r in ok], 95)
+    out["stall_ms_max"] = max((r.stall_ms for r in ok), default=None)
+    out["lag_ms_p95"] = percentile([r.lag_ms for r in records], 95)
+    for part in ("queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms"):
+        out[f"first_audio_{part}_p50"] = percentile([r.first_audio.get(part) for r in ok], 50)
+    out["peak_in_flight"] = peak_in_flight(records)
     out["audio_s_per_s"] = audio_s / wall_s if wall_s > 0 else None
     out["frames_per_s"] = frames / wall_s if wall_s > 0 else None
     out["codec_tokens_per_s"] = frames * CODEBOOKS_PER_FRAME / wall_s if wall_s > 0 else None
     return out
+
+
+def peak_in_flight(records: list[RequestRecord]) -> int:
+    """The most requests open at one moment (send to last byte)."""
+    events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    peak = now = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    return peak
+
+
+def capacity(levels: list[dict], system: str) -> float | None:
+    """The largest level of `system` whose requests all succeeded with zero underruns (at the
+    run's pre-roll), below the first level that failed; None if even the first failed."""
+    best = None
+    for a in sorted((x for x in levels if x["system"] == system), key=lambda x: x["concurrency"]):
+        if a["num_ok"] != a["num_requests"] or a["num_ok"] == 0 or a["underrun_rate"]:
+            break
+        best = a["concurrency"]
+    return best
 
 
 def compare(server: dict, baseline: dict) -> dict:
@@ -117,10 +149,10 @@ def compare(server: dict, baseline: dict) -> dict:
 def summarize(records: list[RequestRecord]) -> tuple[list[dict], list[dict]]:
     """(aggregates per (system, concurrency), server-first; baseline comparisons). Each comparison
     uses only the server's records for the requests the baseline ran at that concurrency."""
-    keys = sorted({(r.system, r.concurrency) for r in records}, key=lambda k: (k[0] != "grpc", k[1]))
+    keys = sorted({(r.system, r.concurrency) for r in records}, key=lambda k: (k[0] == "qwen-tts", k))
     levels = [aggregate([r for r in records if (r.system, r.concurrency) == k]) for k in keys]
     comparisons = []
-    for base in (x for x in levels if x["system"] != "grpc"):
+    for base in (x for x in levels if x["system"] == "qwen-tts"):
         c = base["concurrency"]
         ran = {r.index for r in records if r.system == base["system"] and r.concurrency == c}
         same = [r for r in records if r.system == "grpc" and r.concurrency == c and r.index in ran]
@@ -135,17 +167,20 @@ def _fmt(v, spec: str = ".0f") -> str:
 
 def format_table(levels: list[dict]) -> str:
     """A fixed-width table, one row per (system, concurrency)."""
-    head = (f"{'system':<9}{'c':>4}{'ok/n':>8}{'TTFC p50':>10}{'p95':>8}{'p99':>8}{'srv p50':>9}"
-            f"{'RTF p50':>9}{'p95':>7}{'underrun':>9}{'xRT agg':>9}{'frames/s':>10}{'tok/s':>8}  errors")
+    head = (f"{'system':<9}{'c|rps':>6}{'ok/n':>9}{'TTFC p50':>10}{'p95':>8}{'p99':>8}{'srv p50':>9}"
+            f"{'RTF p50':>9}{'p95':>7}{'underrun':>9}{'@0ms':>6}{'stall max':>10}{'xRT agg':>9}"
+            f"{'frames/s':>10}{'tok/s':>8}  errors")
     rows = [head, "-" * len(head)]
     for a in levels:
         errors = ",".join(f"{k}:{v}" for k, v in a["errors"].items()) or "-"
         rate = None if a["underrun_rate"] is None else 100 * a["underrun_rate"]
+        rate0 = None if a["underrun_rate_no_preroll"] is None else 100 * a["underrun_rate_no_preroll"]
         rows.append(
-            f"{a['system']:<9}{a['concurrency']:>4}{a['num_ok']:>4}/{a['num_requests']:<3}"
+            f"{a['system']:<9}{a['concurrency']:>6g}{a['num_ok']:>5}/{a['num_requests']:<3}"
             f"{_fmt(a['ttfc_ms_p50']):>10}{_fmt(a['ttfc_ms_p95']):>8}{_fmt(a['ttfc_ms_p99']):>8}"
             f"{_fmt(a['server_ttfc_ms_p50']):>9}{_fmt(a['rtf_p50'], '.3f'):>9}{_fmt(a['rtf_p95'], '.2f'):>7}"
-            f"{_fmt(rate, '.0f') + '%':>9}{_fmt(a['audio_s_per_s'], '.2f'):>9}"
+            f"{_fmt(rate, '.0f') + '%':>9}{_fmt(rate0, '.0f') + '%':>6}{_fmt(a['stall_ms_max']):>10}"
+            f"{_fmt(a['audio_s_per_s'], '.2f'):>9}"
             f"{_fmt(a['frames_per_s'], '.1f'):>10}{_fmt(a['codec_tokens_per_s'], '.0f'):>8}  {errors}")
     return "\n".join(rows)
 
@@ -155,7 +190,8 @@ def summary_line(label: str, levels: list[dict], comparisons: list[dict]) -> str
     parts = [label]
     for a in levels:
         rate = None if a["underrun_rate"] is None else 100 * a["underrun_rate"]
-        parts.append(f"{a['system']} c={a['concurrency']}: TTFC p50 {_fmt(a['ttfc_ms_p50'])} ms "
+        key = "rps" if a["system"] == "grpc-rps" else "c"
+        parts.append(f"{a['system']} {key}={a['concurrency']:g}: TTFC p50 {_fmt(a['ttfc_ms_p50'])} ms "
                      f"p95 {_fmt(a['ttfc_ms_p95'])} ms, RTF p50 {_fmt(a['rtf_p50'], '.3f')}, "
                      f"{_fmt(a['audio_s_per_s'], '.2f')}x RT agg, underruns {_fmt(rate)}%"
                      + (f", errors {sum(a['errors'].values())}" if a["errors"] else ""))

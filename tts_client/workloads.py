@@ -54,6 +54,48 @@ BUILTIN: tuple[Utterance, ...] = (
 )
 
 
+# English voice-agent replies of realistic length spread (5 to 40 words), for load tests.
+ENGLISH: tuple[Utterance, ...] = tuple(Utterance(f"en{i:02d}", "english", t) for i, t in enumerate((
+    "Sure, I can do that.",
+    "Your table is booked for seven.",
+    "Let me check that for you right now.",
+    "The package left our warehouse this morning and is on its way.",
+    "I found three flights that leave before noon on Friday.",
+    "Could you spell your last name for me, please?",
+    "Your current balance is two hundred and forty dollars and fifteen cents.",
+    "I am sorry, but that store closes at six on Sundays.",
+    "The meeting has been moved to Tuesday at half past ten, in the large conference room on the "
+    "third floor.",
+    "To reset your password, open the settings page, choose security, and follow the link we send "
+    "to your email address.",
+    "Good news: the repair is covered by your warranty, so there is nothing to pay.",
+    "It will be sunny in the afternoon with a high of twenty four degrees and a light breeze from "
+    "the west.",
+    "I have added two large pizzas, a garden salad and a bottle of sparkling water to your order.",
+    "Before we continue, I need to confirm your identity with the last four digits of your card.",
+    "The train is running about ten minutes late because of maintenance work near the station, and "
+    "it should arrive at platform two.",
+    "Thanks for waiting. I spoke with the billing team, and they agreed to remove the late fee from "
+    "this month's statement, so your new total is one hundred and twelve dollars.",
+    "If you would like, I can send you a text message with the address, the opening hours and a "
+    "link to the map so you have everything in one place.",
+    "Your appointment with Doctor Patel is confirmed for Monday morning at nine fifteen; please "
+    "arrive ten minutes early and bring your insurance card and a list of your current medications.",
+    "I understand how frustrating that must be, and I am going to stay on the line with you while "
+    "we sort it out together, starting with the error message you saw and the exact time the "
+    "payment failed this morning.",
+    "Is there anything else I can help you with today?",
+    "The return window is thirty days from delivery, and the label is free if you print it from "
+    "your account page.",
+    "We received your application on the fourth, it is under review, and you should hear back from "
+    "the admissions office within two weeks.",
+    "Great, I have updated your delivery address.",
+    "The quickest route takes about twenty five minutes right now because of heavy traffic on the "
+    "main bridge, so I would suggest leaving a little earlier than planned.",
+)))
+WORKLOADS = {"builtin": BUILTIN, "english": ENGLISH}
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     """One scheduled request; identical for the gRPC server and the baseline."""
@@ -90,15 +132,16 @@ def spoken_seconds(text: str) -> float:
 
 
 def schedule(utterances, num_requests: int, seed: int, max_duration_s: float,
-             frame_rate: float = 12.5) -> list[BenchRequest]:
+             frame_rate: float = 12.5, fixed: bool = False) -> list[BenchRequest]:
     """`num_requests` requests cycling through a seeded shuffle of `utterances`; request i samples
-    with seed `seed + i` and is capped at min(its spoken length, `max_duration_s`), in whole frames."""
+    with seed `seed + i` and is capped at min(its spoken length, `max_duration_s`) in whole frames,
+    or at exactly `max_duration_s` when `fixed` (load tests of streams of a set length)."""
     order = list(utterances)
     random.Random(seed).shuffle(order)
     cap = max(1, math.floor(max_duration_s * frame_rate + 1e-6))
     out = []
     for i in range(num_requests):
         u = order[i % len(order)]
-        frames = min(cap, max(1, math.ceil(spoken_seconds(u.text) * frame_rate)))
+        frames = cap if fixed else min(cap, max(1, math.ceil(spoken_seconds(u.text) * frame_rate)))
         out.append(BenchRequest(i, u, seed + i, frames))
     return out

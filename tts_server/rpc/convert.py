@@ -224,9 +224,10 @@ def chunk_message(chunk: AudioChunk, rate: int, encoding: int) -> tts_pb2.Synthe
 
 
 def summary_message(end: StreamEnd, request_id: str, rate: int, ttfc_ms: float, wall_ms: float,
-                    num_chunks: int) -> tts_pb2.SynthesizeResponse:
+                    num_chunks: int, first_audio: dict | None = None) -> tts_pb2.SynthesizeResponse:
     audio_s = end.num_samples / rate
     return tts_pb2.SynthesizeResponse(summary=tts_pb2.SynthesisSummary(
+        first_audio=tts_pb2.FirstAudioTimings(**(first_audio or {})),
         finish_reason=FINISH_REASONS.get(end.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
         num_frames=end.num_frames, audio_seconds=audio_s, time_to_first_chunk_ms=ttfc_ms,
         wall_ms=wall_ms, real_time_factor=(wall_ms / 1000.0 / audio_s) if audio_s > 0 else 0.0,

@@ -104,7 +104,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                  " +reference" if req.reference is not None else "",
                  extra={"chars": len(req.text), "voice": req.voice, "language": req.language,
                         "max_frames": req.max_frames})
-        ttfc_ms, num_chunks = 0.0, 0
+        ttfc_ms, num_chunks, first_audio = 0.0, 0, None
         stall = self.config.stall_timeout_s
 
         async def write(message):
@@ -130,15 +130,21 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     await write(convert.chunk_message(event, rate, encoding))
                     handle.mark_sent(event.samples.shape[0])
                     if num_chunks == 0:
-                        ttfc_ms = (time.monotonic() - t0) * 1000.0
+                        now = time.monotonic()
+                        ttfc_ms = (now - t0) * 1000.0
                         self.metrics.ttfc.observe(ttfc_ms / 1000.0)
+                        first_audio = event.timings
+                        if first_audio is not None and "ready_at" in first_audio:
+                            first_audio = {k: v for k, v in first_audio.items() if k != "ready_at"}
+                            first_audio["write_ms"] = (now - event.timings["ready_at"]) * 1000.0
                     num_chunks += 1
                     continue
                 end = event
             if end.finish_reason is FinishReason.ERROR:
                 raise _Abort(*_status_of(end.error))
             wall_ms = (time.monotonic() - t0) * 1000.0
-            summary = convert.summary_message(end, req.request_id, rate, ttfc_ms, wall_ms, num_chunks)
+            summary = convert.summary_message(end, req.request_id, rate, ttfc_ms, wall_ms, num_chunks,
+                                              first_audio)
             s = summary.summary
             self.metrics.audio_seconds.inc(s.audio_seconds)
             if s.audio_seconds > 0:

@@ -287,7 +287,7 @@ class Worker:
         stream = Stream(handle=handle, slot=slot, max_frames=min(req.max_frames, room),
                         resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate),
                         admitted_at=now)
-        stream.timings["queue_ms"] = (now - handle.submitted_at) * 1e3
+        stream.timings["queue_ms"] = (now - handle.submitted_at) * 1e3  # submitted -> this step
         self.scheduler.add(stream)
         return Admission(slot, prepared.prompt, req.sampling, req.request_id)
 
@@ -309,6 +309,7 @@ class Worker:
         slots = tuple(s.slot for s in streams) + tuple(a.slot for a in admissions)
         if not slots:
             return
+        t_run = time.monotonic()
         try:
             out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)))
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams in it
@@ -353,9 +354,11 @@ class Worker:
                 self._finish(stream, FinishReason.ERROR, StreamFailure(f"codec decode: {e}"))
             return
         t_codec = time.monotonic()
+        prepare_s = t_run - t0  # this step's prompt preparation, before the engine call
         for stream in admitted:
-            stream.timings.update(prefill_and_first_frame_ms=(t_engine - t0) * 1e3,
-                                  first_decode_ms=(t_codec - t_engine) * 1e3)
+            stream.timings.update(prefill_ms=(prepare_s + out.prefill_s) * 1e3,
+                                  first_frame_ms=out.decode_s * 1e3,
+                                  first_decode_ms=(t_codec - t_engine) * 1e3, ready_at=t_codec)
         for (stream, result), audio in zip(good, pcm):
             stream.num_frames += 1
             done = result.next_is_eos or stream.num_frames >= stream.max_frames

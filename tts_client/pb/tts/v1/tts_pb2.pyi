@@ -98,7 +98,7 @@ class AudioChunk(_message.Message):
     def __init__(self, audio: _Optional[bytes] = ..., sample_rate_hz: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sequence_number: _Optional[int] = ..., sample_offset: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
 
 class SynthesisSummary(_message.Message):
-    __slots__ = ("finish_reason", "num_frames", "audio_seconds", "time_to_first_chunk_ms", "wall_ms", "real_time_factor", "request_id", "num_chunks")
+    __slots__ = ("finish_reason", "num_frames", "audio_seconds", "time_to_first_chunk_ms", "wall_ms", "real_time_factor", "request_id", "num_chunks", "first_audio")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SynthesisSummary(_message.Message):
     REAL_TIME_FACTOR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_AUDIO_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     num_frames: int
     audio_seconds: float
@@ -115,7 +116,22 @@ class SynthesisSummary(_message.Message):
     real_time_factor: float
     request_id: str
     num_chunks: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_chunk_ms: _Optional[float] = ..., wall_ms: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., request_id: _Optional[str] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    first_audio: FirstAudioTimings
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_chunk_ms: _Optional[float] = ..., wall_ms: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., request_id: _Optional[str] = ..., num_chunks: _Optional[int] = ..., first_audio: _Optional[_Union[FirstAudioTimings, _Mapping]] = ...) -> None: ...
+
+class FirstAudioTimings(_message.Message):
+    __slots__ = ("queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    prefill_ms: float
+    first_frame_ms: float
+    first_decode_ms: float
+    write_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., first_frame_ms: _Optional[float] = ..., first_decode_ms: _Optional[float] = ..., write_ms: _Optional[float] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
     __slots__ = ("audio", "summary")
