@@ -1,0 +1,181 @@
+"""BatchedEngine: greedy codes vs TorchEngine, batch invariance, paged KV, per-slot failures (CPU,
+tiny synthetic model, ops' torch references), and the GPU evidence (`gpu` marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tts_server.engines.batched import checks
+from tts_server.engines.batched.checks import GREEDY, bf16_rounded, random_prompt, step_codes
+from tts_server.engines.batched.engine import BatchedEngine
+from tts_server.engines.batched.params import fused_bytes
+from tts_server.engines.contract import Admission, SamplingConfig, StepPlan
+from tts_server.engines.torch_ref import TorchEngine
+from tts_server.model.prompt import PromptBuilder
+from tts_server.model.weights import decode_weights
+
+TEXTS = ["Hello world, this is a batched engine test.", "Short one.",
+         "A somewhat longer sentence, with a comma and more words in it than the others."]
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_custom):
+    return decode_weights(tiny_custom.model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_custom):
+    """Three real prompts (streaming and non-streaming text), rounded to bf16 values (the engine
+    keeps the text track in bf16)."""
+    b = PromptBuilder(tiny_custom.model)
+    ids = [tiny_custom._tokenize_texts([tiny_custom._build_assistant_text(t)])[0] for t in TEXTS]
+    return [bf16_rounded(b.build(ids[0], "english", "ryan", non_streaming=False)),
+            bf16_rounded(b.build(ids[1], "english", "aiden", non_streaming=True)),
+            bf16_rounded(b.build(ids[2], "auto", "eric", non_streaming=False))]
+
+
+def _engine(weights, **kw) -> BatchedEngine:
+    kw.setdefault("max_streams", 4)
+    kw.setdefault("max_positions", 128)
+    return BatchedEngine(weights, **kw)
+
+
+@pytest.mark.slow
+def test_greedy_codes_equal_torch_engine_alone_and_in_batch(weights, prompts):
+    """fp32 KV: the engine's greedy codes are TorchEngine's (fp32 over the same bf16 weights)
+    for 20 frames, each prompt alone and all three (plus a sampled neighbour) in one step."""
+    frames = 20
+    ref = TorchEngine(bf16_rounded(weights), max_streams=1, max_positions=128)
+    eng = _engine(weights, kv_dtype=torch.float32)
+    want = []
+    for p in prompts:
+        want.append(step_codes(ref, [0], frames, (Admission(0, p, GREEDY),))[0])
+        np.testing.assert_array_equal(step_codes(eng, [0], frames, (Admission(0, p, GREEDY),))[0], want[-1])
+    admit = tuple(Admission(s, p, GREEDY) for s, p in zip((3, 0, 2), prompts)) + (
+        Admission(1, random_prompt(1, 9, prompts[0].embeds.shape[1]), SamplingConfig(seed=5)),)
+    got = step_codes(eng, [1, 3, 0, 2], frames, admit)
+    for s, w in zip((3, 0, 2), want):
+        np.testing.assert_array_equal(got[s], w)
+
+
+def test_greedy_check_can_fail(weights, prompts):
+    """Another prompt gives other codes: the equality above is not vacuous."""
+    eng = _engine(weights, kv_dtype=torch.float32)
+    a = step_codes(eng, [0], 4, (Admission(0, prompts[0], GREEDY),))[0]
+    b = step_codes(eng, [0], 4, (Admission(0, prompts[1], GREEDY),))[0]
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32], ids=["bf16-kv", "fp32-kv"])
+def test_sampled_codes_invariant_to_neighbours_slot_and_row(weights, prompts, kv_dtype):
+    """A seeded stream's sampled codes are the same alone and among 1 or 3 others, in other
+    slots and row positions; another seed changes them."""
+    eng = _engine(weights, kv_dtype=kv_dtype)
+    sampling = SamplingConfig(seed=1234, temperature=1.2)
+    res = checks.invariance(eng, prompts[0], sampling, sizes=(1, 2, 4), frames=6, neighbour_len=(5, 30))
+    assert all(r["codes_equal"] for r in res.values()), res
+    assert len({r["slot"] for r in res.values()}) == 3 and len({r["row"] for r in res.values()}) == 3
+    a = step_codes(eng, [0], 6, (Admission(0, prompts[0], SamplingConfig(seed=1234, temperature=1.2)),))[0]
+    b = step_codes(eng, [0], 6, (Admission(0, prompts[0], SamplingConfig(seed=4321, temperature=1.2)),))[0]
+    assert not np.array_equal(a, b)
+
+
+def test_paged_kv_blocks_follow_length_and_come_back(weights, prompts):
+    """Blocks are taken as positions grow (one per block_size positions) and all return on release."""
+    bs = 4
+    eng = _engine(weights, block_size=bs, num_blocks=64)
+    n0 = prompts[1].embeds.shape[0]
+    out = eng.run(StepPlan(admit=(Admission(2, prompts[1], GREEDY),)))
+    assert not out.failed
+    assert eng.blocks_in_use == -(-n0 // bs)
+    for f in range(6):
+        eng.run(StepPlan(decode=(2,)))
+        assert eng.blocks_in_use == -(-(n0 + f + 1) // bs)
+    table = eng.kv.table[2, :eng.blocks_in_use].tolist()
+    assert sorted(table) == sorted(eng.kv.blocks(2)) and 0 not in table
+    eng.release(2)
+    assert eng.blocks_in_use == 0 and not eng.kv.table_host[2].any()
+
+
+def test_slot_without_kv_blocks_fails_alone(weights, prompts):
+    """A pool sized so that one stream runs dry: that slot fails with a clear error, the other's
+    codes are those it gets alone."""
+    bs = 4
+    n_a, n_b = prompts[1].embeds.shape[0], prompts[0].embeds.shape[0]
+    alone = step_codes(_engine(weights, block_size=bs), [1], 3, (Admission(1, prompts[0], GREEDY),))[1]
+    eng = _engine(weights, block_size=bs, num_blocks=1 + -(-n_a // bs) + -(-(n_b + 3) // bs))
+    eng.run(StepPlan(admit=(Admission(0, prompts[1], GREEDY), Admission(1, prompts[0], GREEDY))))
+    assert eng.kv.ensure(1, n_b + 3) and not eng.kv.alloc.free  # slot 1's 3 frames reserved: pool empty
+    errors, got = [], []
+    for _ in range(3):
+        out = eng.run(StepPlan(decode=(0, 1)))
+        errors.append(out.frames[0].error)
+        assert out.frames[1].error is None
+        got.append(out.frames[1].codes)
+    assert any(e is not None and "no KV blocks" in e for e in errors), errors
+    np.testing.assert_array_equal(np.stack(got), alone)
+    eng.release(0)
+    eng.release(1)
+    assert eng.blocks_in_use == 0
+    tiny = _engine(weights, block_size=bs, num_blocks=2)
+    out = tiny.run(StepPlan(admit=(Admission(0, prompts[0], GREEDY),)))
+    assert "no KV blocks" in out.failed[0] and tiny.blocks_in_use == 0
+
+
+def test_non_finite_logits_fail_only_their_slot(weights, prompts):
+    """NaN in one slot's past hidden: that slot reports non-finite code-predictor logits, the
+    other slot's codes are those it gets alone."""
+    alone = step_codes(_engine(weights), [2], 2, (Admission(2, prompts[2], GREEDY),))[2]
+    eng = _engine(weights)
+    eng.run(StepPlan(admit=(Admission(0, prompts[0], GREEDY), Admission(2, prompts[2], GREEDY))))
+    eng.state.past_hidden[0] = float("nan")
+    got = []
+    for f in range(2):
+        out = eng.run(StepPlan(decode=(0, 2)))
+        if f == 0:  # the next frame starts from finite inputs again (the loop releases a failed slot)
+            assert out.frames[0].error == "non-finite code-predictor logits (code group 1)"
+        assert out.frames[1].error is None
+        got.append(out.frames[1].codes)
+    np.testing.assert_array_equal(np.stack(got), alone)
+
+
+def test_context_full_and_bad_admissions_fail_alone(weights, prompts):
+    short, long_ = sorted(prompts, key=lambda p: p.embeds.shape[0])[::2]
+    n = short.embeds.shape[0]
+    assert long_.embeds.shape[0] >= n + 2
+    eng = _engine(weights, max_positions=n + 2)
+    out = eng.run(StepPlan(decode=(0,), admit=(Admission(0, short, GREEDY), Admission(1, long_, GREEDY),
+                                               Admission(9, short, GREEDY))))
+    assert set(out.failed) == {1, 9} and "exceeds" in out.failed[1] and "out of range" in out.failed[9]
+    assert [r.slot for r in out.frames] == [0] and out.frames[0].error is None
+    errs = [eng.run(StepPlan(decode=(0,))).frames[0].error for _ in range(2)]
+    assert errs == [None, "talker context is full"]
+
+
+def test_memory_bytes_counts_what_the_engine_allocates(weights):
+    eng = _engine(weights, max_streams=5, max_positions=100, num_blocks=40, block_size=8)
+    want = BatchedEngine.memory_bytes(5, 100, weights, num_blocks=40, block_size=8)
+    s, f = eng.state, eng.frame
+    got = sum(t.numel() * t.element_size() for t in (
+        eng.kv.k, eng.kv.v, eng.kv.table, s.ints, s.floats, s.seed, s.past_hidden, s.trailing, s.pad_embed,
+        s.seen, f.cp_k, f.cp_v, f.out))
+    assert got + fused_bytes(weights) == want
+
+
+@pytest.mark.gpu
+def test_gpu_invariance_and_fidelity():
+    """The GPU evidence on random full-size weights (the script runs the same with more frames)."""
+    from scripts.gpu_batched_engine import random_weights  # noqa: PLC0415
+
+    w = random_weights("cuda")
+    eng = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True)
+    p = random_prompt(0, 12, 1024, device="cuda")
+    for s in (GREEDY, SamplingConfig(seed=7)):
+        res = checks.invariance(eng, p, s, sizes=(1, 3, 17, 64), frames=64)
+        assert all(r["codes_equal"] and r["logits_equal"] for r in res.values()), res
+    for kv in (torch.bfloat16, torch.float32):
+        e2 = BatchedEngine(w, max_streams=8, max_positions=256, dump_logits=True, kv_dtype=kv)
+        r = checks.teacher_forced(e2, w, [random_prompt(i, 12 + i, 1024, device="cuda") for i in range(8)], 64)
+        assert r["rel_err_max"] <= 1e-2 and r["top1"] >= 0.995, r
