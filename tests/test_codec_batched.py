@@ -1,0 +1,157 @@
+"""The batched codec step against the per-stream and whole-sequence oracles (tiny codec, CPU):
+exactness over 600+ frames, bitwise batch / slot / bucket invariance, priming, reset; GPU tests
+(graph path == eager path, bucket invariance, fp32 exactness) are marked `gpu`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_codec_streaming import TOL, _codes, _make_decoder
+from tts_server.codec import StreamingCodecDecoder
+from tts_server.codec.batched import BatchedCodecDecoder
+from tts_server.codec.offline import decode_full
+
+
+@pytest.fixture(scope="module")
+def dec():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield _make_decoder()
+    torch.set_num_threads(threads)
+
+
+def _run(bd, slot, codes) -> np.ndarray:
+    """codes [T, 16] through one slot, alone in each step -> [T * 1920]."""
+    return np.concatenate([bd.step([slot], codes[i : i + 1]) for i in range(codes.shape[0])], 1)[0]
+
+
+def _together(bd, slots, codes) -> np.ndarray:
+    """codes [S, T, 16], all streams advancing together -> [S, T * 1920]."""
+    return np.concatenate([bd.step(slots, codes[:, i]) for i in range(codes.shape[1])], 1)
+
+
+def test_exact_against_oracles_over_640_frames(dec):
+    n = 640
+    c = torch.stack([_codes(n, seed=10), _codes(n, seed=11), _codes(n, seed=12)])  # [3, T, 16]
+    bd = BatchedCodecDecoder(dec, 4)
+    out = _together(bd, [2, 0, 3], c)
+    sd = StreamingCodecDecoder(dec)
+    st = sd.new_state()
+    oracle = torch.cat([sd.decode(st, c[0, i : i + 1]) for i in range(n)]).numpy()
+    errs = [np.abs(out[i] - decode_full(dec, c[i]).numpy()).max() for i in range(3)]
+    err_oracle = np.abs(out[0] - oracle).max()
+    print(f"\nbatched vs whole-sequence: {max(errs):.2e}, vs streaming oracle: {err_oracle:.2e}")
+    assert out.dtype == np.float32 and out.shape == (3, n * 1920)
+    assert bd.num_frames(2) == n and bd.num_frames(1) == 0
+    assert max(errs) < TOL and err_oracle < TOL
+    assert np.abs(out[0] - out[1]).max() > 0.1  # streams differ, so the bound means something
+
+
+def test_bitwise_batch_slot_and_bucket_invariance(dec):
+    n = 90  # past the 72-frame window, so the K/V ring wraps
+    a, others = _codes(n, seed=40), torch.stack([_codes(n, seed=41 + i) for i in range(6)])
+    bd = BatchedCodecDecoder(dec, 8, buckets=(1, 2, 4, 8))
+    alone = _run(bd, 0, a)
+    for slot in range(8):
+        bd.reset(slot)
+    mixed = _together(bd, [5, 1, 7, 2, 0], torch.cat([others[:4], a[None]]))[-1]  # B=5 -> bucket 8
+    assert np.array_equal(mixed, alone)
+    # join late and leave early: the batch around `a` changes every few frames
+    for slot in range(8):
+        bd.reset(slot)
+    out, live = [], [3]
+    for i in range(n):
+        extra = [s for s in (6, 4, 1, 0, 2, 5) if (i // 7 + s) % 3]
+        slots = extra + live
+        cc = torch.cat([others[: len(extra), i], a[i : i + 1]])
+        out.append(bd.step(slots, cc)[-1])
+    assert np.array_equal(np.concatenate(out), alone)
+
+
+def test_priming_with_reference_codes(dec):
+    ref, new = _codes(150, seed=20), _codes(120, seed=21)
+    full = decode_full(dec, torch.cat([ref, new])).numpy()
+    bd = BatchedCodecDecoder(dec, 3)
+    bd.step([1], new[:1])  # leave stale state in the slot: reset must clear it
+    bd.reset(1, ref_codes=ref)
+    assert bd.num_frames(1) == 150
+    out = _together(bd, [2, 1], torch.stack([_codes(120, seed=22), new]))[1]
+    err = np.abs(out - full[150 * 1920 :]).max()
+    print(f"\npriming: max abs err {err:.2e}")
+    assert err < TOL
+
+
+def test_reset_gives_fresh_bytes(dec):
+    a = _codes(30, seed=60)
+    bd = BatchedCodecDecoder(dec, 2)
+    first = _run(bd, 1, a)
+    bd.reset(1)
+    assert np.array_equal(_run(bd, 1, a), first)
+
+
+def test_corrupted_state_is_detected(dec):
+    a = _codes(100, seed=70)
+    ref = decode_full(dec, a).numpy()
+    bd = BatchedCodecDecoder(dec, 2)
+    head = _run(bd, 0, a[:80])
+    bd._kc[-1][0] += 0.5 * torch.randn(bd._kc[-1][0].shape, generator=torch.Generator().manual_seed(1))
+    tail = _run(bd, 0, a[80:])
+    err = np.abs(np.concatenate([head, tail]) - ref).max()
+    assert np.abs(head - ref[: 80 * 1920]).max() < TOL
+    assert err > 100 * TOL
+
+
+def test_bad_calls_rejected(dec):
+    bd = BatchedCodecDecoder(dec, 2)
+    with pytest.raises(ValueError):
+        bd.step([0, 0], torch.zeros(2, 16, dtype=torch.long))  # duplicate slot
+    with pytest.raises(ValueError):
+        bd.step([2], torch.zeros(1, 16, dtype=torch.long))  # out of range
+    with pytest.raises(ValueError):
+        bd.step([0], torch.zeros(2, 16, dtype=torch.long))  # shape
+    with pytest.raises(ValueError):
+        BatchedCodecDecoder(dec, 4, buckets=(1, 2))  # largest bucket below max_slots
+
+
+def test_memory_estimate_covers_state(dec):
+    bd = BatchedCodecDecoder(dec, 5)
+    est = BatchedCodecDecoder.memory_bytes(dec.config, 5, torch.float32)
+    assert bd.buckets == [1, 2, 4, 8]
+    assert bd.state_bytes <= est
+    assert BatchedCodecDecoder.memory_bytes(dec, 5, torch.float32) == est
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_dec(dec):
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return _make_decoder().cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_graph_equals_eager_and_buckets_are_invariant(gpu_dec, dtype):
+    n = 80
+    a, others = _codes(n, seed=80), torch.stack([_codes(n, seed=81 + i) for i in range(20)])
+    graph = BatchedCodecDecoder(gpu_dec, 32, dtype=dtype)
+    eager = BatchedCodecDecoder(gpu_dec, 32, dtype=dtype, use_graphs=False)
+    alone = _run(graph, 0, a)
+    assert np.array_equal(_run(eager, 9, a), alone)
+    for slot in range(32):
+        graph.reset(slot)
+    mixed = _together(graph, list(range(11, 31)) + [31], torch.cat([others, a[None]]))[-1]  # bucket 32
+    assert np.array_equal(mixed, alone)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_exact(gpu_dec):
+    n = 640
+    c = _codes(n, seed=90)
+    ref = decode_full(gpu_dec, c).cpu().numpy()
+    bd = BatchedCodecDecoder(gpu_dec, 2, dtype=torch.float32)
+    err = np.abs(_run(bd, 1, c) - ref).max()
+    print(f"\nGPU fp32 batched vs whole-sequence: {err:.2e}")
+    assert err < TOL

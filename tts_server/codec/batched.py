@@ -1,0 +1,261 @@
+"""Batched streaming codec decode: one step advances B slots by exactly one frame each,
+(slots[B], codes[B, 16]) -> PCM [B, 1920], from slot-pooled device state, replayed from a CUDA
+graph per batch bucket; a row's samples depend only on its own stream's codes."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as qm
+
+from . import kernels as K
+from .plan import Gemm, build_plan
+
+__all__ = ["BatchedCodecDecoder"]
+
+
+def _tree_sum(e: torch.Tensor) -> torch.Tensor:
+    """[B, Q, D] -> [B, D] by pairwise halving (a fixed order for every batch size)."""
+    while e.shape[1] > 1:
+        h = e.shape[1] // 2
+        s = e[:, :h] + e[:, h : 2 * h]
+        e = torch.cat((s, e[:, 2 * h :]), 1) if e.shape[1] % 2 else s
+    return e[:, 0]
+
+
+class BatchedCodecDecoder:
+    """Slot-pooled, batch-invariant streaming decoder over a shared, read-only qwen-tts
+    `Qwen3TTSTokenizerV2Decoder` (weights are copied into GEMM layout once, in `dtype`).
+    `kernels`: "triton" (default on CUDA) or "torch" (reference ops; the only choice on CPU)."""
+
+    def __init__(self, decoder, max_slots: int, *, dtype=None, buckets=None, use_graphs=None,
+                 kernels: str | None = None):
+        p = decoder.pre_conv.conv.weight
+        self.device = p.device
+        cuda = self.device.type == "cuda"
+        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        self.max_slots = int(max_slots)
+        if self.max_slots < 1:
+            raise ValueError("max_slots must be >= 1")
+        cfg = decoder.config
+        self.sample_rate = int(getattr(cfg, "output_sample_rate", None) or 24000)
+        self.samples_per_frame = int(decoder.total_upsample)
+        self.num_quantizers = int(cfg.num_quantizers)
+        kernels = kernels or ("triton" if cuda and K.HAS_TRITON else "torch")
+        self._triton = kernels == "triton"
+        if self._triton and not (cuda and K.HAS_TRITON):
+            raise ValueError("triton kernels need CUDA and triton")
+        if buckets is None:
+            buckets, b = [], 1
+            while True:
+                buckets.append(b)
+                if b >= self.max_slots:
+                    break
+                b *= 2
+        self.buckets = sorted(set(int(b) for b in buckets))
+        if self.buckets[-1] < self.max_slots:
+            raise ValueError("the largest bucket must hold max_slots rows")
+        self.plan = build_plan(decoder, self.dtype)
+        pl = self.plan
+        rows = self.max_slots + 1  # + one scratch row that padding rows read and write
+        self._scratch = self.max_slots
+        z = dict(device=self.device, dtype=self.dtype)
+        kv_shape = (rows, pl.kv_heads, pl.window - 1, pl.head_dim)
+        self._kc = [torch.zeros(kv_shape, **z) for _ in pl.layers]
+        self._vc = [torch.zeros(kv_shape, **z) for _ in pl.layers]
+        self._hist = [torch.zeros(rows, h, c, **z) for h, c in pl.states]
+        self._nf = torch.zeros(rows, dtype=torch.long, device=self.device)
+        nb = self.buckets[-1]
+        self._idx = torch.full((nb,), self._scratch, dtype=torch.long, device=self.device)
+        self._codes = torch.zeros(nb, self.num_quantizers, dtype=torch.long, device=self.device)
+        self._idx_host = torch.empty(nb, dtype=torch.long, pin_memory=cuda)
+        self._qar = torch.arange(self.num_quantizers, device=self.device)
+        self._ones = torch.ones(nb, dtype=torch.long, device=self.device)
+        inv = pl.rotary.inv_freq.detach().float().to(self.device)
+        self._inv_freq, self._rope_scale = inv, float(pl.rotary.attention_scaling)
+        self.state_bytes = sum(t.numel() * t.element_size()
+                               for t in self._kc + self._vc + self._hist + [self._nf])
+        self._graphs: dict[int, tuple] = {}
+        self.capture_s = 0.0
+        self.graph_memory_bytes = 0
+        self.use_graphs = cuda if use_graphs is None else bool(use_graphs)
+        if self.use_graphs:
+            if not cuda:
+                raise ValueError("CUDA graphs need a CUDA decoder")
+            self._capture()
+
+    # --------------------------------------------------------------------------------------------
+    @staticmethod
+    def memory_bytes(decoder_config_or_decoder, max_slots: int, dtype) -> int:
+        """Estimated device bytes: slot state for max_slots + 1 rows, the largest bucket's
+        activations in the graph pool (about 6 live [rows, 1920, C_last] tensors) and the output."""
+        cfg = getattr(decoder_config_or_decoder, "config", decoder_config_or_decoder)
+        elt = torch.empty(0, dtype=dtype).element_size()
+        rows = max_slots + 1
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.sliding_window - 1) * cfg.head_dim
+        n_blocks = len(cfg.upsample_rates)
+        conv = 2 * cfg.codebook_dim + 6 * cfg.latent_dim * (len(cfg.upsampling_ratios) + 1)
+        for i in range(n_blocks):
+            conv += cfg.decoder_dim // 2**i + 78 * (cfg.decoder_dim // 2 ** (i + 1))
+        conv += 6 * (cfg.decoder_dim // 2**n_blocks)
+        spf = int(np.prod(list(cfg.upsample_rates) + list(cfg.upsampling_ratios)))
+        bucket = 1 << (max_slots - 1).bit_length()
+        act = bucket * (6 * spf * (cfg.decoder_dim // 2**n_blocks) * elt + 4 * spf)
+        return rows * (kv + conv) * elt + rows * 8 + act
+
+    def reset(self, slot: int, ref_codes=None) -> None:
+        """Admission: zero the slot's state; ref_codes [R, 16] are then decoded through it one
+        frame at a time as left context (their audio is discarded)."""
+        self._check_slots([slot])
+        with torch.inference_mode():
+            for t in self._kc + self._vc + self._hist:
+                t[slot].zero_()
+            self._nf[slot] = 0
+            if ref_codes is not None:
+                ref = torch.as_tensor(ref_codes).to(self.device, torch.long)
+                if ref.dim() != 2 or ref.shape[1] != self.num_quantizers:
+                    raise ValueError(f"ref_codes must be [R, {self.num_quantizers}]")
+                for i in range(ref.shape[0]):
+                    self._run([slot], ref[i : i + 1])
+
+    def step(self, slots: Sequence[int], codes) -> np.ndarray:
+        """codes [B, 16] int64 (numpy or torch, any device) -> float32 numpy [B, 1920]; row i is
+        the next frame of slot slots[i] (each slot at most once), clamped to [-1, 1]."""
+        slots = [int(s) for s in slots]
+        self._check_slots(slots)
+        codes = torch.as_tensor(codes)
+        if codes.shape != (len(slots), self.num_quantizers):
+            raise ValueError(f"codes must be [{len(slots)}, {self.num_quantizers}], got {tuple(codes.shape)}")
+        with torch.inference_mode():
+            out = self._run(slots, codes)
+            return out[: len(slots)].cpu().numpy()
+
+    def num_frames(self, slot: int) -> int:
+        """Frames decoded through `slot` since its reset (a host sync; for tests and logs)."""
+        return int(self._nf[slot].item())
+
+    # --------------------------------------------------------------------------------------------
+    def _check_slots(self, slots: list[int]) -> None:
+        if not slots or len(slots) > self.max_slots:
+            raise ValueError(f"1..{self.max_slots} slots per step, got {len(slots)}")
+        if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= self.max_slots:
+            raise ValueError(f"slots must be distinct, in [0, {self.max_slots}): {slots}")
+
+    def _run(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
+        """Fill the static inputs (rows past B point at the scratch slot), replay -> [Bp, spf]."""
+        b = len(slots)
+        bp = next(x for x in self.buckets if x >= b)
+        self._idx_host[:b] = torch.tensor(slots, dtype=torch.long)
+        self._idx_host[b:bp] = self._scratch
+        self._idx[:bp].copy_(self._idx_host[:bp], non_blocking=True)
+        self._codes[:b].copy_(codes)
+        self._codes[b:bp].zero_()
+        if self.use_graphs:
+            graph, out = self._graphs[bp]
+            graph.replay()
+            return out
+        return self._forward(self._idx[:bp], self._codes[:bp])
+
+    def _capture(self) -> None:
+        """Compile, warm and capture every bucket (largest first, one shared memory pool);
+        only the scratch slot is touched."""
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        self._idx.fill_(self._scratch)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode():
+            with torch.cuda.stream(side):
+                for bp in self.buckets:
+                    self._forward(self._idx[:bp], self._codes[:bp])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            for bp in sorted(self.buckets, reverse=True):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._forward(self._idx[:bp], self._codes[:bp])
+                self._graphs[bp] = (g, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
+
+    # --------------------------------------------------------------------------------------------
+    def _gemm(self, g: Gemm, x: torch.Tensor, idx: torch.Tensor, res=None, out_dtype=None):
+        """One GEMM stage on x [B, L, Cin] (history prepended from, and written back to, the
+        slots' state) -> [B, L * up, N / up]."""
+        b, n = x.shape[0], x.shape[1]
+        if g.hist:
+            st = self._hist[g.state]
+            x = torch.cat((st.index_select(0, idx), x), 1)  # [B, hist + L, Cin]
+            st.index_copy_(0, idx, x[:, -g.hist :])
+        out = torch.empty(b * n, g.w.shape[1], device=x.device, dtype=out_dtype or self.dtype)
+        K.gemm(x, g.w, out, tout=n, taps=g.taps, dil=g.dil, bias=g.bias, act=g.act, scale=g.scale,
+               res=None if res is None else res.reshape(b * n, -1), snake=g.snake,
+               triton_ok=self._triton)
+        return out.view(b, n * g.up, -1)
+
+    def _norm(self, x, w, eps, b=None, layer=False):
+        return K.rownorm(x, w, b, eps, layer=layer, triton_ok=self._triton)
+
+    def _convnext(self, cx: dict, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv (fixed tap order) -> LayerNorm -> pw1 + GELU -> pw2 * gamma
+        + x: [B, L, C] -> [B, L, C]."""
+        b, n, c = x.shape
+        st, h, d = self._hist[cx["dw_state"]], cx["dw_hist"], cx["dw_dil"]
+        xc = torch.cat((st.index_select(0, idx), x), 1)
+        st.index_copy_(0, idx, xc[:, -h:])
+        w = cx["dw_w"]
+        acc = xc[:, 0:n].float() * w[0]
+        for j in range(1, w.shape[0]):
+            acc = acc + xc[:, j * d : j * d + n].float() * w[j]
+        acc = acc + cx["dw_b"]
+        y = self._norm(acc.reshape(b * n, c), cx["norm"][0], cx["norm"][2], cx["norm"][1], layer=True)
+        t = self._gemm(cx["pw1"], y.to(self.dtype).view(b, n, c), idx)
+        return self._gemm(cx["pw2"], t, idx, res=x)
+
+    def _forward(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """idx [B] slot rows, codes [B, Q] -> PCM [B, spf] fp32; advances those slots by one frame."""
+        pl, b = self.plan, idx.shape[0]
+        hd, nh, nkv = pl.head_dim, pl.heads, pl.kv_heads
+        codes = codes.clamp(0, pl.tables.shape[1] - 1)
+        e = _tree_sum(pl.tables[self._qar[None], codes])  # [B, D] fp32
+        if pl.table_bias is not None:
+            e = e + pl.table_bias
+        x = self._gemm(pl.pre_conv, e.to(self.dtype)[:, None], idx)  # [B, 1, latent]
+        h = self._gemm(pl.input_proj, x, idx).view(b, -1)  # [B, hidden]
+        freqs = self._nf[idx].float()[:, None] * self._inv_freq[None]  # [B, hd/2]
+        emb = torch.cat((freqs, freqs), -1)[:, None]  # [B, 1, hd]
+        cos = (emb.cos() * self._rope_scale).to(self.dtype)
+        sin = (emb.sin() * self._rope_scale).to(self.dtype)
+        for i, ly in enumerate(pl.layers):
+            y = self._norm(h, *ly["norm1"])
+            qkv = self._gemm(ly["qkv"], y[:, None], idx).view(b, -1)  # [B, (H + 2 Hkv) * hd]
+            q = qkv[:, : nh * hd].view(b, nh, 1, hd)
+            k = qkv[:, nh * hd : (nh + nkv) * hd].view(b, nkv, 1, hd)
+            v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
+            q, k = qm.apply_rotary_pos_emb(q, k, cos, sin)
+            o = K.attention(q[:, :, 0], k[:, :, 0], v, self._kc[i], self._vc[i], idx, self._nf,
+                            hd**-0.5, triton_ok=self._triton)  # [B, H, hd]
+            h = self._gemm(ly["o"], o.reshape(b, 1, -1), idx, res=h).view(b, -1)
+            y = self._norm(h, *ly["norm2"])
+            gu = self._gemm(ly["gate_up"], y[:, None], idx).view(b, -1)
+            half = gu.shape[1] // 2
+            a = F.silu(gu[:, :half]) * gu[:, half:]
+            h = self._gemm(ly["down"], a[:, None], idx, res=h).view(b, -1)
+        h = self._norm(h, *pl.norm)
+        x = self._gemm(pl.output_proj, h[:, None], idx)  # [B, 1, latent]
+        for tconv, cx in pl.upsample:
+            x = self._convnext(cx, self._gemm(tconv, x, idx), idx)
+        x = self._gemm(pl.conv0, x, idx)
+        for tconv, units in pl.blocks:
+            x = self._gemm(tconv, x, idx)
+            for c1, c2 in units:
+                x = self._gemm(c2, self._gemm(c1, x, idx), idx, res=x)
+        y = self._gemm(pl.final, x, idx, out_dtype=torch.float32)  # [B, spf, 1]
+        self._nf.index_add_(0, idx, self._ones[:b])
+        return y.view(b, -1).clamp_(-1, 1)
