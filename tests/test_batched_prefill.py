@@ -1,0 +1,67 @@
+"""Batched prefill (engines/batched/prefill_rows.py): the same function as the one-prompt PyTorch
+prefill, and bitwise the same for a prompt alone or beside other prompts (CPU, tiny model)."""
+
+from __future__ import annotations
+
+import torch
+
+from tts_server.engines.batched.engine import BatchedEngine
+from tts_server.engines.batched.prefill import prefill
+from tts_server.engines.batched.prefill_rows import prefill_rows
+from tts_server.model.weights import decode_weights
+
+
+def _engine(tiny_custom, kv_dtype=torch.float32):
+    return BatchedEngine(decode_weights(tiny_custom.model), max_streams=4, max_positions=96,
+                         block_size=8, kv_dtype=kv_dtype)
+
+
+def _run(eng, prompts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Prefill {slot: embeds [L, H]} in one batch -> last hidden per prompt [A, H]."""
+    xs, slots, pos, last, n = [], [], [], [], 0
+    for slot, x in prompts.items():
+        assert eng.kv.ensure(slot, x.shape[0])
+        xs.append(x)
+        slots += [slot] * x.shape[0]
+        pos += list(range(x.shape[0]))
+        n += x.shape[0]
+        last.append(n - 1)
+    eng.kv.sync()
+    t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return prefill_rows(eng.p.talker, eng.kv, torch.cat(xs), t(slots), t(pos), t(last))
+
+
+def _kv(eng, slot, length):
+    blocks = eng.kv.blocks(slot)
+    bs = eng.kv.block_size
+    k = torch.cat([eng.kv.k[:, b] for b in blocks], dim=2)[:, :, :length]  # [layers, NKV, L, HD]
+    v = torch.cat([eng.kv.v[:, b] for b in blocks], dim=2)[:, :, :length]
+    assert k.shape[2] == length and bs * len(blocks) >= length
+    return k, v
+
+
+def test_batched_prefill_matches_the_one_prompt_prefill(tiny_custom):
+    h = tiny_custom.model.talker.config.hidden_size
+    x = torch.randn(21, h, generator=torch.Generator().manual_seed(0))
+    a, b = _engine(tiny_custom), _engine(tiny_custom)
+    got = _run(a, {2: x})[0]
+    assert b.kv.ensure(2, 21)
+    want = prefill(b.p.talker, x, b.kv.k, b.kv.v, torch.tensor(b.kv.blocks(2)))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+    for ga, wa in zip(_kv(a, 2, 21), _kv(b, 2, 21)):
+        assert torch.allclose(ga, wa, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_prefill_is_invariant_to_the_other_prompts(tiny_custom):
+    h = tiny_custom.model.talker.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    x, y, z = torch.randn(13, h, generator=g), torch.randn(30, h, generator=g), torch.randn(5, h, generator=g)
+    alone = _engine(tiny_custom, torch.bfloat16)
+    h_alone = _run(alone, {1: x})
+    crowd = _engine(tiny_custom, torch.bfloat16)
+    h_crowd = _run(crowd, {3: y, 0: z, 1: x})  # x last, beside longer and shorter prompts
+    assert torch.equal(h_crowd[2], h_alone[0])
+    for a, b in zip(_kv(crowd, 1, 13), _kv(alone, 1, 13)):
+        assert torch.equal(a, b)
+    other = _engine(tiny_custom, torch.bfloat16)
+    assert not torch.equal(_run(other, {1: y[:13]})[0], h_alone[0])  # the check can fail
