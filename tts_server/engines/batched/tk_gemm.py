@@ -9,15 +9,19 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMM kind; overridable for benchmarks.
-# Chosen from N and K alone: the same tile for every M keeps each row's reduction order fixed.
-CONFIG = {"linear": (16, 32, 128, 4, 4), "swiglu": (16, 32, 128, 4, 4)}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SPLIT_K_CHUNK = 1024  # K > this is split into fixed chunks of ceil(K / chunk) (from K alone)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, K chunk, x terms) per GEMM kind, chosen from
+# (kind, N, K) alone: the same tile for every M keeps each row's reduction order fixed. K > chunk
+# is split into ceil(K / chunk) fixed pieces summed in order (swiglu never splits: silu needs the
+# full sum). x terms: fp32 x as 2 (hi + lo) or 3 bf16 parts. OVERRIDE is for benchmark sweeps.
+DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4, 1 << 30, 2)}
+TUNED: dict[tuple[str, int, int], tuple] = {}
+OVERRIDE: dict[str, tuple] = {}
 
 
-def _split_k(k: int) -> int:
-    return triton.cdiv(k, SPLIT_K_CHUNK)
+def config(kind: str, n: int, k: int) -> tuple:
+    return OVERRIDE.get(kind) or TUNED.get((kind, n, k)) or DEFAULT[kind]
 
 
 @triton.jit
@@ -29,10 +33,11 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                  stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     # x [M, K] fp32; w, w2 [N, K] bf16; out [SPLIT, M, N] fp32 (split s covers K range s*K_PER_SPLIT..)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -51,21 +56,27 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                      mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
         x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
         x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        if TERMS == 3:
+            x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
         wmask = kmask[:, None] & (rn < N)[None, :]
         wk = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
         acc = _dot(x_hi, wk, acc, INTERPRET)
         acc = _dot(x_lo, wk, acc, INTERPRET)
+        if TERMS == 3:
+            acc = _dot(x_l2, wk, acc, INTERPRET)
         if SWIGLU:
             wk2 = tl.load(w2_ptr + rn[None, :] * stride_w2n + kk[:, None], mask=wmask, other=0.0)
             acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
             acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+            if TERMS == 3:
+                acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     omask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     # part [SPLIT, M*N] fp32 -> out [M*N] fp32, summed in split order 0..SPLIT-1
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -85,8 +96,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Te
     n = w.shape[0]
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
-    bm, bn, bk, warps, stages = CONFIG["swiglu" if swiglu else "linear"]
-    split = 1 if swiglu else _split_k(k)  # silu needs the full sum; swiglu's K is the hidden size
+    bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k)
+    split = 1 if swiglu else triton.cdiv(k, chunk)
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per)
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
@@ -94,7 +105,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Te
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       INTERPRET=_INTERPRET,
+                       TERMS=terms, INTERPRET=_INTERPRET,
                        num_warps=warps, num_stages=stages)
     if split > 1:
         blk = 1024

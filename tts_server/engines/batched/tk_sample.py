@@ -4,9 +4,14 @@ hash RNG identical to ops_ref's (seed, counter, stream, token id)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -56,7 +61,8 @@ def _order_key(x):
 
 @triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
-                   fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr):
+                   fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     # one program per row b: logits[b, :V] -> code[b] int32, finite[b] uint8
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
@@ -108,7 +114,11 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
     h = _mix32(h ^ STREAM)
     r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
     u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
-    score = s.to(tl.float64) - tl.log(-tl.log(u))
+    if INTERPRET:  # the interpreter has no libdevice; numpy's fp64 log there
+        g = -tl.log(-tl.log(u))
+    else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
+        g = -libdevice.log(-libdevice.log(u))
+    score = s.to(tl.float64) + g
     drawn = tl.argmax(score, axis=0, tie_break_left=True)
     code = tl.where(tl.load(ds_ptr + b) != 0, drawn, greedy)
     tl.store(code_ptr + b, code.to(tl.int32))
@@ -124,5 +134,5 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
     _sample_kernel[(b,)](logits, do_sample.contiguous(), temperature.contiguous(), top_k.contiguous(),
                          top_p.contiguous(), seed.contiguous(), counter.contiguous(), codes, fin, v,
                          logits.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
-                         num_warps=8)
+                         INTERPRET=_INTERPRET, num_warps=8)
     return codes, fin.view(torch.bool)
