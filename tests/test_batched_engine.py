@@ -167,9 +167,7 @@ def test_memory_bytes_counts_what_the_engine_allocates(weights):
 @pytest.mark.gpu
 def test_gpu_invariance_and_fidelity():
     """The GPU evidence on random full-size weights (the script runs the same with more frames)."""
-    from scripts.gpu_batched_engine import random_weights  # noqa: PLC0415
-
-    w = random_weights("cuda")
+    w = checks.random_weights("cuda")
     eng = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True)
     p = random_prompt(0, 12, 1024, device="cuda")
     for s in (GREEDY, SamplingConfig(seed=7)):

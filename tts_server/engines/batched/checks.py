@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ...api import SamplingConfig
 from ...model.lm import KVCache, lm_forward
 from ...model.prompt import Prompt
-from ...model.weights import DecodeWeights
+from ...model.weights import CodecIds, DecodeWeights, LayerWeights, LMConfig, LMWeights
 from ..contract import Admission, StepPlan
 from .engine import BatchedEngine
 
@@ -29,6 +29,27 @@ def bf16_rounded(obj, dtype: torch.dtype = torch.float32):
     if is_dataclass(obj):
         return replace(obj, **{f.name: bf16_rounded(getattr(obj, f.name), dtype) for f in fields(obj)})
     return obj
+
+
+def random_weights(device="cuda", seed: int = 0, layers: tuple[int, int] = (28, 5)) -> DecodeWeights:
+    """Seeded random bf16 tensors with the 0.6B decode shapes (no qwen-tts needed): matrices
+    N(0, 0.02), norm weights N(1, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    h, nh, nkv, hd, inter = 1024, 16, 8, 128, 3072
+
+    def t(*shape, std=0.02, mean=0.0):
+        return (torch.randn(*shape, generator=g) * std + mean).to(device, torch.bfloat16)
+
+    def stack(n):
+        norm = lambda d: t(d, std=0.1, mean=1.0)  # noqa: E731
+        return LMWeights(LMConfig(n, h, nh, nkv, hd, inter, 1e-6, 1e6), tuple(
+            LayerWeights(norm(h), t(nh * hd, h), t(nkv * hd, h), t(nkv * hd, h), norm(hd), norm(hd),
+                         t(h, nh * hd), norm(h), t(inter, h), t(inter, h), t(h, inter)) for _ in range(n)), norm(h))
+
+    ids = CodecIds(vocab_size=3072, eos=2150, pad=2148, bos=2149, suppress_start=2048, num_code_groups=16,
+                   predictor_vocab_size=2048)
+    return DecodeWeights(stack(layers[0]), t(3072, h), t(3072, h), stack(layers[1]),
+                         tuple(t(2048, h) for _ in range(15)), tuple(t(2048, h) for _ in range(15)), None, ids)
 
 
 def random_prompt(seed: int, length: int, hidden: int, n_trailing: int = 8, device="cpu",
