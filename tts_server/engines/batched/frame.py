@@ -1,7 +1,7 @@
 """One decode frame for B slots at once over device state: 15 code-predictor passes, the talker
 step, both draws and the state commit. No host sync and fixed shapes for a given B, so a CUDA graph
 can capture it. Every cross-row reduction goes through the batch-invariant `ops`; the glue here is
-gathers, scatters and elementwise math (row-local by construction)."""
+gathers, scatters, elementwise math and the row-local fused glue (glue.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ...model.lm import rope_cos_sin
-from . import ops
+from . import glue, ops
 from .kv_pool import PagedKV
 from .params import FrameParams, StackParams
 from .state import (CODE0, DO_SAMPLE, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENALTY, POS, SUB_DO_SAMPLE,
@@ -21,28 +21,20 @@ from .state import (CODE0, DO_SAMPLE, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENA
 TALKER_BAD_BIT = 15
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [M, heads, HD]; cos/sin [M or 1, HD] -> rotate-half RoPE (as model.lm.apply_rope)."""
-    half = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
-
-
-def layer(x: torch.Tensor, sp: StackParams, i: int, cos: torch.Tensor, sin: torch.Tensor,
-          write_kv: Callable, attend: Callable) -> torch.Tensor:
-    """One pre-norm decoder layer over rows x [M, H] fp32 -> [M, H] fp32. write_kv(k, v) stores
-    this step's k/v [M, NKV, HD]; attend(q [M, NH, HD]) -> [M, NH, HD]."""
+def stack_forward(x: torch.Tensor, sp: StackParams, cos: torch.Tensor, sin: torch.Tensor, k_pools: torch.Tensor,
+                  v_pools: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, attend: Callable) -> torch.Tensor:
+    """All layers of a stack over rows x [M, H] fp32 -> final-normed hidden [M, H] fp32. Row m's
+    k/v go to k_pools[layer][blk[m], :, off[m]]; attend(layer, q [M, NH, HD]) -> [M, NH, HD]."""
     cfg = sp.cfg
     m, nh, nkv, hd, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    qkv = ops.linear(ops.rms_norm(x, sp.in_norm[i], eps), sp.wqkv[i])  # [M, (NH + 2 NKV) HD]
-    qd, kd = sp.q_dim, sp.kv_dim
-    q = ops.rms_norm(qkv[:, :qd].reshape(m * nh, hd), sp.q_norm[i], eps).view(m, nh, hd)
-    k = ops.rms_norm(qkv[:, qd:qd + kd].reshape(m * nkv, hd), sp.k_norm[i], eps).view(m, nkv, hd)
-    v = qkv[:, qd + kd:].reshape(m, nkv, hd)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    write_kv(k, v)
-    x = x + ops.linear(attend(q).reshape(m, nh * hd), sp.wo[i])
-    h = ops.rms_norm(x, sp.post_norm[i], eps)
-    return x + ops.linear(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i])
+    h = ops.rms_norm(x, sp.in_norm[0], eps)
+    for i in range(cfg.num_layers):
+        q = glue.qk_rope_store(ops.linear(h, sp.wqkv[i]), sp.q_norm[i], sp.k_norm[i], cos, sin, k_pools[i],
+                               v_pools[i], blk, off, nh, nkv, eps)
+        x, h = glue.add_rms(x, ops.linear(attend(i, q).reshape(m, nh * hd), sp.wo[i]), sp.post_norm[i], eps)
+        nxt = sp.in_norm[i + 1] if i + 1 < cfg.num_layers else sp.final_norm
+        x, h = glue.add_rms(x, ops.linear(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps)
+    return h
 
 
 class FrameStep:
@@ -80,7 +72,9 @@ class FrameStep:
                 lens0=torch.tensor([1, 2], dtype=torch.int32, device=dev).repeat(b),  # causal: 1, 2 keys
                 table=rows[:, None].contiguous(),
                 lens=[torch.full((b,), k + 2, dtype=torch.int32, device=dev) for k in range(self.p.num_passes)],
-                cos0=self.cp_cos[:2].repeat(b, 1), sin0=self.cp_sin[:2].repeat(b, 1))
+                cos0=self.cp_cos[:2].repeat(b, 1), sin0=self.cp_sin[:2].repeat(b, 1),
+                blk0=torch.arange(b, device=dev).repeat_interleave(2), off0=torch.tensor([0, 1], device=dev).repeat(b),
+                blk=torch.arange(b, device=dev), off=[torch.full((b,), k + 1, device=dev) for k in range(self.p.num_passes)])
         return self._consts[b]
 
     def _cp_in(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,22 +94,11 @@ class FrameStep:
             first = k == 0
             cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
             table, lens = (c["table0"], c["lens0"]) if first else (c["table"], c["lens"][k])
-            for i in range(cfg.num_layers):
-                ck, cv = self.cp_k[i], self.cp_v[i]
-
-                def write_kv(kk, vv, ck=ck, cv=cv, first=first, k=k):
-                    if first:
-                        ck[:b, :, 0:2] = kk.view(b, 2, *kk.shape[1:]).transpose(1, 2)
-                        cv[:b, :, 0:2] = vv.view(b, 2, *vv.shape[1:]).transpose(1, 2)
-                    else:
-                        ck[:b, :, k + 1] = kk
-                        cv[:b, :, k + 1] = vv
-
-                x = layer(x, sp, i, cos, sin, write_kv,
-                          lambda q, ck=ck, cv=cv, table=table, lens=lens: ops.paged_attention(
-                              q, ck, cv, table, lens, scale))
-            last = x.view(b, 2, -1)[:, 1].contiguous() if first else x
-            logits = ops.linear(ops.rms_norm(last, sp.final_norm, cfg.rms_norm_eps), p.predictor_heads[k])
+            blk, off = (c["blk0"], c["off0"]) if first else (c["blk"], c["off"][k])
+            h = stack_forward(x, sp, cos, sin, self.cp_k, self.cp_v, blk, off,
+                              lambda i, q, table=table, lens=lens: ops.paged_attention(
+                                  q, self.cp_k[i], self.cp_v[i], table, lens, scale))
+            logits = ops.linear(h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k])
             if self.dump is not None:
                 self.dump[:b, k, :logits.shape[1]] = logits
             code, finite = ops.sample_tokens(logits, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE],
@@ -138,16 +121,8 @@ class FrameStep:
         off = (pos % kv.block_size).long()
         lens = pos + 1
         scale = cfg.head_dim ** -0.5
-        for i in range(cfg.num_layers):
-            kp, vp = kv.k[i], kv.v[i]
-
-            def write_kv(kk, vv, kp=kp, vp=vp):
-                kp[blk, :, off] = kk.to(kp.dtype)
-                vp[blk, :, off] = vv.to(vp.dtype)
-
-            x = layer(x, sp, i, cos, sin, write_kv,
-                      lambda q, kp=kp, vp=vp: ops.paged_attention(q, kp, vp, table, lens, scale))
-        return ops.rms_norm(x, sp.final_norm, cfg.rms_norm_eps)
+        return stack_forward(x, sp, cos, sin, kv.k, kv.v, blk, off,
+                             lambda i, q: ops.paged_attention(q, kv.k[i], kv.v[i], table, lens, scale))
 
     def __call__(self, rows: torch.Tensor) -> None:
         p, s = self.p, self.s

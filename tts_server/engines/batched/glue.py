@@ -1,0 +1,58 @@
+"""The batched frame's own fused glue: Triton (tk_glue.py) on CUDA tensors or under
+TRITON_INTERPRET=1, the same math in plain torch otherwise. Row-local, so batch-invariant."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [M, heads, HD]; cos/sin [M or 1, HD] -> rotate-half RoPE (as model.lm.apply_rope)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+
+def qk_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blk: torch.Tensor,
+                  off: torch.Tensor, nh: int, nkv: int, eps: float) -> torch.Tensor:
+    """qkv [M, (NH + 2 NKV) HD] fp32; cos/sin [M or 1, HD]; k_pool/v_pool [NB, NKV, BS, HD]; blk/off
+    [M] long -> q [M, NH, HD] fp32 after per-head RMSNorm + RoPE; k (RMSNorm + RoPE) and v of row m
+    stored at pool[blk[m], :, off[m]] in the pool's dtype."""
+    if _use_triton(qkv):
+        from .tk_glue import qk_rope_store as tk
+
+        return tk(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh, nkv, eps)
+    return qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh, nkv, eps)
+
+
+def qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh: int, nkv: int,
+                        eps: float) -> torch.Tensor:
+    m, hd = qkv.shape[0], k_pool.shape[-1]
+    qd, kd = nh * hd, nkv * hd
+    q = ops.rms_norm(qkv[:, :qd].reshape(m * nh, hd), q_norm, eps).view(m, nh, hd)
+    k = ops.rms_norm(qkv[:, qd:qd + kd].reshape(m * nkv, hd), k_norm, eps).view(m, nkv, hd)
+    k_pool[blk, :, off] = _rope(k, cos, sin).to(k_pool.dtype)
+    v_pool[blk, :, off] = qkv[:, qd + kd:].reshape(m, nkv, hd).to(v_pool.dtype)
+    return _rope(q, cos, sin)
+
+
+def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y [M, D] fp32, w [D] fp32 -> (s = x + y, rms_norm(s, w)) [M, D] fp32 each."""
+    if _use_triton(x):
+        from .tk_glue import add_rms as tk
+
+        return tk(x, y, w, eps)
+    return add_rms_torch(x, y, w, eps)
+
+
+def add_rms_torch(x, y, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + y
+    return s, ops.rms_norm(s, w, eps)

@@ -1,0 +1,86 @@
+"""Triton glue of the batched frame (row-local, fixed order, so batch-invariant): per-head q/k
+RMSNorm + RoPE + K/V store in one launch, and residual add + RMSNorm in one launch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cos_stride, q_out_ptr,
+                          k_pool_ptr, v_pool_ptr, blk_ptr, off_ptr, eps,
+                          NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+    # program (m, head): head < NH: q head -> q_out[m, head]; else kv head -> pool[blk[m], kvh, off[m]]
+    m = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hd = 2 * HALF
+    d = tl.arange(0, HALF)
+    row = qkv_ptr + m * (NH + 2 * NKV) * hd
+    src = row + h * hd
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + HALF + d)
+    is_q = h < NH
+    if is_q:
+        w_ptr = qn_ptr
+    else:
+        w_ptr = kn_ptr
+    r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / hd + eps)
+    x1 = tl.load(w_ptr + d) * (x1 * r)
+    x2 = tl.load(w_ptr + HALF + d) * (x2 * r)
+    c1 = tl.load(cos_ptr + m * cos_stride + d)
+    c2 = tl.load(cos_ptr + m * cos_stride + HALF + d)
+    s1 = tl.load(sin_ptr + m * cos_stride + d)
+    s2 = tl.load(sin_ptr + m * cos_stride + HALF + d)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    if is_q:
+        dst = q_out_ptr + (m * NH + h) * hd
+        tl.store(dst + d, y1)
+        tl.store(dst + HALF + d, y2)
+    else:
+        kvh = h - NH
+        blk = tl.load(blk_ptr + m).to(tl.int64)
+        off = tl.load(off_ptr + m).to(tl.int64)
+        base = ((blk * NKV + kvh) * BS + off) * hd
+        ty = k_pool_ptr.dtype.element_ty
+        tl.store(k_pool_ptr + base + d, y1.to(ty))
+        tl.store(k_pool_ptr + base + HALF + d, y2.to(ty))
+        vsrc = row + (NH + NKV + kvh) * hd
+        tl.store(v_pool_ptr + base + d, tl.load(vsrc + d).to(ty))
+        tl.store(v_pool_ptr + base + HALF + d, tl.load(vsrc + HALF + d).to(ty))
+
+
+def qk_rope_store(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh, nkv, eps):
+    """qkv [M, (NH + 2 NKV) HD] fp32; cos/sin [M or 1, HD] fp32; pools [NB, NKV, BS, HD];
+    blk/off [M] int -> q [M, NH, HD] fp32 (normed, roped); k (normed, roped), v stored at
+    pool[blk[m], :, off[m]]."""
+    m = qkv.shape[0]
+    hd = k_pool.shape[-1]
+    q = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
+    cs = 0 if cos.shape[0] == 1 else cos.stride(0)
+    _qk_rope_store_kernel[(m, nh + nkv)](qkv, q_norm, k_norm, cos, sin, cs, q, k_pool, v_pool, blk, off, eps,
+                                         NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2)
+    return q
+
+
+@triton.jit
+def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, D: tl.constexpr, DP2: tl.constexpr):
+    # program m: s = x[m] + y[m]; out[m] = w * s * rsqrt(mean(s^2) + eps)
+    m = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, DP2)
+    mask = d < D
+    s = tl.load(x_ptr + m * D + d, mask=mask, other=0.0) + tl.load(y_ptr + m * D + d, mask=mask, other=0.0)
+    tl.store(sum_ptr + m * D + d, s, mask=mask)
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0)
+    tl.store(out_ptr + m * D + d, w * (s * r), mask=mask)
+
+
+def add_rms(x, y, w, eps):
+    """x, y [M, D] fp32, w [D] fp32 -> (x + y, rms_norm(x + y, w)) both [M, D] fp32."""
+    m, d = x.shape
+    s, out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_kernel[(m,)](x, y, w, s, out, eps, D=d, DP2=triton.next_power_of_2(d))
+    return s, out
