@@ -254,23 +254,84 @@ def gemm_bench(name, kind, n, k, ms, cfg=None):
     return out
 
 
-SWEEP = [(16, 32, 128, 4, 4, 1024, 2), (16, 16, 256, 4, 4, 1024, 2), (16, 64, 128, 4, 4, 1024, 2),
-         (16, 32, 256, 4, 3, 512, 2), (32, 32, 128, 4, 4, 1024, 2), (64, 64, 64, 4, 4, 1024, 2),
-         (64, 32, 128, 4, 4, 1024, 2), (16, 32, 128, 4, 4, 512, 2), (16, 32, 128, 4, 4, 1024, 3),
-         (64, 64, 128, 8, 3, 1024, 2)]
+SWEEP = [(16, 32, 128, 4, 4, 1024, 2), (16, 64, 128, 4, 4, 1024, 2), (16, 32, 128, 4, 4, 512, 2),
+         (16, 32, 256, 4, 3, 512, 2), (32, 64, 128, 4, 4, 1024, 2), (64, 64, 64, 4, 4, 1024, 2),
+         (64, 32, 128, 4, 4, 1024, 2), (64, 64, 128, 4, 3, 1024, 2), (64, 128, 64, 4, 3, 1024, 2),
+         (64, 64, 64, 4, 4, 512, 2)]
+ATTN_SWEEP = [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+
+
+def minimax_pick(table: dict) -> object:
+    """table {cfg: {case: us}} -> the cfg whose worst ratio to the per-case best is smallest."""
+    cases = set.intersection(*[set(v) for v in table.values()])
+    best = {c: min(v[c] for v in table.values()) for c in cases}
+    return min(table, key=lambda cfg: max(table[cfg][c] / best[c] for c in cases))
 
 
 @section("gemm_sweep")
 def gemm_sweep():
-    res = {}
+    """Per shape, every candidate tile at M = 1, 64, 256; the pick (same tile for all M) goes to
+    tk_gemm.TUNED and is what every later section uses."""
+    res, picks = {}, {}
     for name, kind, n, k in GEMMS:
+        table = {}
         for cfg in SWEEP:
             c = cfg if kind == "linear" else cfg[:5] + (1 << 30, cfg[6])
             try:
-                res[f"{name}|{c}"] = gemm_bench(name, kind, n, k, (1, 256), c)
+                r = gemm_bench(name, kind, n, k, (1, 64, 256), c)
+                res[f"{name}|{c}"] = r
+                table[c] = {m: v["us"] for m, v in r.items()}
             except Exception as e:  # a config that does not compile / fit is recorded, not fatal
                 res[f"{name}|{c}"] = {"error": repr(e)[:300]}
+        pick = minimax_pick(table)
+        tk_gemm.TUNED[(kind, n, k)] = pick
+        picks[name] = pick
+    return {"runs": res, "picks": picks}
+
+
+def attn_cases(kvd, cases=((1, 100), (1, 1000), (64, 100), (64, 1000), (256, 100), (256, 1000))):
+    res = {}
+    blk, mb = 64, 16
+    for b, ctx in cases:
+        nb = -(-ctx // blk)
+        per_call = b * nb
+        copies = max(1, min(8, (1 << 30) // (per_call * NKV * blk * HD * 2 * 2) + 1))
+        kp = torch.randn(per_call * copies + 1, NKV, blk, HD, device=DEV).to(kvd)
+        vp = torch.randn_like(kp)
+        q = torch.randn(b, NH, HD, device=DEV)
+        bts = [torch.zeros(b, mb, dtype=torch.int32, device=DEV) for _ in range(copies)]
+        for c in range(copies):
+            bts[c][:, :nb] = (torch.arange(per_call, device=DEV) + 1 + c * per_call).view(b, nb).int()
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        us = bench_graph(lambda i: ops.paged_attention(q, kp, vp, bts[i % copies], lens, 0.08),
+                         max(4, 2 * copies))
+        byt = b * ctx * NKV * HD * 2 * kp.element_size()
+        res[f"B{b}|ctx{ctx}"] = {"us": round(us, 2), "GBps": round(byt / us / 1e3, 1)}
+        del kp, vp
     return res
+
+
+@section("attention_sweep")
+def attention_sweep():
+    from tts_server.engines.batched import tk_attention
+
+    res, picks = {}, {}
+    for kvd in (torch.bfloat16, torch.float32):
+        size = torch.tensor([], dtype=kvd).element_size()
+        table = {}
+        for cfg in ATTN_SWEEP:
+            tk_attention.OVERRIDE[size] = cfg
+            try:
+                r = attn_cases(kvd)
+                res[f"{str(kvd)[6:]}|{cfg}"] = r
+                table[cfg] = {c: v["us"] for c, v in r.items()}
+            except Exception as e:
+                res[f"{str(kvd)[6:]}|{cfg}"] = {"error": repr(e)[:300]}
+            finally:
+                tk_attention.OVERRIDE.pop(size, None)
+        picks[size] = minimax_pick(table)
+        tk_attention.CONFIG[size] = picks[size]
+    return {"runs": res, "picks": picks}
 
 
 @section("gemm")
@@ -281,27 +342,10 @@ def gemm():
 
 @section("attention")
 def attention():
-    res = {}
-    blk, mb = 64, 16
-    for kvd in (torch.bfloat16, torch.float32):
-        for b in (1, 64, 256):
-            for ctx in (100, 1000):
-                nb = -(-ctx // blk)
-                per_call = b * nb
-                copies = max(1, min(8, (1 << 30) // (per_call * NKV * blk * HD * 2 * 2) + 1))
-                kp = torch.randn(per_call * copies + 1, NKV, blk, HD, device=DEV).to(kvd)
-                vp = torch.randn_like(kp)
-                q = torch.randn(b, NH, HD, device=DEV)
-                bts = [torch.zeros(b, mb, dtype=torch.int32, device=DEV) for _ in range(copies)]
-                for c in range(copies):
-                    bts[c][:, :nb] = (torch.arange(per_call, device=DEV) + 1 + c * per_call).view(b, nb).int()
-                lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
-                us = bench_graph(lambda i: ops.paged_attention(q, kp, vp, bts[i % copies], lens, 0.08),
-                                 max(4, 2 * copies))
-                byt = b * ctx * NKV * HD * 2 * kp.element_size()
-                res[f"{str(kvd)[6:]}|B{b}|ctx{ctx}"] = {"us": round(us, 2), "GBps": round(byt / us / 1e3, 1)}
-                del kp, vp
-    return res
+    from tts_server.engines.batched import tk_attention
+
+    return {str(kvd)[6:]: {"cfg": tk_attention.CONFIG[torch.tensor([], dtype=kvd).element_size()],
+                           "cases": attn_cases(kvd)} for kvd in (torch.bfloat16, torch.float32)}
 
 
 @section("small_ops")
@@ -323,7 +367,12 @@ def small_ops():
             lg = case[0].clone()
             res[f"talker_process_|B{m}|V{v}"] = round(bench_graph(
                 lambda i: ops.talker_process_(lg, seen, pen, ns, 2150, 2048, 2), 20), 2)
-            res[f"sample_tokens|B{m}|V{v}"] = round(bench_graph(lambda i: ops.sample_tokens(*case, 1), 20), 2)
+            res[f"sample_tokens_mixed|B{m}|V{v}"] = round(bench_graph(lambda i: ops.sample_tokens(*case, 1), 20), 2)
+            dflt = [case[0], case[1], torch.full_like(case[2], 0.9), torch.full_like(case[3], 50),
+                    torch.ones_like(case[4])] + case[5:]  # the released defaults: temp 0.9, top-k 50
+            res[f"sample_tokens_default|B{m}|V{v}"] = round(bench_graph(lambda i: ops.sample_tokens(*dflt, 1), 20), 2)
+            grd = [case[0], torch.zeros_like(case[1])] + case[2:]
+            res[f"sample_tokens_greedy|B{m}|V{v}"] = round(bench_graph(lambda i: ops.sample_tokens(*grd, 1), 20), 2)
     return res
 
 
@@ -342,12 +391,13 @@ def main():
         print(json.dumps(RES, indent=1, default=str))
         sys.exit(1 if RES["errors"] else 0)
     env()
+    copy_bandwidth()
+    if "--sweep" in sys.argv:  # first: the picks are what the checks and timings below use
+        gemm_sweep()
+        attention_sweep()
     small_checks()
     shape_checks()
     cuda_graph()
-    copy_bandwidth()
-    if "--sweep" in sys.argv:
-        gemm_sweep()
     gemm()
     attention()
     small_ops()
@@ -358,7 +408,9 @@ def main():
         json.dump(RES, f, indent=1, default=str)
     with open(os.path.join(OUT, "log.txt"), "w") as f:
         f.write("\n".join(LOG))
-    log(json.dumps({k: v for k, v in RES.items() if k not in ("gemm_sweep",)}, default=str)[:6000])
+    log(json.dumps({k: v for k, v in RES.items() if not k.endswith("_sweep")}, default=str)[:9000])
+    for k in ("gemm_sweep", "attention_sweep"):
+        log(k, "picks", RES.get(k, {}).get("picks"))
     sys.exit(1 if RES["errors"] else 0)
 
 

@@ -7,11 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_POSITIONS = 64  # positions per split (rounded up to whole pages)
+# (positions per split, num_warps) by KV element size; from the pool's dtype alone, never from B
+# or the context. A split is one tile of whole pages; splits are merged in order. OVERRIDE: sweeps.
+CONFIG = {2: (64, 4), 4: (64, 4)}
+OVERRIDE: dict[int, tuple[int, int]] = {}
 
 
-def pages_per_split(block: int) -> int:
-    return max(1, triton.cdiv(SPLIT_POSITIONS, block))
+def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
+    """-> (pages per split, num_warps)."""
+    pos, warps = OVERRIDE.get(kv_bytes) or CONFIG[kv_bytes]
+    return max(1, triton.cdiv(pos, block)), warps
 
 
 @triton.jit
@@ -84,7 +89,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     nkv, block = k_pool.shape[1], k_pool.shape[2]
     max_blocks = block_table.shape[1]
     assert q.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
-    pps = pages_per_split(block)
+    assert block & (block - 1) == 0 and nh % nkv == 0, (block, nh, nkv)
+    pps, warps = attn_config(k_pool.element_size(), block)
     nsplit = triton.cdiv(max_blocks, pps)
     q = q.contiguous()
     bt = block_table.contiguous()
@@ -96,7 +102,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hd_p2 = triton.next_power_of_2(hd)
     _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                          max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
-                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=4)
+                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps)
     _attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=pps * block, HD=hd,
                                   HD_P2=hd_p2, num_warps=1)
     return out

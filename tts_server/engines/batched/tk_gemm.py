@@ -58,14 +58,15 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
         x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
         if TERMS == 3:
             x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-        wmask = kmask[:, None] & (rn < N)[None, :]
-        wk = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
+        wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
+        wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
         acc = _dot(x_hi, wk, acc, INTERPRET)
         acc = _dot(x_lo, wk, acc, INTERPRET)
         if TERMS == 3:
             acc = _dot(x_l2, wk, acc, INTERPRET)
         if SWIGLU:
-            wk2 = tl.load(w2_ptr + rn[None, :] * stride_w2n + kk[:, None], mask=wmask, other=0.0)
+            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                   other=0.0))
             acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
             acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
             if TERMS == 3:

@@ -60,6 +60,23 @@ def _order_key(x):
 
 
 @triton.jit
+def _search_max(ukey, valid, k, e, budget, MODE: tl.constexpr):
+    # largest T in [0, 2^33) with pred(T), pred monotone and pred(0) true; 3 bits per pass.
+    # MODE 0: count(valid & ukey >= T) >= k (T = the k-th largest key); MODE 1: mass(ukey <= T) <= budget
+    cand = tl.arange(0, 8).to(tl.int64)
+    prefix = tl.zeros((), tl.int64)
+    for p in tl.static_range(11):
+        t = prefix + (cand << (30 - 3 * p))  # [8]
+        if MODE == 0:
+            hit = (ukey[:, None] >= t[None, :]) & valid[:, None]
+            ok = tl.sum(hit.to(tl.int32), axis=0) >= k
+        else:
+            ok = tl.sum(tl.where(ukey[:, None] <= t[None, :], e[:, None], 0.0), axis=0) <= budget
+        prefix = prefix + (tl.max(tl.where(ok, cand, 0), axis=0) << (30 - 3 * p))
+    return prefix
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
                    fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
                    INTERPRET: tl.constexpr):
@@ -72,55 +89,39 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
     bad = (x != x) | (x == float("inf"))
     finite = (tl.sum(bad.to(tl.int32), axis=0) == 0) & (tl.max(tl.where(bad, ninf, x), axis=0) > ninf)
     x = tl.where(finite, x, tl.where(valid, 0.0, ninf))
-    greedy = tl.argmax(x, axis=0, tie_break_left=True)
-
-    # temperature, then top-k: keep values >= the k-th largest (search over order keys)
-    s = tl.math.div_rn(x, tl.load(temp_ptr + b))
-    key = tl.where(valid, _order_key(s), -0x7F800001)
-    k = tl.load(topk_ptr + b)
-    k = tl.where((k > 0) & (k < V), k, V)
-    lo = tl.full((), -0x7F800000, tl.int64)  # count(key >= lo) = V >= k
-    hi = tl.full((), 0x7F800001, tl.int64)   # count(key >= hi) = 0 < k
-    for _ in range(32):
-        mid = (lo + hi) >> 1
-        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    s = tl.where(key >= lo, s, ninf)
-
-    # top-p: remove the smallest values (ties together) whose mass is <= 1 - top_p, never the max
-    top_p = tl.load(topp_ptr + b)
-    mx = tl.max(s, axis=0)
-    e = tl.exp(s - mx)
-    budget = (1.0 - top_p) * tl.sum(e, axis=0)
-    key = tl.where(s > ninf, key, -0x7F800001)
-    lo = tl.full((), -0x7F800001, tl.int64)  # mass(key <= lo) = 0 <= budget
-    hi = tl.full((), 0x7F800000, tl.int64)
-    for _ in range(32):
-        mid = (lo + hi) >> 1
-        ok = tl.sum(tl.where(key <= mid, e, 0.0), axis=0) <= budget
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    remove = (key <= lo) & (s < mx)
-    s = tl.where(top_p < 1.0, tl.where(remove, ninf, s), s)
-
-    # Gumbel-max draw, 32 hashed bits per (row key, token id), scored in fp64
-    seed = tl.load(seed_ptr + b)
-    ctr = tl.load(ctr_ptr + b)
-    h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
-    h = _mix32(h ^ (seed >> 32).to(tl.uint32))
-    h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
-    h = _mix32(h ^ (ctr >> 32).to(tl.uint32))
-    h = _mix32(h ^ STREAM)
-    r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
-    u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
-    if INTERPRET:  # the interpreter has no libdevice; numpy's fp64 log there
-        g = -tl.log(-tl.log(u))
-    else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
-        g = -libdevice.log(-libdevice.log(u))
-    score = s.to(tl.float64) + g
-    drawn = tl.argmax(score, axis=0, tie_break_left=True)
-    code = tl.where(tl.load(ds_ptr + b) != 0, drawn, greedy)
+    code = tl.argmax(x, axis=0, tie_break_left=True)  # greedy: first index among ties
+    if tl.load(ds_ptr + b) != 0:
+        # temperature, then top-k: keep values >= the k-th largest (search over order keys)
+        s = tl.math.div_rn(x, tl.load(temp_ptr + b))
+        ukey = tl.where(valid, _order_key(s), -0x7F800001) + tl.full((), 0x80000000, tl.int64)  # [0, 2^32)
+        k = tl.load(topk_ptr + b)
+        if (k > 0) & (k < V):
+            kth = _search_max(ukey, valid, k, x, 0.0, MODE=0)
+            s = tl.where(ukey >= kth, s, ninf)
+        # top-p: remove the smallest values (ties together) whose mass is <= 1 - top_p, not the max
+        top_p = tl.load(topp_ptr + b)
+        if top_p < 1.0:
+            mx = tl.max(s, axis=0)
+            e = tl.exp(s - mx)
+            budget = (1.0 - top_p) * tl.sum(e, axis=0)
+            ukey = tl.where(s > ninf, ukey, 0)
+            cut = _search_max(ukey, valid, 0, e, budget, MODE=1)
+            s = tl.where((ukey <= cut) & (s < mx), ninf, s)
+        # Gumbel-max draw, 32 hashed bits per (row key, token id), scored in fp64
+        seed = tl.load(seed_ptr + b)
+        ctr = tl.load(ctr_ptr + b)
+        h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+        h = _mix32(h ^ (seed >> 32).to(tl.uint32))
+        h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
+        h = _mix32(h ^ (ctr >> 32).to(tl.uint32))
+        h = _mix32(h ^ STREAM)
+        r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
+        u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
+        if INTERPRET:  # the interpreter has no libdevice; numpy's fp64 log there
+            g = -tl.log(-tl.log(u))
+        else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
+            g = -libdevice.log(-libdevice.log(u))
+        code = tl.argmax(s.to(tl.float64) + g, axis=0, tie_break_left=True)
     tl.store(code_ptr + b, code.to(tl.int32))
     tl.store(fin_ptr + b, finite.to(tl.uint8))
 
