@@ -10,7 +10,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as qm
 
 from . import kernels as K
 from .plan import Gemm, build_plan
@@ -187,36 +186,33 @@ class BatchedCodecDecoder:
     # --------------------------------------------------------------------------------------------
     def _gemm(self, g: Gemm, x: torch.Tensor, idx: torch.Tensor, res=None, out_dtype=None):
         """One GEMM stage on x [B, L, Cin] (history prepended from, and written back to, the
-        slots' state) -> [B, L * up, N / up]."""
+        slots' state) -> (y, SnakeBeta_post(y)), each [B, L * up, N / up] or None."""
         b, n = x.shape[0], x.shape[1]
         if g.hist:
             st = self._hist[g.state]
             x = torch.cat((st.index_select(0, idx), x), 1)  # [B, hist + L, Cin]
             st.index_copy_(0, idx, x[:, -g.hist :])
-        out = torch.empty(b * n, g.w.shape[1], device=x.device, dtype=out_dtype or self.dtype)
+        shape = (b * n, g.w.shape[1])
+        out = torch.empty(shape, device=x.device, dtype=out_dtype or self.dtype) if g.raw else None
+        out2 = torch.empty(shape, device=x.device, dtype=self.dtype) if g.post else None
         K.gemm(x, g.w, out, tout=n, taps=g.taps, dil=g.dil, bias=g.bias, act=g.act, scale=g.scale,
-               res=None if res is None else res.reshape(b * n, -1), snake=g.snake,
-               triton_ok=self._triton)
-        return out.view(b, n * g.up, -1)
+               res=None if res is None else res.reshape(b * n, -1), out2=out2, post=g.post,
+               post_mod=g.w.shape[1] // g.up, triton_ok=self._triton)
+        return tuple(None if t is None else t.view(b, n * g.up, -1) for t in (out, out2))
 
     def _norm(self, x, w, eps, b=None, layer=False):
-        return K.rownorm(x, w, b, eps, layer=layer, triton_ok=self._triton)
+        return K.rownorm(x, w, b, eps, layer=layer, out_dtype=self.dtype, triton_ok=self._triton)
 
     def _convnext(self, cx: dict, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv (fixed tap order) -> LayerNorm -> pw1 + GELU -> pw2 * gamma
-        + x: [B, L, C] -> [B, L, C]."""
+        """Causal depthwise conv -> LayerNorm -> pw1 + GELU -> pw2 * gamma + x: [B, L, C] -> same."""
         b, n, c = x.shape
-        st, h, d = self._hist[cx["dw_state"]], cx["dw_hist"], cx["dw_dil"]
+        st, h = self._hist[cx["dw_state"]], cx["dw_hist"]
         xc = torch.cat((st.index_select(0, idx), x), 1)
         st.index_copy_(0, idx, xc[:, -h:])
-        w = cx["dw_w"]
-        acc = xc[:, 0:n].float() * w[0]
-        for j in range(1, w.shape[0]):
-            acc = acc + xc[:, j * d : j * d + n].float() * w[j]
-        acc = acc + cx["dw_b"]
-        y = self._norm(acc.reshape(b * n, c), cx["norm"][0], cx["norm"][2], cx["norm"][1], layer=True)
-        t = self._gemm(cx["pw1"], y.to(self.dtype).view(b, n, c), idx)
-        return self._gemm(cx["pw2"], t, idx, res=x)
+        acc = K.dwconv(xc, cx["dw_w"], cx["dw_b"], tout=n, dil=cx["dw_dil"], triton_ok=self._triton)
+        y = self._norm(acc, cx["norm"][0], cx["norm"][2], cx["norm"][1], layer=True)  # [B*L, C]
+        t = self._gemm(cx["pw1"], y.view(b, n, c), idx)[0]
+        return self._gemm(cx["pw2"], t, idx, res=x)[0]
 
     def _forward(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """idx [B] slot rows, codes [B, Q] -> PCM [B, spf] fp32; advances those slots by one frame."""
@@ -226,36 +222,31 @@ class BatchedCodecDecoder:
         e = _tree_sum(pl.tables[self._qar[None], codes])  # [B, D] fp32
         if pl.table_bias is not None:
             e = e + pl.table_bias
-        x = self._gemm(pl.pre_conv, e.to(self.dtype)[:, None], idx)  # [B, 1, latent]
-        h = self._gemm(pl.input_proj, x, idx).view(b, -1)  # [B, hidden]
-        freqs = self._nf[idx].float()[:, None] * self._inv_freq[None]  # [B, hd/2]
-        emb = torch.cat((freqs, freqs), -1)[:, None]  # [B, 1, hd]
-        cos = (emb.cos() * self._rope_scale).to(self.dtype)
-        sin = (emb.sin() * self._rope_scale).to(self.dtype)
+        x = self._gemm(pl.pre_conv, e.to(self.dtype)[:, None], idx)[0]  # [B, 1, latent]
+        h = self._gemm(pl.input_proj, x, idx)[0].view(b, -1)  # [B, hidden]
         for i, ly in enumerate(pl.layers):
             y = self._norm(h, *ly["norm1"])
-            qkv = self._gemm(ly["qkv"], y[:, None], idx).view(b, -1)  # [B, (H + 2 Hkv) * hd]
-            q = qkv[:, : nh * hd].view(b, nh, 1, hd)
-            k = qkv[:, nh * hd : (nh + nkv) * hd].view(b, nkv, 1, hd)
+            qkv = self._gemm(ly["qkv"], y[:, None], idx)[0].view(b, -1)  # [B, (H + 2 Hkv) * hd]
+            q = qkv[:, : nh * hd].view(b, nh, hd)
+            k = qkv[:, nh * hd : (nh + nkv) * hd].view(b, nkv, hd)
             v = qkv[:, (nh + nkv) * hd :].view(b, nkv, hd)
-            q, k = qm.apply_rotary_pos_emb(q, k, cos, sin)
-            o = K.attention(q[:, :, 0], k[:, :, 0], v, self._kc[i], self._vc[i], idx, self._nf,
-                            hd**-0.5, triton_ok=self._triton)  # [B, H, hd]
-            h = self._gemm(ly["o"], o.reshape(b, 1, -1), idx, res=h).view(b, -1)
+            o = K.attention(q, k, v, self._kc[i], self._vc[i], idx, self._nf, self._inv_freq,
+                            self._rope_scale, hd**-0.5, triton_ok=self._triton)  # [B, H, hd]
+            h = self._gemm(ly["o"], o.reshape(b, 1, -1), idx, res=h)[0].view(b, -1)
             y = self._norm(h, *ly["norm2"])
-            gu = self._gemm(ly["gate_up"], y[:, None], idx).view(b, -1)
+            gu = self._gemm(ly["gate_up"], y[:, None], idx)[0].view(b, -1)
             half = gu.shape[1] // 2
             a = F.silu(gu[:, :half]) * gu[:, half:]
-            h = self._gemm(ly["down"], a[:, None], idx, res=h).view(b, -1)
+            h = self._gemm(ly["down"], a[:, None], idx, res=h)[0].view(b, -1)
         h = self._norm(h, *pl.norm)
-        x = self._gemm(pl.output_proj, h[:, None], idx)  # [B, 1, latent]
+        x = self._gemm(pl.output_proj, h[:, None], idx)[0]  # [B, 1, latent]
         for tconv, cx in pl.upsample:
-            x = self._convnext(cx, self._gemm(tconv, x, idx), idx)
-        x = self._gemm(pl.conv0, x, idx)
+            x = self._convnext(cx, self._gemm(tconv, x, idx)[0], idx)
+        s = self._gemm(pl.conv0, x, idx)[1]  # activated for the first block
         for tconv, units in pl.blocks:
-            x = self._gemm(tconv, x, idx)
+            x, s = self._gemm(tconv, s, idx)
             for c1, c2 in units:
-                x = self._gemm(c2, self._gemm(c1, x, idx), idx, res=x)
-        y = self._gemm(pl.final, x, idx, out_dtype=torch.float32)  # [B, spf, 1]
+                x, s = self._gemm(c2, self._gemm(c1, s, idx)[1], idx, res=x)
+        y = self._gemm(pl.final, s, idx, out_dtype=torch.float32)[0]  # [B, spf, 1]
         self._nf.index_add_(0, idx, self._ones[:b])
         return y.view(b, -1).clamp_(-1, 1)

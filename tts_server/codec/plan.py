@@ -16,7 +16,9 @@ __all__ = ["Gemm", "Plan", "build_plan"]
 class Gemm:
     """One GEMM stage. hist > 0: causal, the last `hist` input samples of each slot are carried
     in state tensor `state` ([S, hist, Cin]); up > 1: a transposed conv whose N = up * Cout
-    columns are the `up` output phases (the output reshapes to [B, L*up, Cout] for free)."""
+    columns are the `up` output phases (the output reshapes to [B, L*up, Cout] for free).
+    Every SnakeBeta runs once, in the epilogue of the GEMM that produces its input (`post`), so
+    histories hold the activated samples that the conv consumes."""
 
     w: torch.Tensor  # [taps*Cin, N]
     bias: torch.Tensor | None = None  # [N] fp32
@@ -25,9 +27,10 @@ class Gemm:
     hist: int = 0
     state: int = -1
     up: int = 1
-    snake: tuple | None = None  # (exp(alpha), 1/(exp(beta)+1e-9)) fp32 [Cin]
     scale: torch.Tensor | None = None  # [N] fp32 (LayerScale / ConvNeXt gamma)
     act: int = 0  # 1 = exact GELU
+    post: tuple | None = None  # the consumer's SnakeBeta (exp(alpha), 1/(exp(beta)+1e-9)) [Cout]
+    raw: bool = True  # whether the output before `post` is needed (residuals)
 
     @property
     def cin(self) -> int:
@@ -154,7 +157,7 @@ def build_plan(dec, dtype: torch.dtype) -> Plan:
         if dw.conv.groups != dw.conv.in_channels:
             raise NotImplementedError("ConvNeXt dwconv must be depthwise")
         cx = dict(
-            dw_w=_f32(dw.conv.weight[:, 0, :].t()),  # [K, C]
+            dw_w=_f32(dw.conv.weight[:, 0, :].t()).contiguous(),  # [K, C]
             dw_b=_f32(dw.conv.bias), dw_hist=dw.padding, dw_dil=dw.conv.dilation[0],
             norm=(_f32(nx.norm.weight), _f32(nx.norm.bias), nx.norm.eps),
             pw1=bd.linear(nx.pwconv1, act=1),
@@ -163,15 +166,20 @@ def build_plan(dec, dtype: torch.dtype) -> Plan:
         cx["dw_state"] = len(bd.states)
         bd.states.append((dw.padding, dw.conv.in_channels))
         upsample.append((bd.tconv(tconv), cx))
-    conv0 = bd.conv(dec.decoder[0])
+    blks = list(dec.decoder[1:-2])
+    firsts = [_snake(b.block[0]) for b in blks] + [_snake(dec.decoder[-2])]  # each block's input act
+    conv0 = bd.conv(dec.decoder[0], post=firsts[0], raw=False)
     blocks = []
-    for blk in dec.decoder[1:-2]:
-        act, tconv, *units = blk.block
-        tc = bd.tconv(tconv, snake=_snake(act))
-        ru = [(bd.conv(u.conv1, snake=_snake(u.act1)), bd.conv(u.conv2, snake=_snake(u.act2)))
-              for u in units]
+    for i, blk in enumerate(blks):
+        _, tconv, *units = blk.block
+        tc = bd.tconv(tconv, post=_snake(units[0].act1))
+        ru = []
+        for k, u in enumerate(units):
+            nxt = _snake(units[k + 1].act1) if k + 1 < len(units) else firsts[i + 1]
+            ru.append((bd.conv(u.conv1, post=_snake(u.act2), raw=False),
+                       bd.conv(u.conv2, post=nxt, raw=k + 1 < len(units))))
         blocks.append((tc, ru))
-    final = bd.conv(dec.decoder[-1], snake=_snake(dec.decoder[-2]))
+    final = bd.conv(dec.decoder[-1])
     attn = tr.layers[0].self_attn
     cfg = dec.config
     return Plan(
