@@ -162,7 +162,11 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             res["rows"].append(row)
             log(f"ctx {ctx:>5} B {b:3d}: replay {ms:7.3f} ms  step {step_ms:7.3f} ms  "
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
-    res["profile"] = profile(eng)
+    try:
+        res["profile"] = profile(eng)
+    except Exception:
+        res["profile"] = traceback.format_exc()
+        log(res["profile"])
     return res
 
 

@@ -55,6 +55,7 @@ class FrameStep:
         self.out = torch.zeros(max_rows, g + 2, dtype=torch.int32, device=dev)
         vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
         self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
+        self._one = torch.ones((), dtype=torch.uint8, device=dev)
         self._consts: dict[int, dict] = {}
 
     @staticmethod
@@ -151,6 +152,6 @@ class FrameStep:
         # commit (padding rows all point at the scratch slot, which is reset last)
         s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
         s.past_hidden[rows] = hidden
-        s.seen[rows, nxt.long()] = 1
-        s.ints[:NUM_STEP_INTS, s.scratch] = 0
+        s.seen.index_put_((rows, nxt.long()), self._one)  # a device value: no host copy in a capture
+        s.ints[:NUM_STEP_INTS, s.scratch].zero_()
         self.out[:b] = torch.cat((code0[:, None], codes, nxt[:, None], bad[:, None]), 1)
