@@ -16,7 +16,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # is split into ceil(K / chunk) fixed pieces summed in order (swiglu never splits: silu needs the
 # full sum). x terms: fp32 x as 2 (hi + lo) or 3 bf16 parts. OVERRIDE is for benchmark sweeps.
 DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4, 1 << 30, 2)}
-TUNED: dict[tuple[str, int, int], tuple] = {}
+# The 0.6B shapes, picked on an H100 (benchmarks/results/batched_ops_h100_run2.json, gemm_sweep):
+# per shape the tile whose worst slowdown over M = 1, 64, 256 against the best tile is smallest.
+TUNED: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): (64, 64, 128, 4, 3, 1024, 2),   # q|k|v
+    ("linear", 1024, 2048): (64, 64, 64, 4, 4, 512, 2),     # o_proj (split-K 4)
+    ("swiglu", 3072, 1024): (64, 32, 128, 4, 4, 1 << 30, 2),  # gate|up
+    ("linear", 1024, 3072): (64, 64, 64, 4, 4, 512, 2),     # down (split-K 6)
+    ("linear", 3072, 1024): (64, 64, 128, 4, 3, 1024, 2),   # codec head
+    ("linear", 2048, 1024): (64, 64, 64, 4, 4, 512, 2),     # code-predictor heads (split-K 2)
+}
 OVERRIDE: dict[str, tuple] = {}
 
 

@@ -60,20 +60,30 @@ def _order_key(x):
 
 
 @triton.jit
-def _search_max(ukey, valid, k, e, budget, MODE: tl.constexpr):
-    # largest T in [0, 2^33) with pred(T), pred monotone and pred(0) true; 3 bits per pass.
-    # MODE 0: count(valid & ukey >= T) >= k (T = the k-th largest key); MODE 1: mass(ukey <= T) <= budget
-    cand = tl.arange(0, 8).to(tl.int64)
-    prefix = tl.zeros((), tl.int64)
-    for p in tl.static_range(11):
-        t = prefix + (cand << (30 - 3 * p))  # [8]
-        if MODE == 0:
-            hit = (ukey[:, None] >= t[None, :]) & valid[:, None]
-            ok = tl.sum(hit.to(tl.int32), axis=0) >= k
-        else:
-            ok = tl.sum(tl.where(ukey[:, None] <= t[None, :], e[:, None], 0.0), axis=0) <= budget
-        prefix = prefix + (tl.max(tl.where(ok, cand, 0), axis=0) << (30 - 3 * p))
-    return prefix
+def _kth_largest_key(key, valid, k):
+    # key [BLOCK_V] int64 order keys -> the k-th largest valid key: the largest t with
+    # count(valid & key >= t) >= k, by bisection over the fp32 key range (32 steps)
+    lo = tl.full((), -0x7F800000, tl.int64)  # count(key >= lo) = V >= k
+    hi = tl.full((), 0x7F800001, tl.int64)   # count(key >= hi) = 0 < k
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = tl.sum(((key >= mid) & valid).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
+def _mass_cut_key(key, e, budget):
+    # the largest t with sum(e where key <= t) <= budget (masked entries carry e = 0)
+    lo = tl.full((), -0x7F800001, tl.int64)  # mass(key <= lo) = 0 <= budget
+    hi = tl.full((), 0x7F800000, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = tl.sum(tl.where(key <= mid, e, 0.0), axis=0) <= budget
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -93,20 +103,18 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
     if tl.load(ds_ptr + b) != 0:
         # temperature, then top-k: keep values >= the k-th largest (search over order keys)
         s = tl.math.div_rn(x, tl.load(temp_ptr + b))
-        ukey = tl.where(valid, _order_key(s), -0x7F800001) + tl.full((), 0x80000000, tl.int64)  # [0, 2^32)
+        key = tl.where(valid, _order_key(s), -0x7F800001)  # [BLOCK_V] int64
         k = tl.load(topk_ptr + b)
         if (k > 0) & (k < V):
-            kth = _search_max(ukey, valid, k, x, 0.0, MODE=0)
-            s = tl.where(ukey >= kth, s, ninf)
+            s = tl.where(key >= _kth_largest_key(key, valid, k), s, ninf)
         # top-p: remove the smallest values (ties together) whose mass is <= 1 - top_p, not the max
         top_p = tl.load(topp_ptr + b)
         if top_p < 1.0:
             mx = tl.max(s, axis=0)
             e = tl.exp(s - mx)
-            budget = (1.0 - top_p) * tl.sum(e, axis=0)
-            ukey = tl.where(s > ninf, ukey, 0)
-            cut = _search_max(ukey, valid, 0, e, budget, MODE=1)
-            s = tl.where((ukey <= cut) & (s < mx), ninf, s)
+            key = tl.where(s > ninf, key, -0x7F800001)
+            cut = _mass_cut_key(key, e, (1.0 - top_p) * tl.sum(e, axis=0))
+            s = tl.where((key <= cut) & (s < mx), ninf, s)
         # Gumbel-max draw, 32 hashed bits per (row key, token id), scored in fp64
         seed = tl.load(seed_ptr + b)
         ctr = tl.load(ctr_ptr + b)
