@@ -149,10 +149,10 @@ def time_graph(fn_replay, iters=30):
     return e0.elapsed_time(e1) / iters
 
 
-def speed(dec, dtype, max_slots, label):
+def speed(dec, dtype, max_slots, label, tiles=None, ref=None):
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    bd = BatchedCodecDecoder(dec, max_slots, dtype=dtype)
+    bd = BatchedCodecDecoder(dec, max_slots, dtype=dtype, tiles=tiles)
     rows = []
     for bp in bd.buckets:
         g, _ = bd._graphs[bp]
@@ -166,13 +166,66 @@ def speed(dec, dtype, max_slots, label):
     for _ in range(20):
         bd.step([0], c1)
     host_ms = (time.perf_counter() - t0) / 20 * 1e3
+    extra = {}
+    if ref is not None:  # a variant: its own bitwise invariance and bf16 distance, same call
+        c, full = ref
+        bd.reset(0)
+        alone = run_stream(bd, 0, c[:24])
+        oth = codes(24, 52, b=99)
+        ids = list(range(1, 100)) + [200]
+        for sl in ids:
+            bd.reset(sl)
+        mixed = np.concatenate([bd.step(ids, torch.cat([oth[:, i], c[i : i + 1]]))[-1] for i in range(24)])
+        bd.reset(0)
+        ours = run_stream(bd, 0, c)
+        extra = dict(invariant_among_100=bool(np.array_equal(mixed, alone)),
+                     bf16_vs_fp32_max_abs=float(np.abs(ours - full).max()),
+                     bf16_vs_fp32_rms=float(np.sqrt(((ours - full) ** 2).mean())), tiles=str(tiles))
     R[f"speed_{label}"] = dict(
-        rows=rows, step_api_ms_B1=host_ms, capture_s=bd.capture_s,
+        rows=rows, step_api_ms_B1=host_ms, capture_s=bd.capture_s, **extra,
         graph_memory_bytes=bd.graph_memory_bytes, state_bytes=bd.state_bytes,
         estimate_bytes=BatchedCodecDecoder.memory_bytes(dec, max_slots, dtype),
         allocated_bytes=torch.cuda.memory_allocated() - base, buckets=bd.buckets)
     log(label, {k: v for k, v in R[f"speed_{label}"].items() if k != "rows"})
     return bd
+
+
+def breakdown(bd, b):
+    """Eager step at B rows with CUDA events around every GEMM stage: where the time goes."""
+    recs = []
+    orig = BatchedCodecDecoder._gemm
+
+    def timed(self, g, x, idx, **kw):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = orig(self, g, x, idx, **kw)
+        e1.record()
+        recs.append((f"rows{x.shape[1]}_cin{g.cin}_n{g.w.shape[1]}_taps{g.taps}_d{g.dil}", e0, e1))
+        return out
+
+    bd.use_graphs = False
+    c = codes(1, 81, b=b)[:, 0]
+    slots = list(range(b))
+    bd.step(slots, c)
+    BatchedCodecDecoder._gemm = timed
+    try:
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        bd.step(slots, c)
+        t1.record()
+        torch.cuda.synchronize()
+    finally:
+        BatchedCodecDecoder._gemm = orig
+        bd.use_graphs = True
+    agg: dict = {}
+    for name, e0, e1 in recs:
+        agg[name] = agg.get(name, 0.0) + e0.elapsed_time(e1)
+    top = sorted(agg.items(), key=lambda kv: -kv[1])
+    R[f"breakdown_B{b}"] = dict(eager_step_ms=t0.elapsed_time(t1), gemm_stage_ms_sum=sum(agg.values()),
+                               stages=[(k, round(v, 4)) for k, v in top[:30]])
+    log("breakdown", b, R[f"breakdown_B{b}"])
 
 
 def profile(bd, b, out):
@@ -221,7 +274,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--frames", type=int, default=640)
     ap.add_argument("--max-slots", type=int, default=256)
-    ap.add_argument("--stages", default="pytest,exact,bf16,invariance,speed,official,profile")
+    ap.add_argument("--stages", default="pytest,exact,bf16,invariance,speed,official,breakdown,variants,fp32,profile")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     torch.backends.cudnn.allow_tf32 = False
@@ -260,9 +313,19 @@ def main():
     guarded("invariance", invariance, dec, torch.float32, "torch")
     guarded("invariance", cudnn_invariance, dec)
     bd = guarded("speed", speed, dec, torch.bfloat16, a.max_slots, "bf16")
-    guarded("speed", speed, dec, torch.float32, 64, "fp32")
     guarded("official", official, dec)
     if bd is not None:
+        guarded("breakdown", breakdown, bd, 128)
+        guarded("breakdown", breakdown, bd, 1)
+        del bd
+    variants = {"hi128x64w4": {"high": (128, 64, 64, 4)}, "hi64x128w4": {"high": (64, 128, 64, 4)},
+                "lo32x64w4": {"low": (32, 64, 64, 4)}}
+    for name, tiles in variants.items():
+        if cf is not None:
+            guarded("variants", speed, dec, torch.bfloat16, a.max_slots, f"bf16_{name}", tiles, cf)
+    guarded("fp32", speed, dec, torch.float32, 64, "fp32")
+    if "profile" in st:
+        bd = BatchedCodecDecoder(dec, 128)
         guarded("profile", profile, bd, 128, a.out)
         guarded("profile", profile, bd, 1, a.out)
     log(json.dumps(R, indent=1))

@@ -9,7 +9,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import kernels as K
 from .plan import Gemm, build_plan
@@ -29,10 +28,11 @@ def _tree_sum(e: torch.Tensor) -> torch.Tensor:
 class BatchedCodecDecoder:
     """Slot-pooled, batch-invariant streaming decoder over a shared, read-only qwen-tts
     `Qwen3TTSTokenizerV2Decoder` (weights are copied into GEMM layout once, in `dtype`).
-    `kernels`: "triton" (default on CUDA) or "torch" (reference ops; the only choice on CPU)."""
+    `kernels`: "triton" (default on CUDA) or "torch" (reference ops; the only choice on CPU);
+    `tiles`: bf16 GEMM tile overrides per layer class (kernels.gemm_config), for benchmarks."""
 
     def __init__(self, decoder, max_slots: int, *, dtype=None, buckets=None, use_graphs=None,
-                 kernels: str | None = None):
+                 kernels: str | None = None, tiles: dict | None = None):
         p = decoder.pre_conv.conv.weight
         self.device = p.device
         cuda = self.device.type == "cuda"
@@ -46,6 +46,7 @@ class BatchedCodecDecoder:
         self.num_quantizers = int(cfg.num_quantizers)
         kernels = kernels or ("triton" if cuda and K.HAS_TRITON else "torch")
         self._triton = kernels == "triton"
+        self.tiles = tiles
         if self._triton and not (cuda and K.HAS_TRITON):
             raise ValueError("triton kernels need CUDA and triton")
         if buckets is None:
@@ -184,12 +185,13 @@ class BatchedCodecDecoder:
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before
 
     # --------------------------------------------------------------------------------------------
-    def _gemm(self, g: Gemm, x: torch.Tensor, idx: torch.Tensor, res=None, out_dtype=None):
+    def _gemm(self, g: Gemm, x: torch.Tensor, idx: torch.Tensor, res=None, out_dtype=None, glu=False):
         """One GEMM stage on x [B, L, Cin] (history prepended from, and written back to, the
         slots' state) -> (y, SnakeBeta_post(y)), each [B, L * up, N / up] or None."""
         b, n = x.shape[0], x.shape[1]
-        if g.hist:
-            st = self._hist[g.state]
+        st = self._hist[g.state] if g.hist else None
+        direct = st is not None and self._triton and n >= g.hist  # kernel reads the history itself
+        if st is not None and not direct:
             x = torch.cat((st.index_select(0, idx), x), 1)  # [B, hist + L, Cin]
             st.index_copy_(0, idx, x[:, -g.hist :])
         shape = (b * n, g.w.shape[1])
@@ -197,7 +199,10 @@ class BatchedCodecDecoder:
         out2 = torch.empty(shape, device=x.device, dtype=self.dtype) if g.post else None
         K.gemm(x, g.w, out, tout=n, taps=g.taps, dil=g.dil, bias=g.bias, act=g.act, scale=g.scale,
                res=None if res is None else res.reshape(b * n, -1), out2=out2, post=g.post,
-               post_mod=g.w.shape[1] // g.up, triton_ok=self._triton)
+               post_mod=g.w.shape[1] // g.up, glu=glu, hist=st if direct else None,
+               idx=idx if direct else None, tiles=self.tiles, triton_ok=self._triton)
+        if direct:
+            st.index_copy_(0, idx, x[:, -g.hist :])  # after the kernel has read the old rows
         return tuple(None if t is None else t.view(b, n * g.up, -1) for t in (out, out2))
 
     def _norm(self, x, w, eps, b=None, layer=False):
@@ -234,10 +239,8 @@ class BatchedCodecDecoder:
                             self._rope_scale, hd**-0.5, triton_ok=self._triton)  # [B, H, hd]
             h = self._gemm(ly["o"], o.reshape(b, 1, -1), idx, res=h)[0].view(b, -1)
             y = self._norm(h, *ly["norm2"])
-            gu = self._gemm(ly["gate_up"], y[:, None], idx)[0].view(b, -1)
-            half = gu.shape[1] // 2
-            a = F.silu(gu[:, :half]) * gu[:, half:]
-            h = self._gemm(ly["down"], a[:, None], idx, res=h)[0].view(b, -1)
+            gu = self._gemm(ly["gate_up"], y[:, None], idx)[0]  # [B, 1, 2 I]
+            h = self._gemm(ly["down"], gu, idx, res=h, glu=True)[0].view(b, -1)
         h = self._norm(h, *pl.norm)
         x = self._gemm(pl.output_proj, h[:, None], idx)[0]  # [B, 1, latent]
         for tconv, cx in pl.upsample:

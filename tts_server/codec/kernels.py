@@ -40,7 +40,10 @@ def _mm_fixed(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, w.shape[1])[:m]
 
 
-def _gemm_torch(x, w, out, out2, tout, taps, dil, bias, act, scale, res, post, post_mod):
+def _gemm_torch(x, w, out, out2, tout, taps, dil, bias, act, scale, res, post, post_mod, glu):
+    if glu:
+        h = x.shape[2] // 2
+        x = F.silu(x[..., :h]) * x[..., h:]
     b, tin, cin = x.shape
     cols = [x[:, j * dil : j * dil + tout] for j in range(taps)]  # taps x [B, Tout, Cin]
     a = torch.cat(cols, dim=2).reshape(b * tout, taps * cin)
@@ -78,14 +81,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
-                     M, N, CIN, TIN, TOUT, DIL, SN_MOD,
-                     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                     hist_ptr, idx_ptr, M, N, CIN, TIN, TOUT, DIL, SN_MOD, XS, HIST,
+                     TAPS: tl.constexpr, GLU: tl.constexpr, HAS_HIST: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
                      POST: tl.constexpr, PREC: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t; one fixed
         # K loop per output tile (no split-K). Epilogue: + bias, GELU, * scale, + res; stores y
-        # (RAW) and/or SnakeBeta(y) with per-channel params at n % SN_MOD (POST).
+        # (RAW) and/or SnakeBeta(y) with per-channel params at n % SN_MOD (POST). x rows are XS
+        # apart; GLU: the A operand is silu(x[.., c]) * x[.., CIN + c] (SwiGLU's gate and up).
+        # HAS_HIST: input rows t < HIST come from hist[idx[b], t] ([S, HIST, CIN]) and x holds
+        # only the TIN - HIST new rows of each batch row (no concatenated copy).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -94,14 +100,32 @@ if HAS_TRITON:
         nmask = rn < N
         bb = rm // TOUT
         tt = rm - bb * TOUT
-        row = (bb.to(tl.int64) * TIN + tt) * CIN
+        if HAS_HIST:
+            slot = tl.load(idx_ptr + bb, mask=mmask, other=0).to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for j in range(TAPS):
+            ti = tt + j * DIL
+            if HAS_HIST:
+                inh = ti < HIST
+                xrow = (bb.to(tl.int64) * (TIN - HIST) + (ti - HIST)) * XS
+                hrow = (slot * HIST + ti) * XS
+            else:
+                xrow = (bb.to(tl.int64) * TIN + ti) * XS
             for k0 in range(0, CIN, BK):
                 rk = k0 + tl.arange(0, BK)
                 kmask = rk < CIN
-                a = tl.load(x_ptr + row[:, None] + (j * DIL * CIN) + rk[None, :],
-                            mask=mmask[:, None] & kmask[None, :], other=0.0)
+                amask = mmask[:, None] & kmask[None, :]
+                ap = x_ptr + xrow[:, None] + rk[None, :]
+                if HAS_HIST:
+                    ax = tl.load(ap, mask=amask & (~inh)[:, None], other=0.0)
+                    ah = tl.load(hist_ptr + hrow[:, None] + rk[None, :], mask=amask & inh[:, None], other=0.0)
+                    a = tl.where(inh[:, None], ah, ax)
+                else:
+                    a = tl.load(ap, mask=amask, other=0.0)
+                if GLU:
+                    gf = a.to(tl.float32)
+                    uf = tl.load(ap + CIN, mask=amask, other=0.0).to(tl.float32)
+                    a = (gf / (1.0 + tl.exp(-gf)) * uf).to(x_ptr.dtype.element_ty)
                 wr = (j * CIN + rk).to(tl.int64)
                 w = tl.load(w_ptr + wr[:, None] * N + rn[None, :],
                             mask=kmask[:, None] & nmask[None, :], other=0.0)
@@ -209,15 +233,17 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def gemm_config(cin: int, n: int, rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def gemm_config(cin: int, n: int, rows: int, dtype: torch.dtype, tiles: dict | None = None):
     """(BM, BN, BK, warps) from the layer alone (input channels, N, output rows per frame,
-    dtype), never from the batch: every row of every batch runs the same reduction."""
+    dtype), never from the batch: every row of every batch runs the same reduction. `tiles`
+    may replace the bf16 bases: {"high": (BM, BN, BK, warps), "low": (...)}."""
+    tiles = tiles or {}
     if dtype == torch.float32:
         bm, bn, bk, warps = 64, 64, 32, 4
     elif rows >= 160:  # the high-rate convs: large M at any batch
-        bm, bn, bk, warps = 128, 128, 64, 8
+        bm, bn, bk, warps = tiles.get("high", (128, 128, 64, 8))
     else:  # weight-bound at small batch: more, smaller tiles
-        bm, bn, bk, warps = 64, 64, 64, 4
+        bm, bn, bk, warps = tiles.get("low", (64, 64, 64, 4))
     while bk > 16 and cin % bk:
         bk //= 2
     return bm, min(bn, max(16, _pow2(n))), bk, warps
@@ -226,27 +252,35 @@ def gemm_config(cin: int, n: int, rows: int, dtype: torch.dtype) -> tuple[int, i
 # ------------------------------------------------------------------------------------------------
 # dispatch
 def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=None, out2=None,
-         post=None, post_mod=0, rows=1, triton_ok=False, prec="ieee"):
+         post=None, post_mod=0, glu=False, hist=None, idx=None, tiles=None, triton_ok=False,
+         prec="ieee"):
     """Causal conv as implicit GEMM, or a linear (taps=1, tout=tin):
     x [B, Tin, Cin] (Tin = Tout + (taps-1)*dil), w [taps*Cin, N] -> y [B*Tout, N] written to
     `out` (may be None) and SnakeBeta(y) with post = (exp(alpha), 1/(exp(beta)+1e-9)) at channel
     n % post_mod to `out2`. Epilogue order: + bias, GELU (act=1), * scale, + res [B*Tout, N].
-    `rows`: the layer's output rows per frame (picks the tile config)."""
-    b, tin, cin = x.shape
-    n = w.shape[1]
+    glu: x is [B, Tin, 2*Cin] and the input is silu(x[..., :Cin]) * x[..., Cin:]. Tiles come
+    from the layer (Tout = output rows per frame; `tiles`: see gemm_config). Triton only: with
+    hist [S, h, Cin] and idx [B], x holds just the new rows and the first h input rows of batch
+    row b are hist[idx[b]] (the caller updates hist afterwards)."""
     if not triton_ok:
-        _gemm_torch(x, w, out, out2, tout, taps, dil, bias, act, scale, res, post, post_mod)
+        _gemm_torch(x, w, out, out2, tout, taps, dil, bias, act, scale, res, post, post_mod, glu)
         return
+    b, tin, xs = x.shape
+    hl = 0 if hist is None else hist.shape[1]
+    tin += hl
+    cin = xs // 2 if glu else xs
+    n = w.shape[1]
     m = b * tout
-    bm, bn, bk, warps = gemm_config(cin, n, rows, x.dtype)
+    bm, bn, bk, warps = gemm_config(cin, n, tout, x.dtype, tiles)
     dummy = w
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _gemm_kernel[grid](
         x, w, out if out is not None else dummy, out2 if out2 is not None else dummy,
         bias if bias is not None else dummy, scale if scale is not None else dummy,
         res if res is not None else dummy, post[0] if post else dummy, post[1] if post else dummy,
-        m, n, cin, tin, tout, dil, post_mod or n,
-        TAPS=taps, HAS_BIAS=bias is not None, ACT=act, HAS_SCALE=scale is not None,
+        hist if hist is not None else dummy, idx if idx is not None else dummy,
+        m, n, cin, tin, tout, dil, post_mod or n, xs, hl,
+        TAPS=taps, GLU=glu, HAS_HIST=hist is not None, HAS_BIAS=bias is not None, ACT=act, HAS_SCALE=scale is not None,
         HAS_RES=res is not None, RAW=out is not None, POST=out2 is not None,
         PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=3)
