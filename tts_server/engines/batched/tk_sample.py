@@ -35,10 +35,12 @@ def _talker_process_kernel(logits_ptr, seen_ptr, pen_ptr, nsamp_ptr, V, stride_l
 def talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start, min_new_tokens) -> None:
     """In place on logits [B, V] fp32 (seen [B, V] uint8, penalty [B] fp32, n_sampled [B] int32)."""
     b, v = logits.shape
-    assert logits.stride(1) == 1 and seen.stride(1) == 1 and seen.dtype == torch.uint8
+    seen = seen.view(torch.uint8) if seen.dtype == torch.bool else seen
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert seen.stride(1) == 1 and seen.dtype == torch.uint8, (seen.dtype, seen.stride())
     blk = 1024
     _talker_process_kernel[(b, triton.cdiv(v, blk))](
-        logits, seen, penalty.contiguous(), n_sampled.contiguous(), v, logits.stride(0),
+        logits, seen, penalty.float().contiguous(), n_sampled.int().contiguous(), v, logits.stride(0),
         seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk)
 
 
@@ -140,8 +142,10 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     codes = torch.empty(b, dtype=torch.int32, device=logits.device)
     fin = torch.empty(b, dtype=torch.uint8, device=logits.device)
-    _sample_kernel[(b,)](logits, do_sample.contiguous(), temperature.contiguous(), top_k.contiguous(),
-                         top_p.contiguous(), seed.contiguous(), counter.contiguous(), codes, fin, v,
+    i32, f32, i64 = (lambda t: t.int().contiguous()), (lambda t: t.float().contiguous()), \
+        (lambda t: t.long().contiguous())  # no-ops for the documented dtypes
+    _sample_kernel[(b,)](logits, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
+                         i64(counter), codes, fin, v,
                          logits.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
                          INTERPRET=_INTERPRET, num_warps=8)
     return codes, fin.view(torch.bool)
