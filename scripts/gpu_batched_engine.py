@@ -34,7 +34,7 @@ from tts_server.engines.batched import checks  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
 from tts_server.engines.batched.graphs import bucket_for  # noqa: E402
 from tts_server.engines.batched.state import CODE0, N_SAMPLED  # noqa: E402
-from tts_server.engines.contract import StepPlan  # noqa: E402
+from tts_server.engines.contract import Admission, StepPlan  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 T0 = time.perf_counter()
@@ -163,11 +163,33 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             log(f"ctx {ctx:>5} B {b:3d}: replay {ms:7.3f} ms  step {step_ms:7.3f} ms  "
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
     try:
+        res["first_frame"] = first_frame(eng)
         res["profile"] = profile(eng)
     except Exception:
         res["profile"] = traceback.format_exc()
         log(res["profile"])
     return res
+
+
+def first_frame(eng: BatchedEngine) -> dict:
+    """One stream alone: admission (prefill + first code-0 draw) and its first frame in ONE run
+    call, host wall time (synchronised), median of 5 after a warm-up, per prompt length."""
+    h = eng.p.talker.cfg.hidden_size
+    out = {}
+    for n in (20, 100):
+        p = checks.random_prompt(300 + n, n, h, device="cuda")
+        rows = []
+        for i in range(6):
+            for s in list(eng.positions):
+                eng.release(s)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            o = eng.run(StepPlan(admit=(Admission(0, p, SamplingConfig(seed=i)),), decode=(0,)))
+            rows.append((time.perf_counter() - t, o.prefill_s, o.decode_s))
+        med = np.median(np.array(rows[1:]) * 1e3, axis=0)
+        out[n] = dict(total_ms=med[0], prefill_ms=med[1], first_frame_ms=med[2])
+        log(f"first frame, prompt {n}: {out[n]}")
+    return out
 
 
 def profile(eng: BatchedEngine) -> dict:

@@ -156,7 +156,7 @@ def test_context_full_and_bad_admissions_fail_alone(weights, prompts):
 
 def test_memory_bytes_counts_what_the_engine_allocates(weights):
     eng = _engine(weights, max_streams=5, max_positions=100, num_blocks=40, block_size=8)
-    want = BatchedEngine.memory_bytes(5, 100, weights, num_blocks=40, block_size=8)
+    want = BatchedEngine.memory_bytes(5, 100, weights, num_blocks=40, block_size=8, graphs=False)
     s, f = eng.state, eng.frame
     got = sum(t.numel() * t.element_size() for t in (
         eng.kv.k, eng.kv.v, eng.kv.table, s.ints, s.floats, s.seed, s.past_hidden, s.trailing, s.pad_embed,

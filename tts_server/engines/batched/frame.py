@@ -47,6 +47,7 @@ class FrameStep:
         cp = params.predictor.cfg
         dev = state.ints.device
         g = params.ids.num_code_groups
+        assert g - 1 == TALKER_BAD_BIT, "the out buffer's error bits assume 16 code groups"
         shape = (cp.num_layers, max_rows, cp.num_kv_heads, g, cp.head_dim)
         self.cp_k = torch.zeros(shape, dtype=torch.float32, device=dev)  # row b = scratch "block" b
         self.cp_v = torch.zeros(shape, dtype=torch.float32, device=dev)
@@ -56,6 +57,7 @@ class FrameStep:
         vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
         self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
         self._one = torch.ones((), dtype=torch.uint8, device=dev)
+        self._bits = 2 ** torch.arange(g, dtype=torch.int32, device=dev)  # pass k -> bit k, talker -> bit 15
         self._consts: dict[int, dict] = {}
 
     @staticmethod
@@ -84,13 +86,13 @@ class FrameStep:
         return ops.linear(x, self.p.in_proj[0]) + self.p.in_proj[1]
 
     def _predict(self, b: int, past: torch.Tensor, e0: torch.Tensor, ints, floats, seed, counter):
-        """past, e0 [B, H] -> codes [B, 15] int32, bad [B] int32 (bit k: group k + 1 non-finite)."""
+        """past, e0 [B, H] -> codes [B, 15] int32 and the 15 passes' finite flags ([B] bool each)."""
         p, c = self.p, self.consts(b)
         sp = p.predictor
         cfg = sp.cfg
         scale = cfg.head_dim ** -0.5
         x = self._cp_in(torch.stack((past, e0), 1).reshape(2 * b, -1))  # [2B, Hp]: positions 0, 1
-        codes, bad = [], torch.zeros(b, dtype=torch.int32, device=past.device)
+        codes, finites = [], []
         for k in range(p.num_passes):
             first = k == 0
             cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
@@ -105,11 +107,11 @@ class FrameStep:
             code, finite = ops.sample_tokens(logits, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE],
                                              ints[SUB_TOP_K], floats[SUB_TOP_P], seed, counter, k + 1)
             code = code.clamp(0, logits.shape[1] - 1)
-            bad = bad | ((~finite).to(torch.int32) << k)
+            finites.append(finite)
             codes.append(code)
             if k + 1 < p.num_passes:
                 x = self._cp_in(p.predictor_embeddings[k][code.long()].float())
-        return torch.stack(codes, 1), bad
+        return torch.stack(codes, 1), finites
 
     def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [B, H] fp32 at positions pos [B] int32 of slots rows -> final-normed hidden [B, H]."""
@@ -133,7 +135,7 @@ class FrameStep:
         pos, code0, n_sampled, text_step = ints[POS], ints[CODE0], ints[N_SAMPLED], ints[TEXT_STEP]
         counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
         e0 = p.codec_embedding[code0.long()].float()  # [B, H]
-        codes, bad = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, counter)
+        codes, finites = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, counter)
         x = e0
         for k in range(p.num_passes):
             x = x + p.predictor_embeddings[k][codes[:, k].long()].float()
@@ -148,7 +150,8 @@ class FrameStep:
         nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
                                         floats[TOP_P], seed, counter, 0)
         nxt = nxt.clamp(0, logits.shape[1] - 1)
-        bad = bad | ((~finite).to(torch.int32) << TALKER_BAD_BIT)
+        # error bits: an integer sum is exact in any order, so row-local and invariant
+        bad = ((~torch.stack(finites + [finite], 1)).to(torch.int32) * self._bits).sum(1, dtype=torch.int32)
         # commit (padding rows all point at the scratch slot, which is reset last)
         s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
         s.past_hidden[rows] = hidden
