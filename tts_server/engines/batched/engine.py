@@ -163,31 +163,29 @@ class BatchedEngine:
         if len(set(slots)) != len(slots):
             raise ValueError("a slot appears twice in one step")
         errors, live = {}, []
+        bs, positions = self.kv.block_size, self.positions
         for s in slots:
-            if s not in self.positions:
+            pos = positions.get(s)
+            if pos is None:
                 raise ValueError(f"slot {s} is not prefilled")
-            pos = self.positions[s]
             if pos >= self.max_positions:
                 errors[s] = "talker context is full"
-            elif not self.kv.ensure(s, pos + 1):
+            elif pos % bs == 0 and not self.kv.ensure(s, pos + 1):  # a new block only at a block edge
                 errors[s] = f"no KV blocks left in the pool ({self.kv.alloc.num_blocks - 1} blocks)"
             else:
                 live.append(s)
-        rows = {}
+        rows, ng, eos = {}, self.p.ids.num_code_groups, self.p.ids.eos
         for i in range(0, len(live), self.sizes[-1]):
             chunk = live[i:i + self.sizes[-1]]
-            for s, r in zip(chunk, self._step(chunk)):
-                rows[s] = r
-                self.positions[s] += 1
-        results, ng = [], self.p.ids.num_code_groups
-        for s in slots:
-            if s in errors:
-                results.append(FrameResult(s, np.zeros(ng, dtype=np.int64), False, errors[s]))
-                continue
-            r = rows[s]
-            err = frame_error(int(r[ng + 1]))
-            results.append(FrameResult(s, r[:ng].astype(np.int64), err is None and int(r[ng]) == self.p.ids.eos, err))
-        return results
+            out = self._step(chunk).astype(np.int64)
+            is_eos = (out[:, ng] == eos).tolist()
+            flags = out[:, ng + 1].tolist()
+            for j, s in enumerate(chunk):
+                err = frame_error(flags[j]) if flags[j] else None
+                rows[s] = FrameResult(s, out[j, :ng], err is None and is_eos[j], err)
+                positions[s] += 1
+        zeros = np.zeros(ng, dtype=np.int64)
+        return [rows[s] if s not in errors else FrameResult(s, zeros.copy(), False, errors[s]) for s in slots]
 
     def _step(self, chunk: list[int]) -> np.ndarray:
         """One frame for the slots of `chunk` (<= the largest bucket) -> out rows [n, 18] int32."""
