@@ -38,6 +38,7 @@ from tts_server.engines.contract import Admission, StepPlan  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 T0 = time.perf_counter()
+ENGINE_KW: dict = {}  # fused_cp=False if the preflight finds the fused code-predictor kernel broken
 
 
 def log(*a) -> None:
@@ -140,7 +141,7 @@ def mixed_lengths(b: int) -> list[int]:
 
 
 def bench(w, deadline: float, iters: int = 30) -> dict:
-    eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
+    eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1, **ENGINE_KW)
     wbytes, macs = frame_weight_bytes(eng)
     cfg = eng.p.talker.cfg
     kv_pos = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * eng.kv.k.element_size()
@@ -163,12 +164,25 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             log(f"ctx {ctx:>5} B {b:3d}: replay {ms:7.3f} ms  step {step_ms:7.3f} ms  "
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
     try:
+        res["unfused_cp"] = unfused_cp(w, eng, iters)
         res["first_frame"] = first_frame(eng)
         res["profile"] = profile(eng)
     except Exception:
         res["profile"] = traceback.format_exc()
         log(res["profile"])
     return res
+
+
+def unfused_cp(w, fused: BatchedEngine, iters: int) -> dict:
+    """Replay ms with the code-predictor passes 2..15 unfused (q/k glue + paged attention, 3
+    launches per layer) beside the fused default, at B = 1 and 64, mixed contexts."""
+    other = BatchedEngine(w, max_streams=64, max_positions=2048, num_blocks=64 * 17 + 1, fused_cp=False)
+    out = {}
+    for b in (1, 64):
+        t = [time_replays(e, fake_admit(e, mixed_lengths(b), margin=64), iters) for e in (fused, other)]
+        out[b] = dict(default_ms=t[0], unfused_cp_ms=t[1])
+        log(f"B {b} mixed: default {t[0]:.3f} ms, code-predictor unfused {t[1]:.3f} ms")
+    return out
 
 
 def first_frame(eng: BatchedEngine) -> dict:
@@ -275,8 +289,22 @@ def main() -> None:
     h = w.talker.config.hidden_size
     log("weights:", res["weights"][:60])
 
+    def preflight():
+        """2 streams, 2 frames: if the fused code-predictor kernel fails, run everything without it."""
+        try:
+            eng = BatchedEngine(w, max_streams=2, max_positions=64)
+            admit = tuple(Admission(i, checks.random_prompt(i, 9, h, device="cuda"), SamplingConfig(seed=i))
+                          for i in range(2))
+            checks.step_codes(eng, [0, 1], 2, admit)
+            return dict(fused_cp=True, capture_s=eng.capture_s)
+        except Exception:
+            ENGINE_KW["fused_cp"] = False
+            return dict(fused_cp=False, error=traceback.format_exc())
+
+    section("preflight", preflight)
+
     def invariance():
-        eng = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True)
+        eng = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True, **ENGINE_KW)
         r = dict(capture_s_64=eng.capture_s, graph_memory_bytes_64=eng.graph_memory_bytes)
         p = checks.random_prompt(0, 12, h, device="cuda")
         for name, s in (("greedy", checks.GREEDY), ("sampled", SamplingConfig(seed=7))):
@@ -291,7 +319,7 @@ def main() -> None:
         prompts = [checks.random_prompt(100 + i, 10 + 7 * i, h, n_trailing=10, device="cuda") for i in range(3)]
         r = {}
         for name, dt in (("fp32_kv", torch.float32), ("bf16_kv", torch.bfloat16)):
-            eng = BatchedEngine(w, max_streams=64, max_positions=128, kv_dtype=dt)
+            eng = BatchedEngine(w, max_streams=64, max_positions=128, kv_dtype=dt, **ENGINE_KW)
             r[name] = checks.greedy_vs_torch(eng, ref, prompts, 32, batch=64)
             log(name, r[name])
             del eng
@@ -302,7 +330,7 @@ def main() -> None:
         prompts = [checks.random_prompt(200 + i, 8 + (i * 7) % 40, h, device="cuda") for i in range(64)]
         r = {}
         for name, dt in (("bf16_kv", torch.bfloat16), ("fp32_kv", torch.float32)):
-            eng = BatchedEngine(w, max_streams=64, max_positions=320, kv_dtype=dt, dump_logits=True)
+            eng = BatchedEngine(w, max_streams=64, max_positions=320, kv_dtype=dt, dump_logits=True, **ENGINE_KW)
             r[name] = checks.teacher_forced(eng, w, prompts, 200)
             log(name, r[name])
             del eng

@@ -60,6 +60,18 @@ def test_greedy_codes_equal_torch_engine_alone_and_in_batch(weights, prompts):
         np.testing.assert_array_equal(got[s], w)
 
 
+def test_fused_and_unfused_code_predictor_agree(weights, prompts):
+    """The fused code-predictor pass (one launch per layer) and the paged-attention path give the
+    same codes and logits within 1e-5 (CPU: the fused path's torch twin)."""
+    got = []
+    for fused in (True, False):
+        eng = _engine(weights, fused_cp=fused, dump_logits=True)
+        codes = step_codes(eng, [1], 3, (Admission(1, prompts[2], SamplingConfig(seed=3)),))[1]
+        got.append((codes, eng.frame.dump[0].clone()))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    assert (got[0][1] - got[1][1]).abs().max().item() <= 1e-5
+
+
 def test_greedy_check_can_fail(weights, prompts):
     """Another prompt gives other codes: the equality above is not vacuous."""
     eng = _engine(weights, kv_dtype=torch.float32)
@@ -206,12 +218,21 @@ x, y, w = r(m, 64), r(m, 64), 1 + 0.1 * r(64)
 (s1, h1), (s2, h2) = glue.add_rms(x, y, w, 1e-6), glue.add_rms_torch(x, y, w, 1e-6)
 worst = max(worst, (s1 - s2).abs().max().item(), (h1 - h2).abs().max().item())
 same &= torch.equal(glue.add_rms(x[3:4], y[3:4], w, 1e-6)[1][0], h1[3])
+for pos in (1, 5, 15):  # the fused code-predictor pass (row m's scratch block is m; 16 positions)
+    kp, vp = r(m, nkv, 16, hd), r(m, nkv, 16, hd)
+    kp2, vp2 = kp.clone(), vp.clone()
+    a = glue.cp_attend(qkv, qn, kn, cos[:1], sin[:1], kp, vp, pos, nh, nkv, 1e-6, hd ** -0.5)
+    b = glue.cp_attend_torch(qkv, qn, kn, cos[:1], sin[:1], kp2, vp2, pos, nh, nkv, 1e-6, hd ** -0.5)
+    worst = max(worst, (a - b).abs().max().item(), (kp - kp2).abs().max().item(), (vp - vp2).abs().max().item())
+    a1 = glue.cp_attend(qkv[:1], qn, kn, cos[:1], sin[:1], kp, vp, pos, nh, nkv, 1e-6, hd ** -0.5)
+    same &= torch.equal(a1[0], a[0])
 print("RESULT", worst, worst16, same)
 """
 
 
 def test_triton_glue_matches_torch_and_is_row_invariant():
-    """The fused Triton glue (interpreter) vs its torch twin: max abs diff <= 1e-5 (bf16 pools:
+    """The fused Triton glue (q/k norm + RoPE + store, add + RMSNorm, the fused code-predictor pass;
+    interpreter) vs its torch twins: max abs diff <= 1e-5 (bf16 pools:
     one bf16 rounding apart at most: <= 2^-7 relative), and row m alone gives the same bits as inside M = 5."""
     import os
     import subprocess

@@ -46,13 +46,15 @@ class BatchedEngine:
 
     kv_dtype: talker KV type (bf16 default; fp32 is the reference mode). num_blocks: KV pool size
     in blocks of block_size positions (default: max_streams x min(max_positions, 1024) positions).
-    dump_logits: keep every step's raw logits in `frame.dump` [rows, 16, V] (tests, evidence)."""
+    dump_logits: keep every step's raw logits in `frame.dump` [rows, 16, V] (tests, evidence).
+    fused_cp: code-predictor passes 2..15 fuse norm + RoPE + store + attention (tk_glue.py)."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
-                 max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None):
+                 max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
+                 fused_cp: bool = True):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         self.p = prepare(weights)
@@ -63,7 +65,7 @@ class BatchedEngine:
         self.state = SlotState(max_streams, cfg.hidden_size, self.p.ids.vocab_size, max_trailing, dev)
         self.kv = PagedKV(cfg, max_streams + 1, max_positions, num_blocks, block_size, kv_dtype, dev)
         self.sizes = bucket_sizes(max_streams)
-        self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits)
+        self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits, fused_cp)
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)

@@ -21,20 +21,31 @@ from .state import (CODE0, DO_SAMPLE, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENA
 TALKER_BAD_BIT = 15
 
 
-def stack_forward(x: torch.Tensor, sp: StackParams, cos: torch.Tensor, sin: torch.Tensor, k_pools: torch.Tensor,
-                  v_pools: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, attend: Callable) -> torch.Tensor:
-    """All layers of a stack over rows x [M, H] fp32 -> final-normed hidden [M, H] fp32. Row m's
-    k/v go to k_pools[layer][blk[m], :, off[m]]; attend(layer, q [M, NH, HD]) -> [M, NH, HD]."""
+def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable) -> torch.Tensor:
+    """All layers of a stack over rows x [M, H] fp32 -> final-normed hidden [M, H] fp32.
+    attend(layer, qkv [M, (NH + 2 NKV) HD]) stores this step's k/v and returns attention [M, NH, HD]."""
     cfg = sp.cfg
-    m, nh, nkv, hd, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    m, eps = x.shape[0], cfg.rms_norm_eps
     h = ops.rms_norm(x, sp.in_norm[0], eps)
     for i in range(cfg.num_layers):
-        q = glue.qk_rope_store(ops.linear(h, sp.wqkv[i]), sp.q_norm[i], sp.k_norm[i], cos, sin, k_pools[i],
-                               v_pools[i], blk, off, nh, nkv, eps)
-        x, h = glue.add_rms(x, ops.linear(attend(i, q).reshape(m, nh * hd), sp.wo[i]), sp.post_norm[i], eps)
+        att = attend(i, ops.linear(h, sp.wqkv[i]))
+        x, h = glue.add_rms(x, ops.linear(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps)
         nxt = sp.in_norm[i + 1] if i + 1 < cfg.num_layers else sp.final_norm
         x, h = glue.add_rms(x, ops.linear(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps)
     return h
+
+
+def paged_attend(sp: StackParams, cos, sin, k_pools, v_pools, blk, off, table, lens) -> Callable:
+    """attend() over a paged pool: q/k norm + RoPE + k/v store at pool[blk[m], :, off[m]] (glue),
+    then ops.paged_attention over table / lens."""
+    cfg = sp.cfg
+    nh, nkv, eps, scale = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+
+    def attend(i, qkv):
+        q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, k_pools[i], v_pools[i], blk, off,
+                               nh, nkv, eps)
+        return ops.paged_attention(q, k_pools[i], v_pools[i], table, lens, scale)
+    return attend
 
 
 class FrameStep:
@@ -42,8 +53,9 @@ class FrameStep:
     out[:B] [B, 18] int32 (and dump[:B] [B, 16, V] fp32 logits when dumping)."""
 
     def __init__(self, params: FrameParams, state: SlotState, kv: PagedKV, max_rows: int,
-                 dump_logits: bool = False):
+                 dump_logits: bool = False, fused_cp: bool = True):
         self.p, self.s, self.kv = params, state, kv
+        self.fused_cp = fused_cp  # code-predictor passes 2..15 in one glue launch per layer
         cp = params.predictor.cfg
         dev = state.ints.device
         g = params.ids.num_code_groups
@@ -73,11 +85,11 @@ class FrameStep:
             self._consts[b] = dict(
                 table0=rows.repeat_interleave(2)[:, None].contiguous(),  # [2B, 1]: both queries read block b
                 lens0=torch.tensor([1, 2], dtype=torch.int32, device=dev).repeat(b),  # causal: 1, 2 keys
-                table=rows[:, None].contiguous(),
-                lens=[torch.full((b,), k + 2, dtype=torch.int32, device=dev) for k in range(self.p.num_passes)],
                 cos0=self.cp_cos[:2].repeat(b, 1), sin0=self.cp_sin[:2].repeat(b, 1),
                 blk0=torch.arange(b, device=dev).repeat_interleave(2), off0=torch.tensor([0, 1], device=dev).repeat(b),
-                blk=torch.arange(b, device=dev), off=[torch.full((b,), k + 1, device=dev) for k in range(self.p.num_passes)])
+                table=rows[:, None].contiguous(), blk=torch.arange(b, device=dev),
+                lens=[torch.full((b,), k + 2, dtype=torch.int32, device=dev) for k in range(self.p.num_passes)],
+                off=[torch.full((b,), k + 1, device=dev) for k in range(self.p.num_passes)])
         return self._consts[b]
 
     def _cp_in(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +108,15 @@ class FrameStep:
         for k in range(p.num_passes):
             first = k == 0
             cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
-            table, lens = (c["table0"], c["lens0"]) if first else (c["table"], c["lens"][k])
-            blk, off = (c["blk0"], c["off0"]) if first else (c["blk"], c["off"][k])
-            h = stack_forward(x, sp, cos, sin, self.cp_k, self.cp_v, blk, off,
-                              lambda i, q, table=table, lens=lens: ops.paged_attention(
-                                  q, self.cp_k[i], self.cp_v[i], table, lens, scale))
+            if first:  # positions 0 and 1: two query rows per stream
+                attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
+            elif not self.fused_cp:
+                attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk"], c["off"][k], c["table"], c["lens"][k])
+            else:  # one new position per stream: norm + RoPE + store + attention in one launch
+                attend = (lambda i, qkv, k=k, cos=cos, sin=sin: glue.cp_attend(
+                    qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
+                    cfg.num_kv_heads, cfg.rms_norm_eps, scale))
+            h = stack_forward(x, sp, attend)
             logits = ops.linear(h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k])
             if self.dump is not None:
                 self.dump[:b, k, :logits.shape[1]] = logits
@@ -122,10 +138,7 @@ class FrameStep:
         table = kv.table[rows]  # [B, MAX_BLOCKS] int32
         blk = table.gather(1, (pos // kv.block_size).long()[:, None])[:, 0].long()
         off = (pos % kv.block_size).long()
-        lens = pos + 1
-        scale = cfg.head_dim ** -0.5
-        return stack_forward(x, sp, cos, sin, kv.k, kv.v, blk, off,
-                             lambda i, q: ops.paged_attention(q, kv.k[i], kv.v[i], table, lens, scale))
+        return stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, pos + 1))
 
     def __call__(self, rows: torch.Tensor) -> None:
         p, s = self.p, self.s

@@ -56,3 +56,26 @@ def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tu
 def add_rms_torch(x, y, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     s = x + y
     return s, ops.rms_norm(s, w, eps)
+
+
+def cp_attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              k_pool: torch.Tensor, v_pool: torch.Tensor, pos: int, nh: int, nkv: int, eps: float,
+              scale: float) -> torch.Tensor:
+    """A code-predictor pass at position `pos` (> 0) of every row, in one launch: q/k RMSNorm +
+    RoPE, k/v stored at k_pool[m, :, pos] (row m's scratch block is m), attention of the new query
+    over positions 0..pos. qkv [M, (NH + 2 NKV) HD] fp32; cos/sin [1, HD] -> [M, NH, HD] fp32."""
+    if _use_triton(qkv):
+        from .tk_glue import cp_attend as tk
+
+        return tk(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale)
+    return cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale)
+
+
+def cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos: int, nh: int, nkv: int, eps: float,
+                    scale: float) -> torch.Tensor:
+    m, dev = qkv.shape[0], qkv.device
+    rows = torch.arange(m, device=dev)
+    q = qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, rows, torch.full_like(rows, pos),
+                            nh, nkv, eps)
+    lens = torch.full((m,), pos + 1, dtype=torch.int32, device=dev)
+    return ops.paged_attention(q, k_pool, v_pool, rows.to(torch.int32)[:, None], lens, scale)

@@ -84,3 +84,73 @@ def add_rms(x, y, w, eps):
     s, out = torch.empty_like(x), torch.empty_like(x)
     _add_rms_kernel[(m,)](x, y, w, s, out, eps, D=d, DP2=triton.next_power_of_2(d))
     return s, out
+
+
+@triton.jit
+def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, pos, eps, scale,
+                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+    # program (m, kv head) of a code-predictor pass at position `pos` (same for every row; row m's
+    # scratch block is m and already holds positions 0..pos-1): k/v of this position normed, roped,
+    # stored; then the G = NH / NKV query heads attend over positions 0..pos (the new key from
+    # registers) -> out[m, h]
+    m = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    G: tl.constexpr = NH // NKV
+    hd: tl.constexpr = 2 * HALF
+    d = tl.arange(0, HALF)
+    row = qkv_ptr + m * (NH + 2 * NKV) * hd
+    c1, c2 = tl.load(cos_ptr + d), tl.load(cos_ptr + HALF + d)
+    s1, s2 = tl.load(sin_ptr + d), tl.load(sin_ptr + HALF + d)
+    k1 = tl.load(row + (NH + kvh) * hd + d)
+    k2 = tl.load(row + (NH + kvh) * hd + HALF + d)
+    r = 1.0 / tl.sqrt((tl.sum(k1 * k1, axis=0) + tl.sum(k2 * k2, axis=0)) / hd + eps)
+    k1 = tl.load(kn_ptr + d) * (k1 * r)
+    k2 = tl.load(kn_ptr + HALF + d) * (k2 * r)
+    k1, k2 = k1 * c1 - k2 * s1, k2 * c2 + k1 * s2
+    v1 = tl.load(row + (NH + NKV + kvh) * hd + d)
+    v2 = tl.load(row + (NH + NKV + kvh) * hd + HALF + d)
+    ty = k_pool_ptr.dtype.element_ty
+    k1, k2, v1, v2 = k1.to(ty).to(tl.float32), k2.to(ty).to(tl.float32), v1.to(ty).to(tl.float32), v2.to(ty).to(tl.float32)
+    base = (m * NKV + kvh) * BS * hd
+    tl.store(k_pool_ptr + base + pos * hd + d, k1.to(ty))
+    tl.store(k_pool_ptr + base + pos * hd + HALF + d, k2.to(ty))
+    tl.store(v_pool_ptr + base + pos * hd + d, v1.to(ty))
+    tl.store(v_pool_ptr + base + pos * hd + HALF + d, v2.to(ty))
+    j = tl.arange(0, BS)
+    prev = j < pos
+    kv_off = base + j[:, None] * hd + d[None, :]
+    kp1 = tl.load(k_pool_ptr + kv_off, mask=prev[:, None], other=0.0).to(tl.float32)
+    kp2 = tl.load(k_pool_ptr + kv_off + HALF, mask=prev[:, None], other=0.0).to(tl.float32)
+    vp1 = tl.load(v_pool_ptr + kv_off, mask=prev[:, None], other=0.0).to(tl.float32)
+    vp2 = tl.load(v_pool_ptr + kv_off + HALF, mask=prev[:, None], other=0.0).to(tl.float32)
+    qw1, qw2 = tl.load(qn_ptr + d), tl.load(qn_ptr + HALF + d)
+    for g in tl.static_range(G):
+        h = kvh * G + g
+        q1 = tl.load(row + h * hd + d)
+        q2 = tl.load(row + h * hd + HALF + d)
+        rq = 1.0 / tl.sqrt((tl.sum(q1 * q1, axis=0) + tl.sum(q2 * q2, axis=0)) / hd + eps)
+        q1, q2 = qw1 * (q1 * rq), qw2 * (q2 * rq)
+        q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2
+        sp = (tl.sum(kp1 * q1[None, :], axis=1) + tl.sum(kp2 * q2[None, :], axis=1)) * scale
+        sp = tl.where(prev, sp, float("-inf"))
+        sn = (tl.sum(k1 * q1, axis=0) + tl.sum(k2 * q2, axis=0)) * scale
+        mx = tl.maximum(tl.max(sp, axis=0), sn)
+        pp = tl.exp(sp - mx)
+        pn = tl.exp(sn - mx)
+        inv = 1.0 / (tl.sum(pp, axis=0) + pn)
+        o1 = (tl.sum(pp[:, None] * vp1, axis=0) + pn * v1) * inv
+        o2 = (tl.sum(pp[:, None] * vp2, axis=0) + pn * v2) * inv
+        dst = out_ptr + (m * NH + h) * hd
+        tl.store(dst + d, o1)
+        tl.store(dst + HALF + d, o2)
+
+
+def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale):
+    """qkv [M, (NH + 2 NKV) HD] fp32 at position `pos` of every row; cos/sin [HD] of that position;
+    k_pool/v_pool [>= M, NKV, BS, HD] (row m's block is m) -> attention out [M, NH, HD] fp32."""
+    m = qkv.shape[0]
+    hd = k_pool.shape[-1]
+    out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
+    _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
+                                NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2)
+    return out
