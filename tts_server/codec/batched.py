@@ -93,7 +93,7 @@ class BatchedCodecDecoder:
     def memory_bytes(decoder_config_or_decoder, max_slots: int, dtype) -> int:
         """Estimated device bytes: slot state for max_slots + 1 rows plus what capturing the
         largest bucket adds (graph pool and warm-up blocks: 12 x [rows, 1920, C_last], the
-        ceiling of the H100 runs: 11.3x for bf16 at 256 rows, 9.6x for fp32 at 64)."""
+        ceiling of the H100 runs: 11.3x for bf16 at 256 rows, 9.6-10.7x for fp32 at 64)."""
         cfg = getattr(decoder_config_or_decoder, "config", decoder_config_or_decoder)
         elt = torch.empty(0, dtype=dtype).element_size()
         rows = max_slots + 1
