@@ -102,10 +102,17 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
 
 
 def create_codec(loaded: LoadedModel, max_slots: int):
-    """The streaming codec: one batched decode step for every stream that made a frame."""
-    from .codec.per_stream import PerStreamCodec
+    """The streaming codec: one batched decode step for every stream that made a frame (bf16
+    with CUDA graphs per batch bucket on a GPU, fp32 on the CPU)."""
+    from .codec.batched import BatchedCodecDecoder
 
-    return PerStreamCodec(loaded.model.speech_tokenizer.model.decoder, max_slots)
+    codec = BatchedCodecDecoder(loaded.model.speech_tokenizer.model.decoder, max_slots,
+                                dtype=codec_dtype_for(loaded))
+    if codec.use_graphs:
+        log.info("codec: %d slots, %s, graphs for %d batch sizes captured in %.1f s (%.2f GiB)",
+                 max_slots, str(codec.dtype).removeprefix("torch."), len(codec.buckets),
+                 codec.capture_s, codec.graph_memory_bytes / 2**30)
+    return codec
 
 
 @dataclass
