@@ -166,6 +166,9 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
     try:
         res["unfused_cp"] = unfused_cp(w, eng, iters)
         res["first_frame"] = first_frame(eng)
+        graphs, eng.prefill_graphs = eng.prefill_graphs, None
+        res["first_frame_eager_prefill"] = first_frame(eng)
+        eng.prefill_graphs = graphs
         res["profile"] = profile(eng)
     except Exception:
         res["profile"] = traceback.format_exc()
@@ -296,7 +299,8 @@ def main() -> None:
             admit = tuple(Admission(i, checks.random_prompt(i, 9, h, device="cuda"), SamplingConfig(seed=i))
                           for i in range(2))
             checks.step_codes(eng, [0, 1], 2, admit)
-            return dict(fused_cp=True, capture_s=eng.capture_s)
+            return dict(fused_cp=True, capture_s=eng.capture_s, prefill_graphs=eng.prefill_graphs is not None,
+                        prefill_graph_error=eng.prefill_graph_error)
         except Exception:
             ENGINE_KW["fused_cp"] = False
             return dict(fused_cp=False, error=traceback.format_exc())

@@ -17,9 +17,10 @@ from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
-from .prefill import prefill
+from .prefill import PrefillGraphs, prefill
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
 # graph workspaces (one shared pool for all buckets) grow with the largest bucket: measured on the
 # H100 with the 0.6B shapes, 118 MiB for 256 rows and 30 MiB for 64 (~0.48 MiB per row)
@@ -47,14 +48,15 @@ class BatchedEngine:
     kv_dtype: talker KV type (bf16 default; fp32 is the reference mode). num_blocks: KV pool size
     in blocks of block_size positions (default: max_streams x min(max_positions, 1024) positions).
     dump_logits: keep every step's raw logits in `frame.dump` [rows, 16, V] (tests, evidence).
-    fused_cp: code-predictor passes 2..15 fuse norm + RoPE + store + attention (tk_glue.py)."""
+    fused_cp: code-predictor passes 2..15 fuse norm + RoPE + store + attention (tk_glue.py).
+    prefill_graphs: prompts up to 512 positions prefill through CUDA graphs of length buckets."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
                  max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
-                 fused_cp: bool = True):
+                 fused_cp: bool = True, prefill_graphs: bool = True):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         self.p = prepare(weights)
@@ -74,6 +76,16 @@ class BatchedEngine:
         self.graphs = StepGraphs(self.frame, self.sizes, self.state.scratch) if use_graphs else None
         self.capture_s = self.graphs.capture_s if self.graphs else 0.0
         self.graph_memory_bytes = self.graphs.memory_bytes if self.graphs else 0
+        self.prefill_graphs, self.prefill_graph_error = None, None
+        if use_graphs and prefill_graphs:
+            sizes = [n for n in PREFILL_BUCKETS if n < max_positions]
+            before = torch.cuda.memory_reserved(dev)
+            try:
+                self.prefill_graphs = PrefillGraphs(self.p.talker, self.kv.k, self.kv.v, sizes) if sizes else None
+            except RuntimeError as e:  # eager prefill still works; say why
+                self.prefill_graph_error = str(e)
+            torch.cuda.synchronize(dev)
+            self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
@@ -137,8 +149,12 @@ class BatchedEngine:
             raise ValueError(f"{prompt.trailing.shape[0]} pending text vectors exceed {self.state.max_trailing}")
         if not self.kv.ensure(slot, length):
             raise ValueError(f"no KV blocks left for a prompt of {length} positions")
-        blocks = torch.tensor(self.kv.blocks(slot), dtype=torch.long).to(self.device)
-        hidden = prefill(self.p.talker, prompt.embeds.to(self.device, torch.float32), self.kv.k, self.kv.v, blocks)
+        x = prompt.embeds.to(self.device, torch.float32)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(length):
+            hidden = self.prefill_graphs.run(x, self.kv.blocks(slot))
+        else:
+            blocks = torch.tensor(self.kv.blocks(slot), dtype=torch.long).to(self.device)
+            hidden = prefill(self.p.talker, x, self.kv.k, self.kv.v, blocks)
         self.state.admit(slot, adm.sampling, length, prompt.trailing, prompt.pad_embed, hidden)
         if not self._first_draw(slot, hidden):
             raise ValueError("non-finite talker logits after prefill")

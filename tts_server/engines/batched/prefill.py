@@ -33,10 +33,10 @@ def write_blocks(pool: torch.Tensor, blocks: torch.Tensor, t: torch.Tensor) -> N
 
 @torch.inference_mode()
 def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-            blocks: torch.Tensor) -> torch.Tensor:
+            blocks: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
     """x [L, H] fp32 prompt embeddings; k_pool / v_pool [layers, num_blocks, NKV, BS, HD];
     blocks [ceil(L / BS)] long: the slot's blocks. Writes K/V of positions 0..L-1 and returns
-    the final-normed hidden state of the last position [H] fp32."""
+    the final-normed hidden state [H] fp32 of position `last` ([1] long; default L - 1)."""
     cfg = p.cfg
     n, nh, nkv, hd, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = rope_cos_sin(torch.arange(n, device=x.device)[None], cfg, torch.float32)  # [1, L, HD]
@@ -54,4 +54,53 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         x = x + _mm(att[0].transpose(0, 1).reshape(n, nh * hd), p.wo[i])
         h = _rms(x, p.post_norm[i], eps)
         x = x + _mm(F.silu(_mm(h, p.gate[i])) * _mm(h, p.up[i]), p.down[i])
-    return _rms(x[-1], p.final_norm, eps)
+    return _rms(x[-1] if last is None else x.index_select(0, last)[0], p.final_norm, eps)
+
+
+class PrefillGraphs:
+    """CUDA graphs of `prefill` for prompt-length buckets (one shared memory pool). A prompt is
+    zero-padded to its bucket: causal attention keeps positions < L exact; the padding's K/V land
+    in the tail of the slot's last block (overwritten by its next frames) or in scratch block 0.
+    Same prompt -> same bucket -> same kernels, so prefill stays deterministic."""
+
+    def __init__(self, p: StackParams, k_pool: torch.Tensor, v_pool: torch.Tensor, sizes: list[int]):
+        dev, bs = k_pool.device, k_pool.shape[3]
+        self.sizes, self.bs = sizes, bs
+        self.x = torch.zeros(sizes[-1], p.cfg.hidden_size, dtype=torch.float32, device=dev)
+        self.blocks = torch.zeros(-(-sizes[-1] // bs), dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(p.cfg.hidden_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+        def fn(n):
+            self.hidden.copy_(prefill(p, self.x[:n], k_pool, v_pool, self.blocks[:-(-n // bs)], self.last))
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up writes only scratch block 0 (blocks all 0)
+            for n in sizes:
+                fn(n)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(sizes):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                fn(n)
+            self.graphs[n] = g
+
+    def fits(self, length: int) -> bool:
+        return length <= self.sizes[-1]
+
+    def run(self, x: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """x [L, H] (L <= the largest bucket), blocks: the slot's blocks -> hidden of L - 1 [H]."""
+        n = x.shape[0]
+        b = next(s for s in self.sizes if s >= n)
+        self.x[:n].copy_(x)
+        self.x[n:b].zero_()
+        nb = -(-b // self.bs)
+        ids = torch.zeros(nb, dtype=torch.long)
+        ids[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.blocks[:nb].copy_(ids)
+        self.last.fill_(n - 1)
+        self.graphs[b].replay()
+        return self.hidden
