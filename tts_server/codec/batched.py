@@ -73,6 +73,7 @@ class BatchedCodecDecoder:
         self._idx = torch.full((nb,), self._scratch, dtype=torch.long, device=self.device)
         self._codes = torch.zeros(nb, self.num_quantizers, dtype=torch.long, device=self.device)
         self._idx_host = torch.empty(nb, dtype=torch.long, pin_memory=cuda)
+        self._h2d = torch.cuda.Event() if cuda else None  # the last copy out of _idx_host
         self._qar = torch.arange(self.num_quantizers, device=self.device)
         self._ones = torch.ones(nb, dtype=torch.long, device=self.device)
         inv = pl.rotary.inv_freq.detach().float().to(self.device)
@@ -150,9 +151,13 @@ class BatchedCodecDecoder:
         """Fill the static inputs (rows past B point at the scratch slot), replay -> [Bp, spf]."""
         b = len(slots)
         bp = next(x for x in self.buckets if x >= b)
+        if self._h2d is not None:
+            self._h2d.synchronize()  # the pinned buffer is free again (reset() queues steps)
         self._idx_host[:b] = torch.tensor(slots, dtype=torch.long)
         self._idx_host[b:bp] = self._scratch
         self._idx[:bp].copy_(self._idx_host[:bp], non_blocking=True)
+        if self._h2d is not None:
+            self._h2d.record(torch.cuda.current_stream(self.device))
         self._codes[:b].copy_(codes)
         self._codes[b:bp].zero_()
         if self.use_graphs:
