@@ -318,8 +318,8 @@ def main():
         guarded("breakdown", breakdown, bd, 128)
         guarded("breakdown", breakdown, bd, 1)
         del bd
-    variants = {"hi128x64w4": {"high": (128, 64, 64, 4)}, "hi64x128w4": {"high": (64, 128, 64, 4)},
-                "lo32x64w4": {"low": (32, 64, 64, 4)}}
+    variants = {"hi128x128w8": {"high": (128, 128, 64, 8)}, "hi128x64w4": {"high": (128, 64, 64, 4)},
+                "lo32x64w4": {"low": (32, 64, 64, 4)}}  # the default high tile is 64x128, 4 warps
     for name, tiles in variants.items():
         if cf is not None:
             guarded("variants", speed, dec, torch.bfloat16, a.max_slots, f"bf16_{name}", tiles, cf)

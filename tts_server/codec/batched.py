@@ -29,7 +29,8 @@ class BatchedCodecDecoder:
     """Slot-pooled, batch-invariant streaming decoder over a shared, read-only qwen-tts
     `Qwen3TTSTokenizerV2Decoder` (weights are copied into GEMM layout once, in `dtype`).
     `kernels`: "triton" (default on CUDA) or "torch" (reference ops; the only choice on CPU);
-    `tiles`: bf16 GEMM tile overrides per layer class (kernels.gemm_config), for benchmarks."""
+    `tiles`: bf16 GEMM tile overrides per layer class (kernels.gemm_config), for benchmarks.
+    Not thread-safe: one caller (the serving loop) issues reset() and step()."""
 
     def __init__(self, decoder, max_slots: int, *, dtype=None, buckets=None, use_graphs=None,
                  kernels: str | None = None, tiles: dict | None = None):
