@@ -93,11 +93,21 @@ class BatchedCodecDecoder:
     # --------------------------------------------------------------------------------------------
     @staticmethod
     def memory_bytes(decoder_config_or_decoder, max_slots: int, dtype) -> int:
-        """Estimated device bytes: slot state for max_slots + 1 rows plus what capturing the
-        largest bucket adds (graph pool and warm-up blocks: 12 x [rows, 1920, C_last], the
-        ceiling of the H100 runs: 11.3x for bf16 at 256 rows, 9.6-10.7x for fp32 at 64)."""
-        cfg = getattr(decoder_config_or_decoder, "config", decoder_config_or_decoder)
+        """Estimated device bytes this decoder adds beside the shared qwen-tts decoder: its
+        weight copy (every non-quantizer parameter in `dtype`, fp32 RVQ tables), slot state for
+        max_slots + 1 rows, and what capturing the largest bucket adds (graph pool and warm-up
+        blocks: 12 x [rows, 1920, C_last], the ceiling of the H100 runs: 11.3x for bf16 at 256
+        rows, 9.6-10.7x for fp32 at 64)."""
+        dec = decoder_config_or_decoder
+        if not isinstance(dec, torch.nn.Module):
+            from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as qm
+
+            with torch.device("meta"):  # shapes only, no memory
+                dec = qm.Qwen3TTSTokenizerV2Decoder(dec)
+        cfg = dec.config
         elt = torch.empty(0, dtype=dtype).element_size()
+        weights = sum(p.numel() for n, p in dec.named_parameters() if not n.startswith("quantizer"))
+        tables = cfg.num_quantizers * cfg.codebook_size * cfg.codebook_dim * 4
         rows = max_slots + 1
         kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.sliding_window - 1) * cfg.head_dim
         n_blocks = len(cfg.upsample_rates)
@@ -108,7 +118,7 @@ class BatchedCodecDecoder:
         spf = int(np.prod(list(cfg.upsample_rates) + list(cfg.upsampling_ratios)))
         bucket = 1 << (max_slots - 1).bit_length()
         act = bucket * 12 * spf * (cfg.decoder_dim // 2**n_blocks) * elt
-        return rows * (kv + conv) * elt + rows * 8 + act
+        return weights * elt + tables + rows * (kv + conv) * elt + rows * 8 + act
 
     def reset(self, slot: int, ref_codes=None) -> None:
         """Admission: zero the slot's state; ref_codes [R, 16] are then decoded through it one
