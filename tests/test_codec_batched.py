@@ -161,13 +161,13 @@ def test_gpu_fp32_exact(gpu_dec):
 _INTERPRETED = r"""
 import json, sys, numpy as np, torch
 import triton.language as tl
-import tts_server.codec.kernels as K
+import tts_server.codec.triton_kernels as TK
 
 class _Libdevice:  # the interpreter has no libdevice: the tl equivalents, looked up at call time
     sin = staticmethod(lambda x: tl.sin(x)); cos = staticmethod(lambda x: tl.cos(x))
     rsqrt = staticmethod(lambda x: tl.rsqrt(x)); erf = staticmethod(lambda x: tl.erf(x))
 
-K.libdevice = _Libdevice
+TK.libdevice = _Libdevice
 sys.path.insert(0, "tests")
 from test_codec_streaming import _codes, _make_decoder
 from tts_server.codec.batched import BatchedCodecDecoder
