@@ -18,6 +18,7 @@ from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
 from .prefill import PrefillGraphs, prefill
+from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
@@ -49,14 +50,16 @@ class BatchedEngine:
     in blocks of block_size positions (default: max_streams x min(max_positions, 1024) positions).
     dump_logits: keep every step's raw logits in `frame.dump` [rows, 16, V] (tests, evidence).
     fused_cp: code-predictor passes 2..15 fuse norm + RoPE + store + attention (tk_glue.py).
-    prefill_graphs: prompts up to 512 positions prefill through CUDA graphs of length buckets."""
+    prefill_graphs: prompts up to 512 positions prefill one at a time through CUDA graphs of
+    length buckets; off (the default), every step's admissions prefill together as rows of the
+    batch-invariant ops (prefill_rows.py), so many arrivals cost one pass over the weights."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
                  max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
-                 fused_cp: bool = True, prefill_graphs: bool = True):
+                 fused_cp: bool = True, prefill_graphs: bool = False):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         self.p = prepare(weights)
@@ -107,16 +110,28 @@ class BatchedEngine:
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
+        """Admissions (all of the plan's prompts in one batched prefill, unless prefill_graphs
+        is on), then one frame for every slot of plan.decode."""
         out = StepOutput()
         t0 = time.perf_counter()
+        ready = []
         for adm in plan.admit:
             try:
-                self._admit(adm)
+                if self.prefill_graphs is not None:
+                    self._admit(adm)
+                else:
+                    self._reserve(adm)
+                    ready.append(adm)
             except (ValueError, RuntimeError) as e:
                 if "CUDA" in str(e):
                     raise
                 self.release(adm.slot)
                 out.failed[adm.slot] = str(e)
+        if ready:
+            for adm, ok in zip(ready, self._admit_rows(ready)):
+                if not ok:
+                    self.release(adm.slot)
+                    out.failed[adm.slot] = "non-finite talker logits after prefill"
         self._sync()
         t1 = time.perf_counter()
         out.frames = self._decode([s for s in plan.decode if s not in out.failed])
@@ -137,7 +152,8 @@ class BatchedEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _admit(self, adm: Admission) -> None:
+    def _reserve(self, adm: Admission) -> None:
+        """Check an admission and give its slot the KV blocks of its prompt."""
         slot, prompt = adm.slot, adm.prompt
         if not 0 <= slot < self.max_streams:
             raise ValueError(f"slot {slot} out of range")
@@ -149,6 +165,30 @@ class BatchedEngine:
             raise ValueError(f"{prompt.trailing.shape[0]} pending text vectors exceed {self.state.max_trailing}")
         if not self.kv.ensure(slot, length):
             raise ValueError(f"no KV blocks left for a prompt of {length} positions")
+
+    def _admit_rows(self, admissions: list[Admission]) -> list[bool]:
+        """One batched prefill of every admission's prompt (prefill_rows: each token a row of the
+        decode step's batch-invariant ops), then each slot's first code-0 draw. -> finite per slot."""
+        dev = self.device
+        lens = [a.prompt.embeds.shape[0] for a in admissions]
+        x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
+        slots = torch.repeat_interleave(torch.tensor([a.slot for a in admissions]), torch.tensor(lens))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        last = torch.tensor(np.cumsum(lens) - 1)
+        self.kv.sync()
+        hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
+        good = []
+        for a, h, n in zip(admissions, hidden, lens):
+            self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h)
+            good.append(self._first_draw(a.slot, h))
+            self.positions[a.slot] = n
+        return good
+
+    def _admit(self, adm: Admission) -> None:
+        """One admission through the prefill graphs (prefill_graphs=True)."""
+        self._reserve(adm)
+        slot, prompt = adm.slot, adm.prompt
+        length = prompt.embeds.shape[0]
         x = prompt.embeds.to(self.device, torch.float32)
         if self.prefill_graphs is not None and self.prefill_graphs.fits(length):
             hidden = self.prefill_graphs.run(x, self.kv.blocks(slot))

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...model.lm import rope_cos_sin
-from . import ops
-from .frame import layer
+from .frame import paged_attend, stack_forward
 from .kv_pool import PagedKV
 from .params import StackParams
 
@@ -18,24 +17,15 @@ from .params import StackParams
 def prefill_rows(sp: StackParams, kv: PagedKV, x: torch.Tensor, slots: torch.Tensor,
                  pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """x [N, H] fp32: the prompt embeddings of all admissions, concatenated; slots [N] long: each
-    row's slot (its blocks must be allocated and synced to `kv.table`); pos [N] long: the row's
+    row's slot (its blocks must be allocated and synced to `kv.table`); pos [N] int: the row's
     position in its prompt; last [A] long: the row index of each prompt's last token.
-    Writes K/V of every row into the pool; returns the final-normed hidden states [A, H] fp32."""
-    cfg = sp.cfg
-    cos, sin = rope_cos_sin(pos[:, None], cfg, torch.float32)
+    Writes K/V of every row into the pool; returns the final-normed hidden states [A, H] fp32.
+    The same code as a decode step's talker (frame.FrameStep._talker), with a row per token."""
+    pos = pos.to(torch.int32)
+    cos, sin = rope_cos_sin(pos[:, None], sp.cfg, torch.float32)
     cos, sin = cos[:, 0], sin[:, 0]  # [N, HD]
     table = kv.table[slots]  # [N, MAX_BLOCKS] int32
-    blk = table.gather(1, (pos // kv.block_size)[:, None])[:, 0].long()
-    off = pos % kv.block_size
-    lens = (pos + 1).to(torch.int32)
-    scale = cfg.head_dim ** -0.5
-    for i in range(cfg.num_layers):
-        kp, vp = kv.k[i], kv.v[i]
-
-        def write_kv(kk, vv, kp=kp, vp=vp):
-            kp[blk, :, off] = kk.to(kp.dtype)
-            vp[blk, :, off] = vv.to(vp.dtype)
-
-        x = layer(x, sp, i, cos, sin, write_kv,
-                  lambda q, kp=kp, vp=vp: ops.paged_attention(q, kp, vp, table, lens, scale))
-    return ops.rms_norm(x[last], sp.final_norm, cfg.rms_norm_eps)
+    blk = table.gather(1, (pos // kv.block_size).long()[:, None])[:, 0].long()
+    off = (pos % kv.block_size).long()
+    hidden = stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, pos + 1))
+    return hidden[last]
