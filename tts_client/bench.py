@@ -300,7 +300,7 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     for x in levels:
         if x.get("first_audio_queue_ms_p50") is not None:
             key = "rps" if x["system"] == "grpc-rps" else "c"
-            parts = ("queue", "prefill", "first_frame", "first_decode", "write")
+            parts = ("queue", "prepare", "prefill", "first_frame", "first_decode", "write")
             print(f"first audio p50 at {key}={x['concurrency']:g} (server ms): " + ", ".join(
                 f"{p} {x[f'first_audio_{p}_ms_p50']:.1f}" for p in parts
                 if x.get(f"first_audio_{p}_ms_p50") is not None)

@@ -105,7 +105,7 @@ def aggregate(records: list[RequestRecord]) -> dict:
     out["stall_ms_p95"] = percentile([r.stall_ms for r in ok], 95)
     out["stall_ms_max"] = max((r.stall_ms for r in ok), default=None)
     out["lag_ms_p95"] = percentile([r.lag_ms for r in records], 95)
-    for part in ("queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms"):
+    for part in ("queue_ms", "prepare_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms"):
         out[f"first_audio_{part}_p50"] = percentile([r.first_audio.get(part) for r in ok], 50)
     out["peak_in_flight"] = peak_in_flight(records)
     out["audio_s_per_s"] = audio_s / wall_s if wall_s > 0 else None

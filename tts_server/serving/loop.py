@@ -356,7 +356,7 @@ class Worker:
         t_codec = time.monotonic()
         prepare_s = t_run - t0  # this step's prompt preparation, before the engine call
         for stream in admitted:
-            stream.timings.update(prefill_ms=(prepare_s + out.prefill_s) * 1e3,
+            stream.timings.update(prefill_ms=(prepare_s + out.prefill_s) * 1e3, prepare_ms=prepare_s * 1e3,
                                   first_frame_ms=out.decode_s * 1e3,
                                   first_decode_ms=(t_codec - t_engine) * 1e3, ready_at=t_codec)
         for (stream, result), audio in zip(good, pcm):

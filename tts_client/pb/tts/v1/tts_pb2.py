@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etts_client/pb/tts/v1/tts.proto\x12\x06tts.v1\"\xfc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x06greedy\x18\x06 \x01(\x08\x12\"\n\x15subtalker_temperature\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1c\n\x0fsubtalker_top_k\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fsubtalker_top_p\x18\t \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x18\n\x16_subtalker_temperatureB\x12\n\x10_subtalker_top_kB\x12\n\x10_subtalker_top_p\"8\n\x13VoiceCloneReference\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"\x89\x02\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05voice\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\'\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x05 \x01(\x05\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.tts.v1.SamplingParams\x12\x16\n\x0emax_duration_s\x18\x07 \x01(\x02\x12.\n\treference\x18\x08 \x01(\x0b\x32\x1b.tts.v1.VoiceCloneReference\x12\x12\n\nrequest_id\x18\t \x01(\t\"\xb5\x01\n\nAudioChunk\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\x12\'\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x17\n\x0fsequence_number\x18\x04 \x01(\r\x12\x15\n\rsample_offset\x18\x05 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x12\n\nnum_frames\x18\x07 \x01(\r\"\x8d\x02\n\x10SynthesisSummary\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.tts.v1.FinishReason\x12\x12\n\nnum_frames\x18\x02 \x01(\r\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_chunk_ms\x18\x04 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x05 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x06 \x01(\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12.\n\x0b\x66irst_audio\x18\t \x01(\x0b\x32\x19.tts.v1.FirstAudioTimings\"|\n\x11\x46irstAudioTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_frame_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x66irst_decode_ms\x18\x04 \x01(\x01\x12\x10\n\x08write_ms\x18\x05 \x01(\x01\"q\n\x12SynthesizeResponse\x12#\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x12.tts.v1.AudioChunkH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.tts.v1.SynthesisSummaryH\x00\x42\t\n\x07\x63ontent\"\x13\n\x11ListVoicesRequest\"<\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tlanguages\x18\x02 \x03(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\"b\n\x12ListVoicesResponse\x12\x1d\n\x06voices\x18\x01 \x03(\x0b\x32\r.tts.v1.Voice\x12\x11\n\tlanguages\x18\x02 \x03(\t\x12\x1a\n\x12requires_reference\x18\x03 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc1\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nmodel_size\x18\x03 \x01(\t\x12\x14\n\x0cis_synthetic\x18\x04 \x01(\x08\x12\x0f\n\x07warning\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1d\n\x15native_sample_rate_hz\x18\t \x01(\x05\x12\x15\n\rframe_rate_hz\x18\n \x01(\x01\x12\x16\n\x0emax_text_chars\x18\x0b \x01(\x05\x12\x1e\n\x16max_concurrent_streams\x18\x0c \x01(\x05\x12\x16\n\x0emax_duration_s\x18\r \x01(\x02\x12\x16\n\x0eserver_version\x18\x0e \x01(\t*l\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1d\n\x19\x41UDIO_ENCODING_FLOAT32_LE\x10\x02*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xec\x01\n\x13TextToSpeechService\x12\x45\n\nSynthesize\x12\x19.tts.v1.SynthesizeRequest\x1a\x1a.tts.v1.SynthesizeResponse0\x01\x12\x43\n\nListVoices\x12\x19.tts.v1.ListVoicesRequest\x1a\x1a.tts.v1.ListVoicesResponse\x12I\n\x0cGetModelInfo\x12\x1b.tts.v1.GetModelInfoRequest\x1a\x1c.tts.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etts_client/pb/tts/v1/tts.proto\x12\x06tts.v1\"\xfc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x06greedy\x18\x06 \x01(\x08\x12\"\n\x15subtalker_temperature\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1c\n\x0fsubtalker_top_k\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fsubtalker_top_p\x18\t \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x18\n\x16_subtalker_temperatureB\x12\n\x10_subtalker_top_kB\x12\n\x10_subtalker_top_p\"8\n\x13VoiceCloneReference\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"\x89\x02\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05voice\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\'\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x05 \x01(\x05\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.tts.v1.SamplingParams\x12\x16\n\x0emax_duration_s\x18\x07 \x01(\x02\x12.\n\treference\x18\x08 \x01(\x0b\x32\x1b.tts.v1.VoiceCloneReference\x12\x12\n\nrequest_id\x18\t \x01(\t\"\xb5\x01\n\nAudioChunk\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\x12\'\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x17\n\x0fsequence_number\x18\x04 \x01(\r\x12\x15\n\rsample_offset\x18\x05 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x12\n\nnum_frames\x18\x07 \x01(\r\"\x8d\x02\n\x10SynthesisSummary\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.tts.v1.FinishReason\x12\x12\n\nnum_frames\x18\x02 \x01(\r\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_chunk_ms\x18\x04 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x05 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x06 \x01(\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12.\n\x0b\x66irst_audio\x18\t \x01(\x0b\x32\x19.tts.v1.FirstAudioTimings\"\x90\x01\n\x11\x46irstAudioTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_frame_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x66irst_decode_ms\x18\x04 \x01(\x01\x12\x10\n\x08write_ms\x18\x05 \x01(\x01\x12\x12\n\nprepare_ms\x18\x06 \x01(\x01\"q\n\x12SynthesizeResponse\x12#\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x12.tts.v1.AudioChunkH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.tts.v1.SynthesisSummaryH\x00\x42\t\n\x07\x63ontent\"\x13\n\x11ListVoicesRequest\"<\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tlanguages\x18\x02 \x03(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\"b\n\x12ListVoicesResponse\x12\x1d\n\x06voices\x18\x01 \x03(\x0b\x32\r.tts.v1.Voice\x12\x11\n\tlanguages\x18\x02 \x03(\t\x12\x1a\n\x12requires_reference\x18\x03 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc1\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nmodel_size\x18\x03 \x01(\t\x12\x14\n\x0cis_synthetic\x18\x04 \x01(\x08\x12\x0f\n\x07warning\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1d\n\x15native_sample_rate_hz\x18\t \x01(\x05\x12\x15\n\rframe_rate_hz\x18\n \x01(\x01\x12\x16\n\x0emax_text_chars\x18\x0b \x01(\x05\x12\x1e\n\x16max_concurrent_streams\x18\x0c \x01(\x05\x12\x16\n\x0emax_duration_s\x18\r \x01(\x02\x12\x16\n\x0eserver_version\x18\x0e \x01(\t*l\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41UDIO_ENCODING_PCM_S16LE\x10\x01\x12\x1d\n\x19\x41UDIO_ENCODING_FLOAT32_LE\x10\x02*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xec\x01\n\x13TextToSpeechService\x12\x45\n\nSynthesize\x12\x19.tts.v1.SynthesizeRequest\x1a\x1a.tts.v1.SynthesizeResponse0\x01\x12\x43\n\nListVoices\x12\x19.tts.v1.ListVoicesRequest\x1a\x1a.tts.v1.ListVoicesResponse\x12I\n\x0cGetModelInfo\x12\x1b.tts.v1.GetModelInfoRequest\x1a\x1c.tts.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tts_client.pb.tts.v1.tts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=1978
-  _globals['_AUDIOENCODING']._serialized_end=2086
-  _globals['_FINISHREASON']._serialized_start=2088
-  _globals['_FINISHREASON']._serialized_end=2215
+  _globals['_AUDIOENCODING']._serialized_start=1999
+  _globals['_AUDIOENCODING']._serialized_end=2107
+  _globals['_FINISHREASON']._serialized_start=2109
+  _globals['_FINISHREASON']._serialized_end=2236
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=423
   _globals['_VOICECLONEREFERENCE']._serialized_start=425
@@ -45,20 +45,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AUDIOCHUNK']._serialized_end=933
   _globals['_SYNTHESISSUMMARY']._serialized_start=936
   _globals['_SYNTHESISSUMMARY']._serialized_end=1205
-  _globals['_FIRSTAUDIOTIMINGS']._serialized_start=1207
-  _globals['_FIRSTAUDIOTIMINGS']._serialized_end=1331
-  _globals['_SYNTHESIZERESPONSE']._serialized_start=1333
-  _globals['_SYNTHESIZERESPONSE']._serialized_end=1446
-  _globals['_LISTVOICESREQUEST']._serialized_start=1448
-  _globals['_LISTVOICESREQUEST']._serialized_end=1467
-  _globals['_VOICE']._serialized_start=1469
-  _globals['_VOICE']._serialized_end=1529
-  _globals['_LISTVOICESRESPONSE']._serialized_start=1531
-  _globals['_LISTVOICESRESPONSE']._serialized_end=1629
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1631
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1652
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1655
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1976
-  _globals['_TEXTTOSPEECHSERVICE']._serialized_start=2218
-  _globals['_TEXTTOSPEECHSERVICE']._serialized_end=2454
+  _globals['_FIRSTAUDIOTIMINGS']._serialized_start=1208
+  _globals['_FIRSTAUDIOTIMINGS']._serialized_end=1352
+  _globals['_SYNTHESIZERESPONSE']._serialized_start=1354
+  _globals['_SYNTHESIZERESPONSE']._serialized_end=1467
+  _globals['_LISTVOICESREQUEST']._serialized_start=1469
+  _globals['_LISTVOICESREQUEST']._serialized_end=1488
+  _globals['_VOICE']._serialized_start=1490
+  _globals['_VOICE']._serialized_end=1550
+  _globals['_LISTVOICESRESPONSE']._serialized_start=1552
+  _globals['_LISTVOICESRESPONSE']._serialized_end=1650
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1652
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1673
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1676
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1997
+  _globals['_TEXTTOSPEECHSERVICE']._serialized_start=2239
+  _globals['_TEXTTOSPEECHSERVICE']._serialized_end=2475
 # @@protoc_insertion_point(module_scope)

@@ -120,18 +120,20 @@ class SynthesisSummary(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_chunk_ms: _Optional[float] = ..., wall_ms: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., request_id: _Optional[str] = ..., num_chunks: _Optional[int] = ..., first_audio: _Optional[_Union[FirstAudioTimings, _Mapping]] = ...) -> None: ...
 
 class FirstAudioTimings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms", "prepare_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     WRITE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     first_frame_ms: float
     first_decode_ms: float
     write_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., first_frame_ms: _Optional[float] = ..., first_decode_ms: _Optional[float] = ..., write_ms: _Optional[float] = ...) -> None: ...
+    prepare_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., first_frame_ms: _Optional[float] = ..., first_decode_ms: _Optional[float] = ..., write_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
     __slots__ = ("audio", "summary")
