@@ -39,15 +39,26 @@ class PromptBuilder:
         self.talker = model.talker
         self.cfg = model.config
         self.tcfg = model.config.talker_config
+        # embeddings of the fixed id sequences every prompt uses (specials, role, codec prefixes,
+        # speakers): computed once, so a prompt costs little beyond its own text
+        self._cache: dict[tuple, torch.Tensor] = {}
 
     def _text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, n] -> [1, n, H]."""
         return self.talker.text_projection(self.talker.get_text_embeddings()(ids))
 
+    def _fixed(self, kind: str, ids: tuple[int, ...]) -> torch.Tensor:
+        """A cached `_text` ("text") or codec-embedding ("codec") of fixed ids -> [1, n, H]."""
+        key = (kind, ids)
+        if key not in self._cache:
+            t = torch.tensor([ids], device=self.talker.device, dtype=torch.long)
+            self._cache[key] = (self._text(t) if kind == "text"
+                                else self.talker.get_input_embeddings()(t))
+        return self._cache[key]
+
     def _codec(self, ids: list[int]) -> torch.Tensor:
         """codec ids -> [1, n, H]."""
-        t = torch.tensor([ids], device=self.talker.device, dtype=torch.long)
-        return self.talker.get_input_embeddings()(t)
+        return self._fixed("codec", tuple(ids))
 
     def language_id(self, language: str, speaker: str | None) -> int | None:
         lang = language.lower()
@@ -64,10 +75,10 @@ class PromptBuilder:
         """input_ids [1, T]: "<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"."""
         c = self.tcfg
         dev = self.talker.device
+        role = self._fixed("text", tuple(input_ids[0, :3].tolist()))
         input_ids = input_ids.to(dev)
-        bos, eos, pad = self._text(torch.tensor(
-            [[self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id, self.cfg.tts_pad_token_id]],
-            device=dev)).chunk(3, dim=1)  # 3 x [1, 1, H]
+        bos, eos, pad = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
+                                             self.cfg.tts_pad_token_id)).chunk(3, dim=1)  # 3 x [1, 1, H]
         if clone is not None:
             speaker_embed = clone.speaker_embedding.to(dev, pad.dtype).view(1, 1, -1)
         elif speaker:
@@ -82,7 +93,6 @@ class PromptBuilder:
             parts.append(speaker_embed)
         parts.append(self._codec([c.codec_pad_id, c.codec_bos_id]))
         codec = torch.cat(parts, dim=1)  # [1, n, H]
-        role = self._text(input_ids[:, :3])
         head = torch.cat((pad.expand(-1, codec.shape[1] - 2, -1), bos), dim=1) + codec[:, :-1]
         embeds = torch.cat((role, head), dim=1)
         text_ids = input_ids[:, 3:-5]
@@ -91,7 +101,7 @@ class PromptBuilder:
             embeds = torch.cat((embeds, icl), dim=1)
         elif non_streaming:
             text = torch.cat((self._text(text_ids), eos), dim=1)
-            text = text + self._codec([c.codec_pad_id] * text.shape[1])
+            text = text + self._codec([c.codec_pad_id])  # the same row at every position
             embeds = torch.cat((embeds, text, pad + self._codec([c.codec_bos_id])), dim=1)
             trailing = pad
         else:
@@ -112,7 +122,7 @@ class PromptBuilder:
         codec = torch.cat((self._codec([c.codec_bos_id]), frames), dim=1)
         n_text, n_codec = text.shape[1], codec.shape[1]
         if non_streaming:
-            block = text + self._codec([c.codec_pad_id] * n_text)
+            block = text + self._codec([c.codec_pad_id])
             return torch.cat((block, codec + pad), dim=1), pad
         if n_text > n_codec:
             return text[:, :n_codec] + codec, text[:, n_codec:]
