@@ -72,6 +72,22 @@ def test_fused_and_unfused_code_predictor_agree(weights, prompts):
     assert (got[0][1] - got[1][1]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32], ids=["bf16-kv", "fp32-kv"])
+def test_admissions_prefill_the_same_alone_or_together(weights, prompts, kv_dtype):
+    """A prompt admitted alone or with others (any order) gets bitwise the same K/V blocks, last
+    hidden state, first-frame logits and codes (batched prefill: fp32 attention for a bf16 pool)."""
+    got = []
+    for group in ([0], [0, 1, 2], [2, 1, 0]):
+        eng = _engine(weights, kv_dtype=kv_dtype, dump_logits=True, block_size=8)
+        out = eng.run(StepPlan(admit=tuple(Admission(s, prompts[s], GREEDY) for s in group), decode=tuple(group)))
+        row = group.index(0)
+        blocks = eng.kv.blocks(0)
+        got.append((out.frames[row].codes, eng.frame.dump[row].clone(), eng.state.past_hidden[0].clone(),
+                    eng.kv.k[:, blocks].clone(), eng.kv.v[:, blocks].clone()))
+    for other in got[1:]:
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(other, got[0]))
+
+
 def test_greedy_check_can_fail(weights, prompts):
     """Another prompt gives other codes: the equality above is not vacuous."""
     eng = _engine(weights, kv_dtype=torch.float32)

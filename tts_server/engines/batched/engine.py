@@ -17,7 +17,7 @@ from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
-from .prefill import PrefillGraphs, prefill
+from .prefill import PrefillGraphs, prefill, prefill_rows_fp32_attention
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 
@@ -176,7 +176,11 @@ class BatchedEngine:
         pos = torch.cat([torch.arange(n) for n in lens])
         last = torch.tensor(np.cumsum(lens) - 1)
         self.kv.sync()
-        hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
+        if self.kv_dtype == torch.float32:
+            hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
+        else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
+            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens,
+                                                 [self.kv.blocks(a.slot) for a in admissions])
         good = []
         for a, h, n in zip(admissions, hidden, lens):
             self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h)

@@ -1,8 +1,10 @@
-"""Talker prefill of one prompt into its slot's KV blocks: plain PyTorch, fp32 activations over the
-bf16 weights (upcast one matrix at a time). One admission at a time, so batch size is always 1."""
+"""Talker prefill into the slots' KV blocks: `prefill` (one prompt, plain PyTorch fp32 over the bf16
+weights, optionally through PrefillGraphs) and `prefill_rows_fp32_attention` (all of a step's prompts
+as rows of the batch-invariant ops, attending over fp32 K/V)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,3 +106,46 @@ class PrefillGraphs:
         self.last.fill_(n - 1)
         self.graphs[b].replay()
         return self.hidden
+
+
+@torch.inference_mode()
+def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list[int],
+                                blocks: list[list[int]]) -> torch.Tensor:
+    """prefill_rows (every prompt token a row of the decode step's batch-invariant ops), but the
+    prompts attend over fp32 K/V: each layer's K/V go to a one-layer fp32 scratch pool (the step's
+    prompts only), attention reads that, and the layer's blocks are then copied, rounded to the
+    pool's dtype, into the slots' blocks. Same attention precision as an fp32 prefill, the same K/V
+    in the pool as the frames will read; alone or beside other prompts, bitwise the same.
+    x [N, H] fp32 (the prompts concatenated); lens: each prompt's length; blocks: each prompt's slot
+    blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H]."""
+    from . import glue, ops
+    from .frame import stack_forward
+
+    cfg, dev, bs = sp.cfg, x.device, kv.block_size
+    nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    nb = [len(b) for b in blocks]
+    base = np.cumsum([0] + nb[:-1])
+    table = torch.zeros(len(blocks), max(nb), dtype=torch.int32)  # prompt a -> its scratch blocks
+    for a, n in enumerate(nb):
+        table[a, :n] = torch.arange(base[a], base[a] + n, dtype=torch.int32)
+    table = table[torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lens))].to(dev)  # [N, max blocks]
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
+    last = torch.tensor(np.cumsum(lens) - 1, device=dev)
+    blk = table.gather(1, (pos // bs).long()[:, None])[:, 0].long()
+    off = (pos % bs).long()
+    shape = (sum(nb), nkv, bs, hd)
+    tk = torch.zeros(shape, dtype=torch.float32, device=dev)
+    tv = torch.zeros(shape, dtype=torch.float32, device=dev)
+    dst = torch.tensor([b for bl in blocks for b in bl], dtype=torch.long, device=dev)
+    cos, sin = rope_cos_sin(pos[:, None], cfg, torch.float32)
+    cos, sin = cos[:, 0], sin[:, 0]  # [N, HD]
+    scale = hd ** -0.5
+
+    def attend(i, qkv):
+        q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, tk, tv, blk, off, nh, nkv, eps)
+        out = ops.paged_attention(q, tk, tv, table, pos + 1, scale)
+        kv.k[i][dst] = tk.to(kv.k.dtype)
+        kv.v[i][dst] = tv.to(kv.v.dtype)
+        return out
+
+    return stack_forward(x, sp, attend)[last]
