@@ -165,10 +165,10 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
     try:
         res["unfused_cp"] = unfused_cp(w, eng, iters)
-        res["first_frame"] = first_frame(eng)
-        graphs, eng.prefill_graphs = eng.prefill_graphs, None
-        res["first_frame_eager_prefill"] = first_frame(eng)
-        eng.prefill_graphs = graphs
+        res["first_frame"] = first_frame(eng)  # default: batched prefill rows
+        pg = BatchedEngine(w, max_streams=4, max_positions=1024, prefill_graphs=True, **ENGINE_KW)
+        res["first_frame_prefill_graphs"] = dict(first_frame(pg), error=pg.prefill_graph_error)
+        del pg
         res["profile"] = profile(eng)
     except Exception:
         res["profile"] = traceback.format_exc()
