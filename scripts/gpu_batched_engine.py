@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import subprocess
 import sys
 import time
