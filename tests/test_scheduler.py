@@ -6,7 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from tts_server.serving.scheduler import Scheduler, SchedulerConfig
+from tts_server.serving.scheduler import PrefillCost, Scheduler, SchedulerConfig
 from tts_server.serving.streams import Stream
 
 FRAME = 0.08
@@ -25,7 +25,13 @@ class FakeHandle:
 
 
 def make(max_streams=4, **kw):
+    kw.setdefault("preroll_s", 0.0)
     return Scheduler(SchedulerConfig(max_streams=max_streams, frame_s=FRAME, **kw))
+
+
+def per(seconds, base=0.0):
+    """A prefill cost model: base + seconds per admission."""
+    return lambda n: base + seconds * n
 
 
 def running(sch, now, lead_s, slot=None):
@@ -47,7 +53,7 @@ def test_scheduler_imports_no_torch():
 def test_idle_server_admits_everything_that_fits():
     sch = make(max_streams=4)
     sch.waiting.extend(FakeHandle() for _ in range(6))
-    plan = sch.plan(now=0.0, prefill_s=0.005, step_s=0.01)
+    plan = sch.plan(now=0.0, prefill_cost=per(0.005), step_s=0.01)
     assert len(plan.admit) == 4 and len(sch.waiting) == 2 and not sch.free_slots
     assert sorted(slot for _, slot in plan.admit) == [0, 1, 2, 3]
 
@@ -58,16 +64,18 @@ def test_admissions_are_budgeted_against_the_most_urgent_stream():
     running(sch, now=10.0, lead_s=0.1)  # the most urgent: 100 ms of audio left
     sch.waiting.extend(FakeHandle() for _ in range(40))
     # 100 ms lead - 20 ms step = 80 ms of room for prefills of 10 ms each
-    assert sch.admission_budget(10.0, prefill_s=0.01, step_s=0.02) == 8
+    assert sch.admission_budget(10.0, per(0.01), step_s=0.02) == 8
+    # batched prefill: 30 ms for the batch plus 1 ms each leaves room for 50
+    assert sch.admission_budget(10.0, per(0.001, base=0.03), step_s=0.02) == min(40, 50)
     # no room at all: nobody is admitted (a running stream would underrun)
-    assert sch.admission_budget(10.0, prefill_s=0.2, step_s=0.02) == 0
+    assert sch.admission_budget(10.0, per(0.2), step_s=0.02) == 0
 
 
 def test_at_least_one_admission_when_no_stream_is_at_risk():
     sch = make(max_streams=8)
     running(sch, now=5.0, lead_s=2.0)
     sch.waiting.append(FakeHandle())
-    assert sch.admission_budget(5.0, prefill_s=0.5, step_s=0.02) == 1
+    assert sch.admission_budget(5.0, per(0.5), step_s=0.02) == 1
 
 
 def test_streams_without_audio_yet_do_not_block_admissions():
@@ -75,7 +83,7 @@ def test_streams_without_audio_yet_do_not_block_admissions():
     s = Stream(handle=FakeHandle(), slot=sch.take_slot(), max_frames=10, resample=None)
     sch.add(s)  # admitted, no chunk yet: no player to starve
     sch.waiting.extend(FakeHandle() for _ in range(3))
-    assert sch.admission_budget(0.0, prefill_s=0.01, step_s=0.01) == 3
+    assert sch.admission_budget(0.0, per(0.01), step_s=0.01) == 3
 
 
 def test_paused_streams_do_not_step_and_do_not_count_as_urgent():
@@ -85,7 +93,7 @@ def test_paused_streams_do_not_step_and_do_not_count_as_urgent():
     slow = running(sch, now=0.0, lead_s=3.0)
     assert [s.slot for s in sch.runnable()] == [slow.slot] and fast.handle.paused
     sch.waiting.append(FakeHandle())
-    assert sch.admission_budget(0.0, prefill_s=0.01, step_s=0.01) == 1
+    assert sch.admission_budget(0.0, per(0.01), step_s=0.01) == 1
 
 
 def test_expired_queue_entries_and_cancellations():
@@ -117,3 +125,21 @@ def test_chunk_schedule_then_early_when_the_player_runs_low():
     s.num_chunks, s.pending_frames = 5, 3
     assert not sch.chunk_due(s, now=0.0)  # later chunks: 4 frames
     assert sch.chunk_due(s, now=1.5)  # ...unless the player is about to run dry
+
+
+def test_the_assumed_player_preroll_counts_as_lead():
+    sch = make(max_streams=64, margin_s=0.0, preroll_s=0.2)
+    running(sch, now=1.0, lead_s=0.0)  # its player would be dry now without a pre-roll
+    sch.waiting.extend(FakeHandle() for _ in range(40))
+    assert sch.admission_budget(1.0, per(0.01), step_s=0.02) == 18  # (0.2 - 0.02) / 0.01
+
+
+def test_prefill_cost_fits_a_fixed_and_a_per_admission_part():
+    cost = PrefillCost()
+    for n in (1, 4, 16, 64, 2, 32):
+        cost.observe(n, 0.030 + 0.0005 * n)
+    assert abs(cost.base_s - 0.030) < 1e-9 and abs(cost.each_s - 0.0005) < 1e-9
+    assert abs(cost(100) - 0.080) < 1e-9
+    one = PrefillCost()
+    one.observe(10, 0.02)  # a single batch size: half fixed, half per admission
+    assert abs(one(10) - 0.02) < 1e-12 and abs(one.base_s - 0.01) < 1e-12

@@ -30,7 +30,7 @@ from ..config import ServerConfig
 from ..engines.contract import Admission, StepPlan
 from ..metrics import Metrics
 from .prepare import RequestPreparer
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import PrefillCost, Scheduler, SchedulerConfig
 from .streams import Stream, StreamHandle
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ class Worker:
             max_streams=self.max_streams, frame_s=self.frame_s, chunk_frames=config.chunk_frames,
             max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s))
         self.watchdog_s = config.watchdog_s
-        # moving averages of one admission's cost and of one step (engine + codec), seconds
-        self.prefill_s = 0.005
+        # the cost model of a step's admissions, and a moving average of a step without them
+        self.prefill_cost = PrefillCost()
         self.step_s = 0.0
+        self._admit_s = 0.0  # this step's preparation + prefill
         self.metrics = Metrics()
         self.metrics.active_streams.set_function(lambda: self.num_active)
         self.metrics.queued_streams.set_function(lambda: len(self.scheduler.waiting) + len(self._incoming))
@@ -211,7 +212,7 @@ class Worker:
                 sch.waiting.extend(self._incoming)
                 self._incoming.clear()
             self._reap()
-            plan = sch.plan(time.monotonic(), self.prefill_s, self.step_s)
+            plan = sch.plan(time.monotonic(), self.prefill_cost, self.step_s)
             if (plan.admit or plan.step) and self.failure is None:
                 self._step(plan)
 
@@ -293,6 +294,7 @@ class Worker:
 
     def _step(self, plan) -> None:
         t0 = time.monotonic()
+        self._admit_s = 0.0
         self._busy(f"step of {len(plan.step)} streams with {len(plan.admit)} admissions")
         try:
             admissions = [a for a in (self._prepare(h, s, t0) for h, s in plan.admit) if a is not None]
@@ -302,6 +304,7 @@ class Worker:
             self._busy(None)
         dt = time.monotonic() - t0
         self.metrics.step.observe(dt)
+        dt -= self._admit_s  # the step's own cost, without its admissions
         self.step_s = dt if self.step_s == 0 else 0.9 * self.step_s + 0.1 * dt
 
     def _run_step(self, streams: list[Stream], admissions: list[Admission], t0: float) -> None:
@@ -323,8 +326,8 @@ class Worker:
             return
         t_engine = time.monotonic()
         if admissions:
-            each = out.prefill_s / len(admissions)
-            self.prefill_s = 0.8 * self.prefill_s + 0.2 * each
+            self._admit_s = (t_run - t0) + out.prefill_s  # preparation + prefill
+            self.prefill_cost.observe(len(admissions), self._admit_s)
         for slot, why in out.failed.items():
             stream = self._active[slot]
             rid = stream.handle.request.request_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .streams import Stream, StreamHandle
 
@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_buffer_s: float = 10.0  # a stream this far ahead of its client pauses
     min_lead_s: float = 0.2  # a stream with less audio ahead of its player gets every frame at once
     margin_s: float = 0.04  # kept free of prefill work below the most urgent stream's deadline
+    preroll_s: float = 0.1  # audio a player is assumed to buffer before it starts playing
     max_admit_per_step: int = 256
 
 
@@ -79,27 +80,32 @@ class Scheduler:
                 out.append(stream)
         return out
 
-    def admission_budget(self, now: float, prefill_s: float, step_s: float) -> int:
-        """How many waiting requests this step may admit. Each costs about `prefill_s` of engine
-        time before the step (`step_s`) finishes; the most urgent running stream must still have
-        audio left when the step ends. At least one admission when no running stream is at risk,
-        so that waiting requests are never starved by a server that keeps up."""
+    def admission_budget(self, now: float, prefill_cost, step_s: float) -> int:
+        """How many waiting requests this step may admit. Admitting n costs `prefill_cost(n)`
+        seconds of engine time (a step's admissions prefill together) on top of the step itself
+        (`step_s`); the most urgent running stream's player (assumed to have buffered
+        `preroll_s`) must still have audio left when the step ends. At least one admission when
+        no running stream is at risk, so that waiting requests are never starved."""
         room = min(len(self.waiting), len(self.free_slots), self.cfg.max_admit_per_step)
         if room == 0:
             return 0
         lead = min((s.lead_s(now, self.cfg.frame_s) for s in self.active.values()
                     if not s.handle.paused), default=math.inf)
-        spare = lead - step_s - self.cfg.margin_s
+        spare = lead + self.cfg.preroll_s - step_s - self.cfg.margin_s + 1e-9  # rounding
         if math.isinf(spare):
             return room
-        if spare < prefill_s:
+        if spare < prefill_cost(1):
             return 0
-        return max(1, min(room, int(spare / max(prefill_s, 1e-4) + 1e-9)))
+        lo, hi = 1, room  # the largest n with prefill_cost(n) <= spare (cost grows with n)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if prefill_cost(mid) <= spare else (lo, mid - 1)
+        return lo
 
-    def plan(self, now: float, prefill_s: float, step_s: float) -> Plan:
+    def plan(self, now: float, prefill_cost, step_s: float) -> Plan:
         """Admissions (popped from the queue, each with a free slot) and the streams to step."""
         admit = []
-        for _ in range(self.admission_budget(now, prefill_s, step_s)):
+        for _ in range(self.admission_budget(now, prefill_cost, step_s)):
             admit.append((self.waiting.popleft(), self.take_slot()))
         return Plan(admit=admit, step=self.runnable())
 
@@ -124,3 +130,31 @@ class Scheduler:
         if self.active:  # paused streams: look again soon even if no chunk is acknowledged
             timeouts.append(0.05)
         return min(timeouts) if timeouts else None
+
+
+@dataclass
+class PrefillCost:
+    """The cost of a step's admissions, t = base + each * n, fitted by least squares to the
+    last observations (prefills run batched, so n admissions cost far less than n single ones)."""
+
+    base_s: float = 0.005
+    each_s: float = 0.001
+    window: int = 32
+    _obs: collections.deque = field(default_factory=collections.deque)
+
+    def __call__(self, n: int) -> float:
+        return self.base_s + self.each_s * n
+
+    def observe(self, n: int, seconds: float) -> None:
+        self._obs.append((n, seconds))
+        while len(self._obs) > self.window:
+            self._obs.popleft()
+        xs, ts = [o[0] for o in self._obs], [o[1] for o in self._obs]
+        mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            each = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var
+            self.each_s = max(each, 1e-5)
+            self.base_s = max(mt - self.each_s * mx, 0.0)
+        else:  # one batch size seen so far: split the cost evenly between the two terms
+            self.base_s, self.each_s = mt / 2, max(mt / 2 / mx, 1e-5)
