@@ -19,7 +19,7 @@ SERVER_ARGS=${SERVER_ARGS:-}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/env.txt"
-git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt" || true
+echo "tree: ${COMMIT:-unknown (pass COMMIT=$(git rev-parse --short HEAD))}" | tee -a "$OUT/env.txt"
 
 t0=$(date +%s)
 $PY -m tts_server --port "$PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
