@@ -3,6 +3,7 @@ prefill, and bitwise the same for a prompt alone or beside other prompts (CPU, t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tts_server.engines.batched.engine import BatchedEngine
@@ -65,3 +66,48 @@ def test_batched_prefill_is_invariant_to_the_other_prompts(tiny_custom):
         assert torch.equal(a, b)
     other = _engine(tiny_custom, torch.bfloat16)
     assert not torch.equal(_run(other, {1: y[:13]})[0], h_alone[0])  # the check can fail
+
+
+@pytest.mark.gpu
+def test_graph_captured_prefill_equals_the_eager_one_bitwise(tiny_custom):
+    """RowPrefillGraphs (bf16 KV, the serving default) against the eager batched prefill: the
+    same hidden states and K/V bits, a prompt alone or among others, in any bucket."""
+    from dataclasses import fields, is_dataclass, replace
+
+    from tts_server.engines.batched.prefill import prefill_rows_fp32_attention
+
+    def cuda(o):
+        if isinstance(o, torch.Tensor):
+            return o.to("cuda", torch.bfloat16 if o.is_floating_point() else o.dtype)
+        if isinstance(o, tuple):
+            return tuple(cuda(v) for v in o)
+        if is_dataclass(o):
+            return replace(o, **{f.name: cuda(getattr(o, f.name)) for f in fields(o)})
+        return o
+
+    w = cuda(decode_weights(tiny_custom.model))
+    eng = BatchedEngine(w, max_streams=4, max_positions=512, block_size=16)
+    assert eng.row_graphs is not None
+    h = w.talker.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    xs = {0: torch.randn(37, h, generator=g), 1: torch.randn(5, h, generator=g), 2: torch.randn(90, h, generator=g)}
+
+    def prefill(slots, graphs):
+        for s in slots:
+            eng.release(s)
+            assert eng.kv.ensure(s, xs[s].shape[0])
+        eng.kv.sync()
+        lens, blocks = [xs[s].shape[0] for s in slots], [eng.kv.blocks(s) for s in slots]
+        x = torch.cat([xs[s] for s in slots]).cuda()
+        n = eng.row_graphs.bucket(lens, blocks) if graphs else None
+        out = eng.row_graphs.run(n, x, lens, blocks).clone() if n is not None else \
+            prefill_rows_fp32_attention(eng.p.talker, eng.kv, x, lens, blocks)
+        kv = {s: torch.cat([eng.kv.k[:, b] for b in eng.kv.blocks(s)], 2)[:, :, :xs[s].shape[0]].clone()
+              for s in slots}
+        return out, kv
+
+    eager, kv_eager = prefill([0, 1, 2], graphs=False)
+    graph, kv_graph = prefill([0, 1, 2], graphs=True)
+    alone, kv_alone = prefill([0], graphs=True)
+    assert torch.equal(graph, eager) and all(torch.equal(kv_graph[s], kv_eager[s]) for s in xs)
+    assert torch.equal(alone[0], eager[0]) and torch.equal(kv_alone[0], kv_eager[0])

@@ -17,12 +17,13 @@ from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
-from .prefill import PrefillGraphs, prefill, prefill_rows_fp32_attention
+from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
+ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # prompt rows of a graph-captured prefill
 # graph workspaces (one shared pool for all buckets) grow with the largest bucket: measured on the
 # H100 with the 0.6B shapes, 118 MiB for 256 rows and 30 MiB for 64 (~0.48 MiB per row)
 GRAPH_BYTES_PER_ROW = 512 * 1024
@@ -89,8 +90,17 @@ class BatchedEngine:
                 self.prefill_graph_error = str(e)
             torch.cuda.synchronize(dev)
             self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
+        self.row_graphs = None
         if dev.type == "cuda":
-            self._warm_admissions()
+            self._warm_admissions()  # eager admission kernels compiled for every row count
+            if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
+                before = torch.cuda.memory_reserved(dev)
+                t0 = time.perf_counter()
+                sizes = [n for n in ROW_BUCKETS if n <= max(ROW_BUCKETS[0], max_streams * 64)]
+                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, sizes, max_streams)
+                torch.cuda.synchronize(dev)
+                self.capture_s += time.perf_counter() - t0
+                self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
@@ -181,8 +191,10 @@ class BatchedEngine:
         if self.kv_dtype == torch.float32:
             hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
         else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
-            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens,
-                                                 [self.kv.blocks(a.slot) for a in admissions])
+            blocks = [self.kv.blocks(a.slot) for a in admissions]
+            n = self.row_graphs.bucket(lens, blocks) if self.row_graphs is not None else None
+            hidden = (self.row_graphs.run(n, x, lens, blocks) if n is not None
+                      else prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
         for a, h, n in zip(admissions, hidden, lens):
             self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h)
             self.positions[a.slot] = n

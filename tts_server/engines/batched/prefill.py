@@ -108,35 +108,37 @@ class PrefillGraphs:
         return self.hidden
 
 
+def rows_plan(lens: list[int], blocks: list[list[int]], bs: int) -> dict[str, torch.Tensor]:
+    """Host tensors of a batched prefill: each prompt's tokens are rows; prompt a's K/V go to its
+    own scratch blocks (numbered in order), which are copied to its slot's blocks `blocks[a]`.
+    -> table [N, max blocks] int32 (each row's scratch blocks), pos [N] int32, last [A] long (each
+    prompt's last row), dst [total blocks] long (the pool block of every scratch block)."""
+    nb = [len(b) for b in blocks]
+    base = np.cumsum([0] + nb[:-1])
+    table = torch.zeros(len(blocks), max(nb), dtype=torch.int32)
+    for a, n in enumerate(nb):
+        table[a, :n] = torch.arange(base[a], base[a] + n, dtype=torch.int32)
+    rows = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lens))
+    return dict(table=table[rows], pos=torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]),
+                last=torch.tensor(np.cumsum(lens) - 1), dst=torch.tensor([b for bl in blocks for b in bl]))
+
+
 @torch.inference_mode()
-def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list[int],
-                                blocks: list[list[int]]) -> torch.Tensor:
-    """prefill_rows (every prompt token a row of the decode step's batch-invariant ops), but the
-    prompts attend over fp32 K/V: each layer's K/V go to a one-layer fp32 scratch pool (the step's
-    prompts only), attention reads that, and the layer's blocks are then copied, rounded to the
-    pool's dtype, into the slots' blocks. Same attention precision as an fp32 prefill, the same K/V
-    in the pool as the frames will read; alone or beside other prompts, bitwise the same.
-    x [N, H] fp32 (the prompts concatenated); lens: each prompt's length; blocks: each prompt's slot
-    blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H]."""
+def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
+                      last: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """The device part of `prefill_rows_fp32_attention` (no host values: CUDA-graph capturable).
+    x [N, H] fp32; table [N, B] int32 (scratch blocks of each row); pos [N] int32; last [A] long;
+    dst [S] long: the pool block each of the S scratch blocks is copied to -> [A, H] fp32."""
     from . import glue, ops
     from .frame import stack_forward
 
-    cfg, dev, bs = sp.cfg, x.device, kv.block_size
+    cfg, bs = sp.cfg, kv.block_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    nb = [len(b) for b in blocks]
-    base = np.cumsum([0] + nb[:-1])
-    table = torch.zeros(len(blocks), max(nb), dtype=torch.int32)  # prompt a -> its scratch blocks
-    for a, n in enumerate(nb):
-        table[a, :n] = torch.arange(base[a], base[a] + n, dtype=torch.int32)
-    table = table[torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lens))].to(dev)  # [N, max blocks]
-    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
-    last = torch.tensor(np.cumsum(lens) - 1, device=dev)
     blk = table.gather(1, (pos // bs).long()[:, None])[:, 0].long()
     off = (pos % bs).long()
-    shape = (sum(nb), nkv, bs, hd)
-    tk = torch.zeros(shape, dtype=torch.float32, device=dev)
-    tv = torch.zeros(shape, dtype=torch.float32, device=dev)
-    dst = torch.tensor([b for bl in blocks for b in bl], dtype=torch.long, device=dev)
+    shape = (dst.shape[0], nkv, bs, hd)
+    tk = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    tv = torch.zeros(shape, dtype=torch.float32, device=x.device)
     cos, sin = rope_cos_sin(pos[:, None], cfg, torch.float32)
     cos, sin = cos[:, 0], sin[:, 0]  # [N, HD]
     scale = hd ** -0.5
@@ -149,3 +151,86 @@ def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list
         return out
 
     return stack_forward(x, sp, attend)[last]
+
+
+def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list[int],
+                                blocks: list[list[int]]) -> torch.Tensor:
+    """prefill_rows (every prompt token a row of the decode step's batch-invariant ops), but the
+    prompts attend over fp32 K/V: each layer's K/V go to a one-layer fp32 scratch pool (the step's
+    prompts only), attention reads that, and the layer's blocks are then copied, rounded to the
+    pool's dtype, into the slots' blocks. Same attention precision as an fp32 prefill, the same K/V
+    in the pool as the frames will read; alone or beside other prompts, bitwise the same.
+    x [N, H] fp32 (the prompts concatenated); lens: each prompt's length; blocks: each prompt's slot
+    blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H]."""
+    plan = rows_plan(lens, blocks, kv.block_size)
+    dev = x.device
+    return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst")))
+
+
+class RowPrefillGraphs:
+    """CUDA graphs of `prefill_rows_core` for row-count buckets (one shared memory pool), so a
+    step's admissions prefill in one replay instead of ~370 launches from Python. Rows past the
+    step's prompts are padding: position 0 over a padding scratch block that is copied to pool
+    block 0 (the engine's scratch block); real rows never read either. The ops are batch-invariant,
+    so a prompt's K/V and hidden state are bitwise those of the eager path, in any bucket."""
+
+    def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int):
+        dev, bs, h = kv.k.device, kv.block_size, sp.cfg.hidden_size
+        self.sizes, self.bs = sizes, bs
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        for n in sizes:
+            a = min(max_prompts, n)
+            nblk = -(-n // bs) + a + 1  # every prompt's blocks, plus the padding block (last)
+            self.bufs[n] = dict(x=torch.zeros(n, h, device=dev), pos=torch.zeros(n, dtype=torch.int32, device=dev),
+                                table=torch.full((n, -(-n // bs)), nblk - 1, dtype=torch.int32, device=dev),
+                                last=torch.zeros(a, dtype=torch.long, device=dev),
+                                dst=torch.zeros(nblk, dtype=torch.long, device=dev),
+                                out=torch.zeros(a, h, device=dev))
+
+        def fn(n):
+            b = self.bufs[n]
+            b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"]))
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: the buffers write only pool block 0
+            for n in sizes:
+                fn(n)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(sizes):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                fn(n)
+            self.graphs[n] = g
+
+    def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
+        """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
+        rows, nblk = sum(lens), sum(len(b) for b in blocks)
+        for n in self.sizes:
+            b = self.bufs[n]
+            if rows <= n and len(lens) <= b["last"].shape[0] and nblk < b["dst"].shape[0] \
+                    and max(len(x) for x in blocks) <= b["table"].shape[1]:
+                return n
+        return None
+
+    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> hidden of each prompt's last row [A, H]."""
+        b, plan = self.bufs[n], rows_plan(lens, blocks, self.bs)
+        rows, nprompt, nblk = x.shape[0], len(lens), plan["dst"].shape[0]
+        pad = b["dst"].shape[0] - 1
+        table = torch.full(tuple(b["table"].shape), pad, dtype=torch.int32)
+        table[:rows, :plan["table"].shape[1]] = plan["table"]
+        dst = torch.zeros(b["dst"].shape[0], dtype=torch.long)
+        dst[:nblk] = plan["dst"]
+        pos = torch.zeros(n, dtype=torch.int32)
+        pos[:rows] = plan["pos"]
+        last = torch.zeros(b["last"].shape[0], dtype=torch.long)
+        last[:nprompt] = plan["last"]
+        b["x"][:rows].copy_(x)
+        b["x"][rows:].zero_()
+        for k, v in (("table", table), ("pos", pos), ("last", last), ("dst", dst)):
+            b[k].copy_(v)
+        self.graphs[n].replay()
+        return b["out"][:nprompt]
