@@ -24,6 +24,13 @@ from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
 ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # prompt rows of a graph-captured prefill
+# the prefill graphs' pool (activations and fp32 attention scratch of the largest bucket): measured
+# on the H100 with the 0.6B shapes, 4.39 GiB for 4096 rows
+ROW_GRAPH_BYTES_PER_ROW = int(1.1 * 2**20)
+
+
+def row_buckets(max_streams: int) -> list[int]:
+    return [n for n in ROW_BUCKETS if n <= max(ROW_BUCKETS[0], max_streams * 64)]
 # graph workspaces (one shared pool for all buckets) grow with the largest bucket: measured on the
 # H100 with the 0.6B shapes, 118 MiB for 256 rows and 30 MiB for 64 (~0.48 MiB per row)
 GRAPH_BYTES_PER_ROW = 512 * 1024
@@ -96,8 +103,7 @@ class BatchedEngine:
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)
                 t0 = time.perf_counter()
-                sizes = [n for n in ROW_BUCKETS if n <= max(ROW_BUCKETS[0], max_streams * 64)]
-                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, sizes, max_streams)
+                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, row_buckets(max_streams), max_streams)
                 torch.cuda.synchronize(dev)
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
@@ -108,8 +114,8 @@ class BatchedEngine:
                      block_size: int = 64, max_trailing: int = 1024, graphs: bool = True) -> int:
         """Device bytes the engine allocates beside the model's weights: KV pool, slot state,
         code-predictor scratch, fused q|k|v copies and (graphs) an estimate of the graph
-        workspaces (GRAPH_BYTES_PER_ROW x the largest bucket; `graph_memory_bytes` after
-        construction is the measured value)."""
+        workspaces (GRAPH_BYTES_PER_ROW x the largest bucket, ROW_GRAPH_BYTES_PER_ROW x the
+        largest prefill row bucket; `graph_memory_bytes` after construction is the measured value)."""
         t, c, ids = weights.talker.config, weights.predictor.config, weights.ids
         num_blocks = num_blocks or default_num_blocks(max_streams, max_positions, block_size)
         rows = bucket_sizes(max_streams)[-1]
@@ -117,7 +123,9 @@ class BatchedEngine:
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
-                + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs else 0))
+                + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs else 0)
+                + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
+                   if graphs and kv_dtype != torch.float32 else 0))
 
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
