@@ -59,6 +59,23 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return _rms(x[-1] if last is None else x.index_select(0, last)[0], p.final_norm, eps)
 
 
+def capture(fn, sizes: list[int], dev: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+    """fn(n) once per size off the capture stream (compiles the kernels, warms the allocator),
+    then one CUDA graph of fn(n) per size, largest first, all in one memory pool."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for n in sizes:
+            fn(n)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    pool, graphs = torch.cuda.graph_pool_handle(), {}
+    for n in reversed(sizes):
+        graphs[n] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[n], pool=pool):
+            fn(n)
+    return graphs
+
+
 class PrefillGraphs:
     """CUDA graphs of `prefill` for prompt-length buckets (one shared memory pool). A prompt is
     zero-padded to its bucket: causal attention keeps positions < L exact; the padding's K/V land
@@ -72,23 +89,11 @@ class PrefillGraphs:
         self.blocks = torch.zeros(-(-sizes[-1] // bs), dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.hidden = torch.zeros(p.cfg.hidden_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
         def fn(n):
             self.hidden.copy_(prefill(p, self.x[:n], k_pool, v_pool, self.blocks[:-(-n // bs)], self.last))
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up writes only scratch block 0 (blocks all 0)
-            for n in sizes:
-                fn(n)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for n in reversed(sizes):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                fn(n)
-            self.graphs[n] = g
+        self.graphs = capture(fn, sizes, dev)  # warm-up writes only scratch block 0 (blocks all 0)
 
     def fits(self, length: int) -> bool:
         return length <= self.sizes[-1]
@@ -178,7 +183,6 @@ class RowPrefillGraphs:
         dev, bs, h = kv.k.device, kv.block_size, sp.cfg.hidden_size
         self.sizes, self.bs = sizes, bs
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         for n in sizes:
             a = min(max_prompts, n)
             nblk = -(-n // bs) + a + 1  # every prompt's blocks, plus the padding block (last)
@@ -192,18 +196,7 @@ class RowPrefillGraphs:
             b = self.bufs[n]
             b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"]))
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: the buffers write only pool block 0
-            for n in sizes:
-                fn(n)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for n in reversed(sizes):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                fn(n)
-            self.graphs[n] = g
+        self.graphs = capture(fn, sizes, dev)  # warm-up: the buffers write only pool block 0
 
     def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
         """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
