@@ -62,7 +62,7 @@ def test_admissions_are_budgeted_against_the_most_urgent_stream():
     sch = make(max_streams=64, margin_s=0.0)
     running(sch, now=10.0, lead_s=0.5)
     running(sch, now=10.0, lead_s=0.1)  # the most urgent: 100 ms of audio left
-    sch.waiting.extend(FakeHandle() for _ in range(40))
+    sch.waiting.extend(FakeHandle(submitted_at=10.0) for _ in range(40))
     # 100 ms lead - 20 ms step = 80 ms of room for prefills of 10 ms each
     assert sch.admission_budget(10.0, per(0.01), step_s=0.02) == 8
     # batched prefill: 30 ms for the batch plus 1 ms each leaves room for 50
@@ -143,3 +143,11 @@ def test_prefill_cost_fits_a_fixed_and_a_per_admission_part():
     one = PrefillCost()
     one.observe(10, 0.02)  # a single batch size: half fixed, half per admission
     assert abs(one(10) - 0.02) < 1e-12 and abs(one.base_s - 0.01) < 1e-12
+
+
+def test_a_saturated_server_still_admits_one_request_a_step_before_the_queue_times_out():
+    sch = make(max_streams=8, margin_s=0.0, max_queue_wait_s=4.0)
+    running(sch, now=10.0, lead_s=0.0)  # its player is dry: no room for any prefill
+    sch.waiting.extend([FakeHandle(submitted_at=9.0), FakeHandle(submitted_at=9.5)])
+    assert sch.admission_budget(10.0, per(0.01), step_s=0.05) == 0  # waited 1 s of 4
+    assert sch.admission_budget(11.5, per(0.01), step_s=0.05) == 1  # waited 2.5 s: one a step

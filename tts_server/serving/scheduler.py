@@ -85,7 +85,8 @@ class Scheduler:
         seconds of engine time (a step's admissions prefill together) on top of the step itself
         (`step_s`); the most urgent running stream's player (assumed to have buffered
         `preroll_s`) must still have audio left when the step ends. At least one admission when
-        no running stream is at risk, so that waiting requests are never starved."""
+        no running stream is at risk, or when the oldest request has waited half of
+        `max_queue_wait_s`, so that a free slot never lets a request time out in the queue."""
         room = min(len(self.waiting), len(self.free_slots), self.cfg.max_admit_per_step)
         if room == 0:
             return 0
@@ -95,7 +96,10 @@ class Scheduler:
         if math.isinf(spare):
             return room
         if spare < prefill_cost(1):
-            return 0
+            # a server that cannot protect its running streams still serves its queue: one
+            # admission a step once the oldest request has waited half its allowed time
+            starving = now - self.waiting[0].submitted_at > self.cfg.max_queue_wait_s / 2
+            return 1 if starving else 0
         lo, hi = 1, room  # the largest n with prefill_cost(n) <= spare (cost grows with n)
         while lo < hi:
             mid = (lo + hi + 1) // 2
