@@ -16,31 +16,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from tts_server.testing.audio_stubs import stub_audio_modules  # noqa: E402
 
-def _stub_audio_modules() -> None:
-    """qwen_tts imports soundfile / librosa / sox at module level; the decoder never calls them,
-    and on the GPU image they may not import (soundfile lacks cffi): stand in empty modules."""
-    import importlib.machinery
-    import types
-    for top, subs in (("soundfile", ()), ("librosa", ("filters",)), ("sox", ())):
-        try:
-            for name in (top,) + tuple(f"{top}.{s}" for s in subs):
-                __import__(name)
-            continue
-        except Exception:
-            for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-                del sys.modules[name]
-        for name in (top,) + tuple(f"{top}.{s}" for s in subs):
-            mod = types.ModuleType(name)
-            mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name == top)
-            mod.__path__ = []
-            mod.mel = None
-            sys.modules[name] = mod
-        for sub in subs:
-            setattr(sys.modules[top], sub, sys.modules[f"{top}.{sub}"])
-
-
-_stub_audio_modules()
+stub_audio_modules()
 
 from test_codec_streaming import _make_decoder  # noqa: E402  (the tests' "every path matters" codec)
 

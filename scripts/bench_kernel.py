@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.machinery
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-import types
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
@@ -34,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts_server.engines.contract import Prompt, SamplingConfig, decode_until_eos  # noqa: E402
+from tts_server.testing.audio_stubs import stub_audio_modules  # noqa: E402,F401 (kernel_variants.sh)
 from tts_server.model.weights import (CodecIds, DecodeWeights, LayerWeights, LMConfig,  # noqa: E402
                                       LMWeights, decode_weights)
 
@@ -41,26 +39,6 @@ TALKER_BYTES = (28 * 15_728_640 + 28 * 2 * 1024 + 28 * 2 * 128 + 1024 + 3072 * 1
 CP_PASS_BYTES = (5 * 15_728_640 + 5 * 2 * 1024 + 5 * 2 * 128 + 1024 + 2048 * 1024) * 2
 KV_BYTES_PER_POS = 28 * 8 * 128 * 2 * 2
 
-
-def stub_audio_modules() -> None:
-    """qwen_tts imports librosa / soundfile / sox at module level for its audio front ends, which
-    the decode path never calls; register empty stand-ins where they are not installed."""
-    for top, subs in (("librosa", ("filters",)), ("soundfile", ()), ("sox", ())):
-        if top in sys.modules:
-            continue
-        try:
-            if importlib.util.find_spec(top) is not None:
-                continue
-        except (ImportError, ValueError):
-            pass
-        for name in (top,) + tuple(f"{top}.{s}" for s in subs):
-            mod = types.ModuleType(name)
-            mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name == top)
-            mod.__path__ = []
-            mod.mel = None
-            sys.modules[name] = mod
-        for s in subs:
-            setattr(sys.modules[top], s, sys.modules[f"{top}.{s}"])
 
 
 def synthetic_weights(name: str = "synthetic", device: str = "cuda") -> DecodeWeights:
