@@ -286,8 +286,7 @@ class Worker:
             self._end(handle, None, FinishReason.ERROR, error=e)
             return None
         stream = Stream(handle=handle, slot=slot, max_frames=min(req.max_frames, room),
-                        resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate),
-                        admitted_at=now)
+                        resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate))
         stream.timings["queue_ms"] = (now - handle.submitted_at) * 1e3  # submitted -> this step
         self.scheduler.add(stream)
         return Admission(slot, prepared.prompt, req.sampling, req.request_id)

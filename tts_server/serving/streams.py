@@ -82,7 +82,6 @@ class Stream:
     slot: int
     max_frames: int
     resample: object  # codec.resample.StreamResampler: fed one frame at a time
-    admitted_at: float = 0.0  # monotonic: prefill started
     num_frames: int = 0  # frames generated
     pending: list = field(default_factory=list)  # resampled audio not yet posted
     pending_frames: int = 0
