@@ -8,24 +8,33 @@ import faulthandler
 import logging
 import os
 
+from tts_client.helpfmt import ArgumentParser
+
+from . import preflight
 from .config import ServerConfig
 from .memory_plan import StartupError
-from .logs import setup_logging
+from .logs import quiet_imports, setup_logging
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def parse_args(argv=None) -> ServerConfig:
+def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="tts-server", description=__doc__)
-    p.add_argument("--host", default=d.host, help="listen address (default loopback only)")
-    p.add_argument("--port", type=int, default=d.port)
+    p = ArgumentParser(prog="tts-server", description=__doc__)
+    p.add_argument("--host", default=d.host,
+                   help="listen address (0.0.0.0 or :: for every interface)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
     p.add_argument("--model", default=d.model,
-                   help="synthetic | synthetic-tiny | synthetic-base | a local Qwen3-TTS snapshot "
-                        "folder | a Hugging Face hub id (default: synthetic, random weights = noise)")
+                   help="synthetic | synthetic-tiny | synthetic-base | synthetic-tiny-base | a local "
+                        "Qwen3-TTS snapshot folder | a Hugging Face hub id (default: synthetic, "
+                        "random weights = noise)")
     p.add_argument("--engine", default=d.engine, choices=["auto", "batched", "torch", "megakernel"],
                    help="decode engine (default auto: batched on CUDA, torch on CPU; megakernel: "
                         "one launch per stream and frame, lowest single-stream latency, no batching)")
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
+                   "torch sees a GPU)")
+    p.add_argument("--dtype", default=d.dtype, choices=preflight.DTYPES,
+                   help="model weights' dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help="concurrent streams (engine slots); default: on a GPU as many as fit in "
                         "memory up to 256, else 8. Checked against free device memory at start-up")
@@ -43,41 +52,59 @@ def parse_args(argv=None) -> ServerConfig:
                    help="end a stream whose client has read nothing for this long")
     p.add_argument("--watchdog-s", type=float, default=d.watchdog_s,
                    help="an engine step hung this long: health NOT_SERVING, exit status 70 (0: off)")
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request message (reference audio included); larger: "
+                        "RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=9464,
                    help="Prometheus /metrics on --host:PORT (0: any free port, -1: off)")
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests only: engine/faults.py
-    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
-    p.add_argument("--max-duration-s", type=float, default=d.max_duration_s)
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text, or one JSON object per line on stderr (nothing else is written)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="least severe level logged")
+    p.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests only: testing/faults.py
+    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars,
+                   help="longest request text in characters; longer: INVALID_ARGUMENT")
+    p.add_argument("--max-duration-s", type=float, default=d.max_duration_s,
+                   help="largest max_duration_s a request may ask for")
     p.add_argument("--chunk-frames", default=",".join(map(str, d.chunk_frames)),
-                   help="frames per audio chunk, first chunks first (default 1,2,4,8)")
-    p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
-    p.add_argument("--default-voice", default=None)
-    p.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
-    p.add_argument("--tls-key", help="PEM private key")
+                   help="frames (80 ms each) per audio chunk, first chunks first; the last value "
+                        "repeats")
+    p.add_argument("--grace-period-s", type=float, default=d.grace_period_s,
+                   help="on SIGTERM: health NOT_SERVING, new calls refused, in-flight streams get "
+                        "this long to finish")
+    p.add_argument("--default-voice", default=None,
+                   help="voice of requests that name none (default: the model's first voice)")
+    p.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS "
+                   "(default: plaintext)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
     p.add_argument("--auth-token-file",
                    help="require 'authorization: Bearer <token>' on every RPC but health; the token "
-                        "is this file's first line (or set TTS_AUTH_TOKEN)")
-    p.add_argument("--log-level", default="INFO")
-    a = p.parse_args(argv)
-    for flag, value, low in (("--max-streams", a.max_streams, 1), ("--max-queue", a.max_queue, 0),
-                             ("--max-positions", a.max_positions, 64)):
-        if value is not None and value < low:
-            p.error(f"{flag} must be at least {low}, got {value}")
+                        "is this file's first line (default: $TTS_AUTH_TOKEN if set, else no auth)")
+    return p
+
+
+def _chunk_frames(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise StartupError(f"--chunk-frames must be comma-separated frame counts such as 1,2,4,8, "
+                           f"got {text}") from None
+
+
+def parse_args(argv=None) -> ServerConfig:
+    """The server's configuration from the command line; sets up logging. Raises StartupError
+    (one line) for an unreadable token file or a malformed --chunk-frames."""
+    a = build_parser().parse_args(argv)
     setup_logging(a.log_level, a.log_format)
     token = os.environ.get("TTS_AUTH_TOKEN") or None
     if a.auth_token_file:
-        with open(a.auth_token_file) as f:
-            token = f.readline().strip() or None
-        if not token:
-            p.error(f"--auth-token-file {a.auth_token_file}: empty")
+        token = preflight.read_token_file(a.auth_token_file)
     return ServerConfig(
         host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, dtype=a.dtype,
         max_streams=a.max_streams, max_queue=a.max_queue, max_positions=a.max_positions,
         max_text_chars=a.max_text_chars,
         max_duration_s=a.max_duration_s,
-        chunk_frames=tuple(int(x) for x in a.chunk_frames.split(",") if x),
+        chunk_frames=_chunk_frames(a.chunk_frames),
         grace_period_s=a.grace_period_s, default_voice=a.default_voice,
         tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token,
         max_queue_wait_s=a.max_queue_wait_s, max_buffer_s=a.max_buffer_s,
@@ -87,6 +114,8 @@ def parse_args(argv=None) -> ServerConfig:
 
 
 async def _serve(config: ServerConfig) -> int:
+    with quiet_imports():  # qwen-tts's import-time banner and its unused sox dependency's noise
+        import qwen_tts  # noqa: F401
     from .app import build_app
     from .rpc.server import TTSServer
 
@@ -108,8 +137,9 @@ async def _serve(config: ServerConfig) -> int:
 
 
 def main(argv=None) -> None:
-    config = parse_args(argv)
     try:
+        config = parse_args(argv)
+        preflight.check(config)
         code = asyncio.run(_serve(config))
     except StartupError as e:
         logging.getLogger("tts_server").critical("cannot start: %s", e)

@@ -2,16 +2,34 @@
 via python-json-logger) for log pipelines. Every record carries `request_id`: the RPC's id
 while a Synthesize call is being handled (a context variable), or the one a log call passes in
 `extra`. Request text and reference audio are never logged at INFO or above; only their sizes.
+Timestamps are ISO 8601 in UTC; Python warnings and what imported libraries print while being
+imported go through the same handler, so `--log-format json` writes JSON lines only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import datetime
 import logging
+import os
+import sys
+import tempfile
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def iso_utc(created: float) -> str:
+    """2026-11-24T23:25:08.388Z: ISO 8601, UTC, milliseconds."""
+    t = datetime.datetime.fromtimestamp(created, tz=datetime.timezone.utc)
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class UtcFormatter(logging.Formatter):
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return iso_utc(record.created)
 
 
 class RequestIdFilter(logging.Filter):
@@ -24,9 +42,13 @@ class RequestIdFilter(logging.Filter):
 def json_formatter() -> logging.Formatter:
     from pythonjsonlogger.json import JsonFormatter
 
-    return JsonFormatter("{asctime}{levelname}{name}{message}{request_id}", style="{",
-                         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-                         timestamp=False)
+    class UtcJsonFormatter(JsonFormatter):
+        def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+            return iso_utc(record.created)
+
+    return UtcJsonFormatter("{asctime}{levelname}{name}{message}{request_id}", style="{",
+                            rename_fields={"asctime": "time", "levelname": "level",
+                                           "name": "logger"}, timestamp=False)
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
@@ -34,7 +56,37 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
         raise ValueError(f"log format {fmt!r}: choose text or json")
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
-    handler.setFormatter(json_formatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(json_formatter() if fmt == "json" else UtcFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings.warn() from libraries: a log record, not raw stderr
+    # The `sox` package (imported by qwen-tts's unused 25 Hz tokenizer) warns that the sox binary
+    # is missing; nothing here calls sox.
+    logging.getLogger("sox").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def quiet_imports(logger: str = "tts_server.imports"):
+    """Captures what the process writes to stdout and stderr (file descriptors 1 and 2, so child
+    shells too) while the block runs, and logs it at DEBUG: qwen-tts prints a flash-attn banner
+    and its sox dependency runs `sox -h` through a shell when imported."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+        sink.seek(0)
+        text = sink.read().decode(errors="replace").strip()
+    if text:
+        logging.getLogger(logger).debug("output while importing: %s", text)

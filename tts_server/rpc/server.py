@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from tts_client.pb.tts.v1 import tts_pb2
 
 from ..config import ServerConfig
+from ..memory_plan import StartupError
 from . import convert
 from .auth import BearerTokenInterceptor
 from .servicer import TextToSpeechServicer
@@ -65,9 +66,12 @@ class TTSServer:
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
             with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = (self.server.add_secure_port(address, creds) if config.tls_cert
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpc says only "Failed to bind"; preflight.check_port says why
+            raise StartupError(f"--host {config.host} --port {config.port}: cannot listen there "
+                               f"(port in use?)") from None
         self._stopped = asyncio.Event()
         self.failure = None  # the EngineFailure that ended serving, if any
         self._failed = asyncio.Event()

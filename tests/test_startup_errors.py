@@ -1,0 +1,114 @@
+"""Start-up mistakes end `tts-server` at once: exit status 2 and one line naming the flag, before
+any model is loaded (no traceback, no synthetic-model warning)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _start(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tts_server", "--metrics-port", "-1", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_one_line(res: subprocess.CompletedProcess, expected: str) -> None:
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1, lines
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in res.stderr and "SYNTHETIC MODEL" not in res.stderr
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("startup")
+    (d / "not-a-snapshot").mkdir()
+    (d / "other-model").mkdir()
+    (d / "other-model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "half-snapshot").mkdir()
+    (d / "half-snapshot" / "config.json").write_text(json.dumps({"model_type": "qwen3_tts"}))
+    (d / "empty-token").write_text("\n")
+    (d / "text.pem").write_text("hello\n")
+    return d
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--model", "{d}/missing"], "--model {d}/missing: no such folder"),
+    (["--model", "{d}/not-a-snapshot"], "not a Qwen3-TTS snapshot (config.json: No such file"),
+    (["--model", "{d}/other-model"], "model_type llama, expected qwen3_tts"),
+    (["--model", "{d}/half-snapshot"], "lacks its speech_tokenizer/ folder"),
+    (["--model", "{d}/empty-token"], "not a folder"),
+    (["--engine", "batched", "--device", "cpu"], "--engine batched runs on a CUDA GPU only"),
+    (["--tls-cert", "{d}/text.pem"], "--tls-cert needs --tls-key too"),
+    (["--tls-key", "{d}/text.pem"], "--tls-key needs --tls-cert too"),
+    (["--tls-cert", "{d}/text.pem", "--tls-key", "{d}/text.pem"],
+     "--tls-cert {d}/text.pem: no PEM certificate in this file"),
+    (["--tls-cert", "{d}/missing.pem", "--tls-key", "{d}/text.pem"],
+     "--tls-cert {d}/missing.pem: no such file or directory"),
+    (["--auth-token-file", "{d}/missing"], "--auth-token-file {d}/missing: no such file"),
+    (["--auth-token-file", "{d}/empty-token"], "the first line is empty"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got gpu"),
+    (["--max-streams", "0"], "--max-streams must be at least 1, got 0"),
+    (["--max-streams", "many"], "argument --max-streams: invalid int value: 'many'"),
+    (["--max-queue", "-1"], "--max-queue must be at least 0, got -1"),
+    (["--max-queue-wait-s", "-1"], "--max-queue-wait-s must be a positive number of seconds"),
+    (["--stall-timeout-s", "0"], "--stall-timeout-s must be a positive number of seconds"),
+    (["--grace-period-s", "-5"], "--grace-period-s must be at least 0, got -5"),
+    (["--port", "70000"], "--port must be 0-65535"),
+    (["--metrics-port", "-2"], "--metrics-port must be 0-65535"),
+    (["--chunk-frames", "1,x"], "--chunk-frames must be comma-separated frame counts"),
+    (["--chunk-frames", "0,4"], "--chunk-frames must be positive frame counts"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice"),
+])
+def test_startup_mistake_is_one_line(files, args, expected):
+    args = [a.format(d=files) for a in args]
+    _assert_one_line(_start(*args), expected.format(d=files))
+
+
+def test_wrong_key_for_the_certificate(files, tmp_path):
+    for name in ("a", "b"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", str(tmp_path / f"{name}.key"), "-out", str(tmp_path / f"{name}.pem"),
+                        "-subj", "/CN=localhost"], check=True, capture_output=True)
+    res = _start("--tls-cert", str(tmp_path / "a.pem"), "--tls-key", str(tmp_path / "b.key"))
+    _assert_one_line(res, f"--tls-key {tmp_path}/b.key is not the private key of --tls-cert")
+
+
+def test_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = _start("--model", "synthetic-tiny", "--port", str(port))
+    _assert_one_line(res, f"--port {port}: already in use on 127.0.0.1")
+
+
+@pytest.mark.skipif("_has_cuda()", reason="this machine has CUDA; the error is for machines without")
+@pytest.mark.parametrize("args,expected", [
+    (["--device", "cuda"], "--device cuda needs a CUDA GPU, and torch sees none"),
+    (["--engine", "megakernel"], "--engine megakernel needs a CUDA GPU"),
+    (["--engine", "batched"], "--engine batched needs a CUDA GPU"),
+])
+def test_cuda_asked_for_without_cuda(args, expected):
+    _assert_one_line(_start(*args), expected)
+
+
+def test_json_log_format_reports_it_as_one_json_line(files):
+    res = _start("--log-format", "json", "--model", str(files / "missing"))
+    assert res.returncode == 2
+    (line,) = res.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "CRITICAL" and "no such folder" in record["message"]
+    assert record["time"].endswith("Z") and "T" in record["time"]
