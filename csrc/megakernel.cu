@@ -41,10 +41,7 @@ __device__ void sample_code0(const QmkState& st, int slot, int commit, SampleSme
 // Registers per thread after setmaxnreg (sm_90a): the producer needs few, the compute threads get
 // the rest.
 constexpr int LAUNCH_THREADS = QMK_LAUNCH_THREADS;
-#ifndef QMK_PRODUCER_REGS
-#define QMK_PRODUCER_REGS 40
-#endif
-constexpr int PRODUCER_REGS = QMK_PRODUCER_REGS;
+constexpr int PRODUCER_REGS = 40;
 // The launch gives every thread LAUNCH_REGS (a multiple of 8); setmaxnreg.inc waits until the
 // pool that the producers' dec frees can cover it, so the compute count must fit in that pool.
 constexpr int LAUNCH_REGS = 65536 / LAUNCH_THREADS / 8 * 8;

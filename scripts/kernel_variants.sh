@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side timing of kernel build variants on a CUDA machine, in one call (issue 3 tuning).
-#   VARIANTS="cur:;radix:-DQMK_TOPK_BUCKET=0;trace:-DQMK_TRACE=1"   name:DEFS pairs, ';'-separated
-#     (a name containing "trace" gets the per-phase trace analysis instead of timings)
+#   VARIANTS="cur:;trace:-DQMK_TRACE=1"   name:DEFS pairs, ';'-separated (a name containing "trace"
+#     gets the per-phase trace analysis instead of timings). QMK_TRACE is the kernel's one build
+#     switch; to time a change to the code, put the edited tree (or the unchanged one) in BASE.
 #   BASE=".base .other"  optional: copies of other trees (their csrc/, scripts/, tts_server/) whose
 #                  kernels are built and timed by their own bench_kernel.py in the same call, for a
 #                  same-run baseline across ABI changes

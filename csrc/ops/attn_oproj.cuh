@@ -57,7 +57,7 @@ __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, St
   grid.mark(3);
   sg.wait(SLOT_Y);
   grid.mark(4);
-  mv_mma<T, 2 * QMK_HD, QMK_HD, QMK_KW_CPO>(n, sg.slot[SLOT_Y], &s.a[0][0], s.out, red);
+  mv_mma<T, 2 * QMK_HD, QMK_HD, KW_CPO>(n, sg.slot[SLOT_Y], &s.a[0][0], s.out, red);
   for (int idx = threadIdx.x; idx < n * T; idx += NT) {
     const int r = idx / T, t = idx % T;
     __stcg(st.opart + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);

@@ -16,10 +16,6 @@
 #include "matvec.cuh"
 #include "sampling.cuh"
 
-// QMK_HOIST: static loads (norm weights) before the barrier waits.
-#ifndef QMK_HOIST
-#define QMK_HOIST 1
-#endif
 namespace qmk {
 
 // Blocks own whole 4-row groups of every matrix (the tensor-core layout, ops/matvec.cuh).
@@ -139,7 +135,7 @@ __device__ void rmsnorm_xs(const Ctx& c, const float4 wv, float* hidden_out = nu
   bsync();
 }
 
-// The norm weights of this thread's 4 dims: loaded raw (ahead of a barrier wait where QMK_HOIST),
+// The norm weights of this thread's 4 dims: loaded raw ahead of a barrier wait or poll,
 // unpacked by norm_cvt after the wait.
 __device__ __forceinline__ uint2 norm_raw(const qmk_bf16* w) {
   return *reinterpret_cast<const uint2*>(w + threadIdx.x * 4);
@@ -215,7 +211,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     const int d4 = threadIdx.x * 4;
     // P1: input RMSNorm (every block, redundantly) + this block's q|k|v rows (slot X).
     const bool attn_block = !CP && (int)blockIdx.x < QMK_NKV * nchunks;  // has a split-K item
-    uint2 wn = QMK_HOIST ? norm_raw(w.in_norm) : uint2{};
+    uint2 wn = norm_raw(w.in_norm);  // static: loaded before the poll
     KV* kcl = kc + L * lstride;
     KV* vcl = vc + L * lstride;
     // the split-K items' norm weights and inv_freq, loaded ahead of this phase's input
@@ -235,13 +231,12 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
 #pragma unroll
     for (int t = 0; t < T; ++t)
       *reinterpret_cast<float4*>(&c.xres[t][d4]) = *reinterpret_cast<const float4*>(&c.sm.mv.xs[t][d4]);
-    if (!QMK_HOIST) wn = norm_raw(w.in_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
     if (attn_block) attention_static_store<T>(asr, p0, c.exact, c.as);  // read after P1's closing sync
     c.g.mark(3);
     c.sg.wait(SLOT_X);
     c.g.mark(4);
-    mv_mma<T, QMK_H, XS, QMK_KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
+    mv_mma<T, QMK_H, XS, KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
     c.sg.release(SLOT_X);
     c.g.mark(5);
     // published as LL words: only the attention's blocks read them, and they poll (no barrier)
@@ -268,7 +263,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
 
     // P4: x += opart[0] + ... + opart[7] (fixed order: every block computes the same residual),
     // post-attention RMSNorm + this block's gate/up rows (X) -> SwiGLU activations.
-    wn = QMK_HOIST ? norm_raw(w.post_norm) : uint2{};
+    wn = norm_raw(w.post_norm);  // static: loaded before the barrier wait
     if (!c.g.wait(c.flag)) return false;
 #pragma unroll
     for (int t = 0; t < T; ++t) {
@@ -291,12 +286,11 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       const int t = idx / hn, r = idx % hn;
       c.xown[t][r] = c.xres[t][h0 + r];
     }
-    if (!QMK_HOIST) wn = norm_raw(w.post_norm);
     rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
     c.sg.wait(SLOT_X);
     c.g.mark(4);
-    mv_mma<T, QMK_H, XS, QMK_KW_GU>(2 * in_, c.sg.slot[SLOT_X], xsp, out, c.red);
+    mv_mma<T, QMK_H, XS, KW_GU>(2 * in_, c.sg.slot[SLOT_X], xsp, out, c.red);
     c.g.mark(5);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
@@ -312,7 +306,7 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     c.g.mark(3);
     c.sg.wait(SLOT_Y);
     c.g.mark(4);
-    mv_mma<T, QMK_I, XS, QMK_KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
+    mv_mma<T, QMK_I, XS, KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out, c.g.ll_next());
     c.g.tick();
@@ -328,16 +322,15 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, int V, int t, f
   const int G = gridDim.x, b = blockIdx.x;
   int r0, n;
   rows4_of(b, G, V, r0, n);
-  uint2 wn = QMK_HOIST ? norm_raw(norm_w) : uint2{};
+  uint2 wn = norm_raw(norm_w);
   c.g.mark(1);
   if (!load_x<1>(c, c.g.ll_flag(), t)) return false;  // the last layer's P5 rows
   c.g.mark(2);
-  if (!QMK_HOIST) wn = norm_raw(norm_w);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
   c.sg.wait(SLOT_X);
   c.g.mark(4);
-  mv_mma<1, QMK_H, XS, QMK_KW_HEAD>(n, c.sg.slot[SLOT_X], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
+  mv_mma<1, QMK_H, XS, KW_HEAD>(n, c.sg.slot[SLOT_X], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
                                      c.red);
   c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {

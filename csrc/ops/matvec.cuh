@@ -116,24 +116,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4 a, const uin
 }
 
 // Warps along K per product (0: min(K/64, NW)). Row groups per block (G = 132): q|k|v 7-8,
-// gate|up 10-12, CP o_proj partial 15-16, heads 3-6, down and talker o_proj 1-2. Whole rows per
+// gate|up 10-12, o_proj partial 15-16, heads 3-6, down 1-2. Whole rows per
 // warp (KW = 1) where there are about as many groups as warps: 65 us per frame faster (H100,
 // same call) than splitting K over all 8 warps there.
-#ifndef QMK_KW_QKV
-#define QMK_KW_QKV 1
-#endif
-#ifndef QMK_KW_GU
-#define QMK_KW_GU 1
-#endif
-#ifndef QMK_KW_CPO
-#define QMK_KW_CPO 1
-#endif
-#ifndef QMK_KW_HEAD
-#define QMK_KW_HEAD 2
-#endif
-#ifndef QMK_KW_DOWN  // the down and talker o_proj products (K = 3072 / 2048, 1-2 row groups)
-#define QMK_KW_DOWN 0
-#endif
+constexpr int KW_QKV = 1;   // q|k|v
+constexpr int KW_GU = 1;    // gate|up
+constexpr int KW_CPO = 1;   // the o_proj partial (attention + o_proj phase)
+constexpr int KW_HEAD = 2;  // the heads
+constexpr int KW_DOWN = 0;  // down (K = 3072, 1-2 row groups)
 
 // Per-warp partial sums of the tensor-core matvec: [NW][RED_ROWS][MAX_T] fp32 (shared memory).
 constexpr int RED_ROWS = 2 * rows4_max(QMK_I) > rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV)

@@ -6,7 +6,7 @@
 // every SM makes each dependent L2 read of a phase wait behind it (an L2 hit took ~1.3 us with a
 // 64 KB bulk copy in flight per SM against ~0.18 us with 16 KB: csrc/probe/latency_probe.cu), and
 // the grid barrier's release fence waits for the SM's bulk copies in flight
-// (csrc/probe/fence_probe.cu). So the slice goes as QMK_PIECE-byte bulk copies, one in flight: a
+// (csrc/probe/fence_probe.cu). So the slice goes as PIECE-byte bulk copies, one in flight: a
 // shallow, continuous stream that no compute thread has to issue.
 //
 // Per slice: wait until the slot's "empty" mbarrier says the compute threads are done with it,
@@ -15,42 +15,27 @@
 #pragma once
 #include "layer.cuh"
 
-// The weight stream is copied with an L2 evict-first policy, so that it does not push the small,
-// reused data (norm weights, activations, KV caches) out of L2.
-// QMK_L2_KEEP / QMK_L2_KEEP_BIG / QMK_L2_KEEP_QKV: all slices / the big slices (q|k|v, gate|up)
-// / the q|k|v slices of the first code-predictor layers are copied with an L2 evict-last policy
-// instead, since each of the frame's 15 passes reads them again; their copies then come from L2
-// and complete sooner. H100, same call, ctx 100: KEEP_BIG=1 (21 MB) CP pass 90.4-90.5 vs
-// 92.8-93.6 us, frame 1934-1943 vs 1945-1953; with KEEP_QKV=2 (+8.4 MB) CP pass 88.4-88.6 vs
-// 89.3-90.3, frame 1920-1927 vs 1941-1947; KEEP=1 (32 MB) CP pass 89.0-91.3; KEEP_QKV=3 (38 MB),
-// KEEP_BIG=2 (42 MB) or more thrash the 50 MB L2 (slower).
-#ifndef QMK_L2_KEEP
-#define QMK_L2_KEEP 0
-#endif
-#ifndef QMK_L2_KEEP_BIG
-#define QMK_L2_KEEP_BIG 1
-#endif
-#ifndef QMK_L2_KEEP_QKV
-#define QMK_L2_KEEP_QKV 2
-#endif
-// Bytes per bulk copy, one in flight. H100, same call (csrc/NOTES.md round 7): 16 KB frame
-// 1750-1766 us; 8 KB 2075-2084, 32 KB 2027-2036; a later call 16 KB 1686-1699, 12 KB 1782-1804,
-// 24 KB 1752-1781. Two 16 KB pieces in flight (round 6): 2021-2027 vs 1805-1809.
-#ifndef QMK_PIECE
-#define QMK_PIECE 16384
-#endif
-// Timing experiment only (wrong results): the slots are published without copying anything, so
-// the frame runs its dependency chain with no weight stream at all.
-#ifndef QMK_PRODUCER_NOCOPY
-#define QMK_PRODUCER_NOCOPY 0
-#endif
-
 namespace qmk {
 
+// The weight stream is copied with an L2 evict-first policy, so that it does not push the small,
+// reused data (norm weights, activations, KV caches) out of L2. The exception: code-predictor
+// slices that each of the frame's 15 passes reads again are copied evict-last, so that their
+// copies come from L2 and complete sooner: the big slices (q|k|v, gate|up) of the first
+// L2_KEEP_BIG CP layers and the q|k|v slices of the first L2_KEEP_QKV (29 MB in all). H100, same
+// call, ctx 100: big slices of layer 0 (21 MB) CP pass 90.4-90.5 vs 92.8-93.6 us, frame 1934-1943
+// vs 1945-1953; + layer 1's q|k|v (8.4 MB) CP pass 88.4-88.6 vs 89.3-90.3, frame 1920-1927 vs
+// 1941-1947; every slice of layer 0 (32 MB) CP pass 89.0-91.3; q|k|v of 3 layers (38 MB), big
+// slices of 2 (42 MB) or more thrash the 50 MB L2 (slower).
+constexpr int L2_KEEP_BIG = 1;
+constexpr int L2_KEEP_QKV = 2;
 // Whether CP layer L's slices (big: q|k|v or gate|up; qkv: q|k|v) are copied evict-last.
 __host__ __device__ constexpr bool l2_keep(int L, bool big, bool qkv = false) {
-  return L < QMK_L2_KEEP || (big && L < QMK_L2_KEEP_BIG) || (qkv && L < QMK_L2_KEEP_QKV);
+  return (big && L < L2_KEEP_BIG) || (qkv && L < L2_KEEP_QKV);
 }
+// Bytes per bulk copy, one in flight. H100, same call (csrc/PERF_LOG.md round 7): 16 KB frame
+// 1750-1766 us; 8 KB 2075-2084, 32 KB 2027-2036; a later call 16 KB 1686-1699, 12 KB 1782-1804,
+// 24 KB 1752-1781. Two 16 KB pieces in flight (round 6): 2021-2027 vs 1805-1809.
+constexpr uint32_t PIECE = 16384;
 
 struct Producer {
   uint32_t slot0, full0, empty0;  // shared-memory addresses: slot X (Y follows), the mbarriers
@@ -103,13 +88,13 @@ struct Producer {
   // had landed before it was issued).
   __device__ bool copy(int s, uint32_t off, const void* src, uint32_t bytes, bool keep, bool last) {
     const uint32_t full = full0 + 8u * s;
-    if (QMK_PRODUCER_NOCOPY || bytes == 0) {
+    if (bytes == 0) {
       if (last) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
       return true;
     }
     const uint64_t pol = keep ? evict_last : evict_first;
-    for (uint32_t o = 0; o < bytes; o += QMK_PIECE) {
-      const uint32_t nb = min((uint32_t)QMK_PIECE, bytes - o);
+    for (uint32_t o = 0; o < bytes; o += PIECE) {
+      const uint32_t nb = min(PIECE, bytes - o);
       if (in_flight && !wait_bar(last_bar, last_par)) return false;
       uint32_t bar;
       if (last && o + nb == bytes) {
@@ -137,7 +122,7 @@ struct Producer {
   __device__ bool layer(const QmkLayer& w, bool cp, int L) {
     const int G = gridDim.x, b = blockIdx.x;
     constexpr uint32_t RB = QMK_H * 2;
-    const bool keep = cp && l2_keep(L, false), keep_big = cp && l2_keep(L, true), keep_qkv = cp && l2_keep(L, true, true);
+    const bool keep_big = cp && l2_keep(L, true), keep_qkv = cp && l2_keep(L, true, true);  // o_proj, down: evict-first
     int q0, qn;  // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> X
     rows4_of(b, G, QMK_QKV, q0, qn);
     if (!acquire(SLOT_X)) return false;
@@ -155,7 +140,7 @@ struct Producer {
       int g, gi, r0, n;
       oproj_rows(g, gi, r0, n);
       constexpr uint32_t OB = 2 * QMK_HD * 2;
-      if (!acquire(SLOT_Y) || !copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * OB, keep, true))
+      if (!acquire(SLOT_Y) || !copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * OB, false, true))
         return false;
     }
     int i0, in_;  // gate rows then up rows [i0, i0 + in_) -> X
@@ -165,7 +150,7 @@ struct Producer {
       return false;
     int h0, hn;  // down rows [h0, h0 + hn) -> Y
     rows4_of(b, G, QMK_H, h0, hn);
-    return acquire(SLOT_Y) && copy(SLOT_Y, 0, w.down + (size_t)h0 * QMK_I, hn * QMK_I * 2, keep, true);
+    return acquire(SLOT_Y) && copy(SLOT_Y, 0, w.down + (size_t)h0 * QMK_I, hn * QMK_I * 2, false, true);
   }
   // A head's rows [r0, r0 + n) of [V, H] -> X.
   __device__ bool head(const qmk_bf16* w, int V) {

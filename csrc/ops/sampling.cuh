@@ -5,14 +5,6 @@
 #pragma once
 #include "common.cuh"
 
-// QMK_TOPK_BUCKET: the top-k threshold from bucket_kth (1) or the radix select alone (0).
-#ifndef QMK_TOPK_BUCKET
-#define QMK_TOPK_BUCKET 1
-#endif
-#ifndef QMK_SAMPLE_AGG
-#define QMK_SAMPLE_AGG 0  // measured: +8 us per draw (__match_any_sync costs more than the contention)
-#endif
-
 namespace qmk {
 
 struct SampleParams {
@@ -133,31 +125,19 @@ __device__ __forceinline__ void warp_find_bin(SampleSmem& sm, int k, bool down) 
   }
 }
 
-// Value of the k-th largest l[i] (counting multiplicity): radix select over 4 bytes of the key.
+// Value of the k-th largest l[i] (counting multiplicity): radix select over 4 bytes of the key
+// (bucket_kth's fallback). Its first pass puts ~all logits into a few top-byte bins; aggregating
+// those atomics per warp (__match_any_sync) measured slower (+8 us per draw, csrc/PERF_LOG.md v8a).
 __device__ float kth_largest(const float* l, int V, int k, SampleSmem& sm) {
   uint32_t prefix = 0, mask = 0;
   int kk = k;
-  static_assert(QMK_VC % NT == 0 && QMK_VT % NT == 0, "full warps in the histogram loop");
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += NT) sm.hist[i] = 0;
     bsync();
-#if QMK_SAMPLE_AGG
-    // Warp-aggregated: lanes with the same bin add once (the logits crowd into a few top-byte
-    // bins, and same-address shared atomics serialize). V is a multiple of NT: full warps.
-    const int lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i < V; i += NT) {
-      const uint32_t key = fkey(l[i]);
-      const bool in = (key & mask) == prefix;
-      const uint32_t bin = in ? (key >> shift) & 255u : 256u + (uint32_t)lane;
-      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[bin], (uint32_t)__popc(peers));
-    }
-#else
     for (int i = threadIdx.x; i < V; i += NT) {
       const uint32_t key = fkey(l[i]);
       if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
     }
-#endif
     bsync();
     if (threadIdx.x < 32) warp_find_bin(sm, kk, true);
     bsync();
@@ -248,7 +228,7 @@ __device__ int block_sample(float* l, int V, const SampleParams& p, uint64_t see
     bsync();
   }
   const bool topk = p.top_k > 0 && p.top_k < V;
-  const float kth = !topk ? neg_inf() : QMK_TOPK_BUCKET ? bucket_kth(l, V, p.top_k, sm) : kth_largest(l, V, p.top_k, sm);
+  const float kth = topk ? bucket_kth(l, V, p.top_k, sm) : neg_inf();
   if (p.top_p >= 1.0f) {
     // One pass: the top-k filter, the Gumbel noise of the kept tokens and their argmax (the same
     // draw as masking, adding the noise and taking the argmax in separate passes).
