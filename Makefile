@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check agent bench bench-vs-qwen-tts soak bench-kernel kernel-gpu-check clean
+.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check probes agent bench bench-vs-qwen-tts soak bench-kernel kernel-gpu-check clean
 
 setup: $(STAMP)
 
@@ -89,11 +89,17 @@ lint-protos: setup
 kernel:
 	$(MAKE) -C csrc
 
-# Compiles the kernel for sm_90a where nvcc exists (CI has nvcc but no GPU), so build breaks fail the tests.
+# Compiles the kernel and the probes for sm_90a where nvcc exists (CI has nvcc but no GPU), so
+# build breaks fail the tests.
 kernel-check:
-	@if [ -n "$(NVCC)" ] && [ -f csrc/Makefile ]; then $(MAKE) -C csrc check; \
+	@if [ -n "$(NVCC)" ] && [ -f csrc/Makefile ]; then $(MAKE) -C csrc check && $(MAKE) -C tools/probes; \
 	else echo "kernel-check: nvcc not found, CUDA build not checked"; fi
+
+# The micro-probes behind the kernel's design (tools/probes/: standalone CUDA programs for an H100).
+probes:
+	$(MAKE) -C tools/probes
 
 clean:
 	rm -rf $(VENV) build *.egg-info
 	-$(MAKE) -C csrc clean
+	-$(MAKE) -C tools/probes clean

@@ -4,9 +4,9 @@
 //
 // Why a separate thread, and why small pieces: a whole slice (32-96 KB per SM) issued at once by
 // every SM makes each dependent L2 read of a phase wait behind it (an L2 hit took ~1.3 us with a
-// 64 KB bulk copy in flight per SM against ~0.18 us with 16 KB: csrc/probe/latency_probe.cu), and
+// 64 KB bulk copy in flight per SM against ~0.18 us with 16 KB: tools/probes/latency_probe.cu), and
 // the grid barrier's release fence waits for the SM's bulk copies in flight
-// (csrc/probe/fence_probe.cu). So the slice goes as PIECE-byte bulk copies, one in flight: a
+// (tools/probes/fence_probe.cu). So the slice goes as PIECE-byte bulk copies, one in flight: a
 // shallow, continuous stream that no compute thread has to issue.
 //
 // Per slice: wait until the slot's "empty" mbarrier says the compute threads are done with it,

@@ -2,7 +2,7 @@
 // HBM, per way and depth of streaming. Warp 1 of each block walks a pointer chase over a small
 // L2-resident buffer (ld.global.cg, each load depends on the last) while the block streams; we
 // report the mean latency of one chase step and the aggregate streaming rate.
-// Build: nvcc -O3 -arch=sm_90 -o latency_probe latency_probe.cu
+// Build and run: make probes && tools/probes/build/latency_probe
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>

@@ -2,7 +2,7 @@
 // add) takes on an SM that has a weight slice in flight, per way of loading that slice. Every
 // block (one per SM) streams its own 64 KB slices from a large HBM buffer (so HBM is as busy as in
 // the megakernel), waits DELAY cycles (a phase's compute), stores a few outputs, then thread 0
-// times its release with clock64. Build: nvcc -O3 -arch=sm_90 -o fence_probe fence_probe.cu
+// times its release with clock64. Build and run: make probes && tools/probes/build/fence_probe
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>

@@ -9,8 +9,8 @@
 //      stream (thread 256 of every block copying 16 KB bulk pieces from HBM, one in flight, as the
 //      kernel's producer does), against the same exchange through L2 (LL-style 64-bit words
 //      {value, flag} stored to global memory and polled).
-// Results (H100 SXM) and what they decided: csrc/NOTES.md, round 7.
-// Build: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o cluster_probe cluster_probe.cu
+// Results (H100 SXM) and what they decided: csrc/PERF_LOG.md, round 7.
+// Build and run: make probes && tools/probes/build/cluster_probe
 #include <cuda_runtime.h>
 
 #include <cstdint>
