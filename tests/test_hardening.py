@@ -341,17 +341,18 @@ async def test_metrics_endpoint(make_server):
             await client.synthesize(build_request(""), timeout=10)
     await _wait_idle(app.worker)
     after = await asyncio.to_thread(_scrape, server.metrics_port)
-    assert during[("tts_active_streams", ())] == 1
-    assert after[("tts_active_streams", ())] == 0 and after[("tts_queued_streams", ())] == 0
+    cpu = (("device", "cpu"),)  # the one engine's label (one per device with --devices)
+    assert during[("tts_active_streams", cpu)] == 1
+    assert after[("tts_active_streams", cpu)] == 0 and after[("tts_queued_streams", cpu)] == 0
     assert after[("tts_requests_total", (("code", "OK"),))] == 1
     assert after[("tts_requests_total", (("code", "CANCELLED"),))] == 1
     assert after[("tts_requests_total", (("code", "INVALID_ARGUMENT"),))] == 1
     assert after[("tts_time_to_first_chunk_seconds_count", ())] == 2
     assert after[("tts_real_time_factor_count", ())] == 1
-    assert after[("tts_frames_total", ())] >= 6
+    assert after[("tts_frames_total", cpu)] >= 6
     assert after[("tts_audio_seconds_total", ())] == pytest.approx(0.4)
-    assert after[("tts_engine_healthy", ())] == 1
-    assert after[("tts_engine_step_seconds_count", ())] >= 6
+    assert after[("tts_engine_healthy", cpu)] == 1 and after[("tts_stream_slots", cpu)] == 2
+    assert after[("tts_engine_step_seconds_count", cpu)] >= 6
 
 
 async def test_text_and_reference_audio_never_logged_at_info(tiny_server, caplog):

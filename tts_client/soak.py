@@ -75,15 +75,21 @@ def _r(v, nd=1):
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page, plus label-summed counters."""
+    """The samples of a Prometheus text page by name{labels}, plus each labelled name summed
+    over its labels under the bare name (tts_active_streams: every engine's, whatever device)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, float] = {}
+    sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = s.name if not s.labels else f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}"
             out[key] = s.value
+            if s.labels:
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    for name, total in sums.items():
+        out.setdefault(name, total)
     return out
 
 

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "one launch per stream and frame, lowest single-stream latency, no batching)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
+    p.add_argument("--devices", default=d.devices,
+                   help="GPUs to serve on, one engine each: 0,1,... or all (default: the first "
+                        "GPU); requests go to the least-loaded engine with a free slot")
     p.add_argument("--dtype", default=d.dtype, choices=preflight.DTYPES,
                    help="model weights' dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
@@ -100,7 +103,8 @@ def parse_args(argv=None) -> ServerConfig:
     if a.auth_token_file:
         token = preflight.read_token_file(a.auth_token_file)
     return ServerConfig(
-        host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, dtype=a.dtype,
+        host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, devices=a.devices,
+        dtype=a.dtype,
         max_streams=a.max_streams, max_queue=a.max_queue, max_positions=a.max_positions,
         max_text_chars=a.max_text_chars,
         max_duration_s=a.max_duration_s,

@@ -1,4 +1,5 @@
-"""Wiring: model -> decode engine + streaming codec -> worker -> ModelInfo."""
+"""Wiring: model -> decode engine + streaming codec -> worker (one per `--devices` device,
+pooled) -> ModelInfo."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 
 from .api import ModelInfo
 from .config import ServerConfig
+from .devices import Placement, resolve_placements
 from .memory_plan import StartupError, plan_streams
+from .metrics import Metrics
 from .serving.loop import Worker
+from .serving.pool import EnginePool
 from .model.loader import LoadedModel, load_model
 from .model.weights import decode_weights
 
@@ -117,19 +121,49 @@ def create_codec(loaded: LoadedModel, max_slots: int):
 
 @dataclass
 class App:
-    loaded: LoadedModel
-    worker: Worker
+    loaded: LoadedModel  # the first engine's model
+    worker: Worker | EnginePool  # what the server submits to: the Worker, or a pool of several
     info: ModelInfo
 
 
-def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
-    loaded = loaded or load_model(config.model, config.device, config.dtype)
+def build_worker(config: ServerConfig, loaded: LoadedModel, metrics: Metrics, label: str) -> Worker:
+    """One engine, its codec and the engine thread that owns them, on loaded.device."""
     if loaded.device.type == "cuda":
         # the codec runs in fp32; TF32 convolutions put streamed audio ~5e-3 off the exact decode
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
+        if loaded.device.index is not None:
+            torch.cuda.set_device(loaded.device)  # graphs are captured on the current device
     engine = create_engine(config.engine, loaded, config)
     codec = create_codec(loaded, engine.max_streams)
+    return Worker(loaded, engine, codec, config, metrics=metrics, label=label)
+
+
+def _model_for(placement: Placement, config: ServerConfig, loaded: LoadedModel | None) -> LoadedModel:
+    """A caller's model serves the placements on its own device (the CPU engines of a test share
+    one read-only model); every GPU loads its own copy."""
+    if loaded is not None and torch.device(placement.device) == loaded.device:
+        return loaded
+    return load_model(config.model, placement.device, config.dtype)
+
+
+def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = config.device if loaded is None or config.devices else str(loaded.device)
+    placements = resolve_placements(device, config.devices, num_gpus)
+    if len(placements) > 1 and config.engine == "megakernel":
+        raise StartupError("--engine megakernel serves one GPU; use --engine batched with --devices")
+    metrics = Metrics()
+    workers = []
+    for p in placements:
+        loaded_p = _model_for(p, config, loaded)
+        workers.append(build_worker(config, loaded_p, metrics, p.label))
+        loaded = loaded or loaded_p
+    if len(workers) > 1:
+        log.info("%d engines: %s (%d slots in all)", len(workers),
+                 ", ".join(f"{w.label}: {w.max_streams} slots" for w in workers),
+                 sum(w.max_streams for w in workers))
+    engine, codec = workers[0].engine, workers[0].codec
     voices = tuple(loaded.speakers)
     default_voice = None
     if voices:
@@ -139,9 +173,10 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
     info = ModelInfo(
         name=config.model, model_type=loaded.model_type, model_size=loaded.model.tts_model_size,
         is_synthetic=loaded.is_synthetic, warning=loaded.warning, engine=engine.name,
-        device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+        device=",".join(w.label for w in workers) if len(workers) > 1 else str(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
         sample_rate=codec.sample_rate, frame_rate=codec.sample_rate / codec.samples_per_frame, voices=voices,
         default_voice=default_voice, languages=tuple(loaded.languages))
-    worker = Worker(loaded, engine, codec, config)
+    worker = workers[0] if len(workers) == 1 else EnginePool(workers)
     worker.start()
     return App(loaded, worker, info)

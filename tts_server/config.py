@@ -12,6 +12,7 @@ class ServerConfig:
     model: str = "synthetic"  # synthetic[-tiny][-base], a local snapshot folder, or a hub id
     engine: str = "auto"  # auto (batched on CUDA, torch on CPU) | batched | torch | megakernel
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    devices: str | None = None  # "0,1,..." or "all": one engine per GPU (None: one on `device`)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     max_streams: int | None = None  # engine slots; None: what fits on a GPU (up to 256), 8 on CPU
     max_queue: int | None = None  # requests waiting beyond max_streams (None: max_streams); more: RESOURCE_EXHAUSTED

@@ -1,12 +1,15 @@
 """Prometheus metrics (prometheus_client), one registry per server process.
 
 Served on `--metrics-port` at /metrics. Names follow Prometheus conventions: seconds for time,
-`_total` for counters; frames/s is `rate(tts_frames_total[1m])`.
+`_total` for counters; frames/s is `rate(tts_frames_total[1m])`. What an engine does carries a
+`device` label (one engine per device with `--devices`); what a call does is server-wide.
 """
 
 from __future__ import annotations
 
 import logging
+
+from dataclasses import dataclass
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                start_http_server)
@@ -18,19 +21,43 @@ RTF_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0, 4
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One engine's series (the families' children for its `device` label)."""
+
+    active_streams: Gauge
+    queued_streams: Gauge
+    paused_streams: Gauge
+    stream_slots: Gauge
+    engine_healthy: Gauge
+    queue_wait: Histogram
+    step: Histogram
+    frames: Counter
+
+
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU
-        self.active_streams = Gauge("tts_active_streams", "Streams holding an engine slot", registry=r)
-        self.queued_streams = Gauge("tts_queued_streams", "Streams waiting for an engine slot",
+        dev = ("device",)
+        self.active_streams = Gauge("tts_active_streams", "Streams holding an engine slot", dev,
+                                    registry=r)
+        self.queued_streams = Gauge("tts_queued_streams", "Streams waiting for an engine slot", dev,
                                     registry=r)
         self.paused_streams = Gauge("tts_paused_streams",
-                                    "Active streams paused because their client is not reading",
+                                    "Active streams paused because their client is not reading", dev,
                                     registry=r)
+        self.stream_slots = Gauge("tts_stream_slots", "Engine slots (concurrent streams) this engine "
+                                  "serves; 0 once it has failed", dev, registry=r)
         self.engine_healthy = Gauge("tts_engine_healthy", "1 while the decode engine works, 0 after "
-                                    "a hang or device fault", registry=r)
-        self.engine_healthy.set(1)
+                                    "a hang or device fault", dev, registry=r)
+        self.queue_wait = Histogram("tts_queue_wait_seconds", "Submission to engine slot", dev,
+                                    buckets=STEP_BUCKETS, registry=r)
+        self.step = Histogram("tts_engine_step_seconds",
+                              "One engine iteration: a decode step for all active streams plus "
+                              "their chunk decodes", dev, buckets=STEP_BUCKETS, registry=r)
+        self.frames = Counter("tts_frames", "Codec frames generated (80 ms of audio each)", dev,
+                              registry=r)
         self.requests = Counter("tts_requests", "Finished Synthesize calls by gRPC status code",
                                 ["code"], registry=r)
         self.ttfc = Histogram("tts_time_to_first_chunk_seconds",
@@ -38,15 +65,17 @@ class Metrics:
                               registry=r)
         self.rtf = Histogram("tts_real_time_factor", "Wall time / audio time of completed streams",
                              buckets=RTF_BUCKETS, registry=r)
-        self.queue_wait = Histogram("tts_queue_wait_seconds", "Submission to engine slot",
-                                    buckets=STEP_BUCKETS, registry=r)
-        self.step = Histogram("tts_engine_step_seconds",
-                              "One engine iteration: a decode step for all active streams plus "
-                              "their chunk decodes", buckets=STEP_BUCKETS, registry=r)
-        self.frames = Counter("tts_frames", "Codec frames generated (80 ms of audio each)", registry=r)
         self.audio_seconds = Counter("tts_audio_seconds", "Audio seconds streamed to clients",
                                      registry=r)
         self._http = None
+
+    def engine(self, device: str) -> EngineMetrics:
+        """The series of the engine on `device` (its label); it starts healthy."""
+        m = EngineMetrics(*(getattr(self, f).labels(device=device) for f in (
+            "active_streams", "queued_streams", "paused_streams", "stream_slots", "engine_healthy",
+            "queue_wait", "step", "frames")))
+        m.engine_healthy.set(1)
+        return m
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""

@@ -27,6 +27,7 @@ def check(config: ServerConfig) -> None:
     check_tls(config.tls_cert, config.tls_key)
     check_model(config.model)
     check_device(config.engine, config.device, config.dtype)
+    check_devices(config)
     check_port(config.host, config.port)
 
 
@@ -151,6 +152,20 @@ def check_device(engine: str, device: str, dtype: str) -> None:
         if not os.path.exists(os.environ.get("QMK_LIB", megakernel.CSRC / megakernel.LIB_NAME)):
             raise StartupError("--engine megakernel: the kernel library is not built; build it "
                                "with `make kernel` (needs nvcc), or use --engine batched")
+
+
+def check_devices(config: ServerConfig) -> None:
+    """--devices names GPUs that exist, each once (see devices.resolve_placements)."""
+    if config.devices is None:
+        return
+    import torch
+
+    from .devices import resolve_placements
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placements = resolve_placements(config.device, config.devices, num_gpus)
+    if len(placements) > 1 and config.engine == "megakernel":
+        raise StartupError("--engine megakernel serves one GPU; use --engine batched with --devices")
 
 
 def check_port(host: str, port: int) -> None:

@@ -48,10 +48,15 @@ def is_device_fault(e: BaseException) -> bool:
 
 
 class Worker:
-    """Owns the decode engine and the codec; every torch call happens on its thread."""
+    """Owns the decode engine and the codec; every torch call happens on its thread. `metrics`
+    is the server's registry (shared by the engines of one server); `label` names this engine's
+    device there and in logs."""
 
-    def __init__(self, loaded, engine, codec, config: ServerConfig):
+    def __init__(self, loaded, engine, codec, config: ServerConfig, metrics: Metrics | None = None,
+                 label: str | None = None):
         self.engine = engine
+        self.device = loaded.device
+        self.label = label or str(loaded.device)
         self.codec = codec
         self.preparer = RequestPreparer(loaded)
         self.max_streams = min(config.max_streams or engine.max_streams, engine.max_streams,
@@ -67,10 +72,12 @@ class Worker:
         self.prefill_cost = PrefillCost()
         self.step_s = 0.0
         self._admit_s = 0.0  # this step's preparation + prefill
-        self.metrics = Metrics()
-        self.metrics.active_streams.set_function(lambda: self.num_active)
-        self.metrics.queued_streams.set_function(lambda: len(self.scheduler.waiting) + len(self._incoming))
-        self.metrics.paused_streams.set_function(lambda: self.num_paused)
+        self.metrics = metrics or Metrics()
+        m = self.engine_metrics = self.metrics.engine(self.label)
+        m.active_streams.set_function(lambda: self.num_active)
+        m.queued_streams.set_function(lambda: len(self.scheduler.waiting) + len(self._incoming))
+        m.paused_streams.set_function(lambda: self.num_paused)
+        m.stream_slots.set(self.max_streams)
         self.failure: EngineFailure | None = None  # set once the engine is unusable
         self._fatal_listeners: list = []
         self.busy_since: float | None = None  # monotonic start of the engine call in progress
@@ -81,8 +88,8 @@ class Worker:
         self._incoming: list[StreamHandle] = []
         self._outstanding = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name="tts-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"tts-engine-{self.label}", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"tts-watchdog-{self.label}", daemon=True)
         self.frames_generated = 0
 
     # ---- any thread -------------------------------------------------------------------
@@ -152,8 +159,10 @@ class Worker:
             handles = (list(self._incoming) + list(self.scheduler.waiting)
                        + [s.handle for s in list(self._active.values())])
             self._cond.notify()
-        log.critical("decode engine failed: %s; ending %d streams", failure, len(handles))
-        self.metrics.engine_healthy.set(0)
+        log.critical("decode engine on %s failed: %s; ending %d streams", self.label, failure,
+                     len(handles))
+        self.engine_metrics.engine_healthy.set(0)
+        self.engine_metrics.stream_slots.set(0)
         for handle in handles:
             handle.post(StreamEnd(FinishReason.ERROR, 0, 0, failure))
         for fn in self._fatal_listeners:
@@ -180,6 +189,8 @@ class Worker:
     # ---- engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels and graphs launch on this engine's GPU
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail loudly
@@ -267,7 +278,7 @@ class Worker:
             self.scheduler.release(slot)
             self._end(handle, None, FinishReason.CANCELLED)
             return None
-        self.metrics.queue_wait.observe(now - handle.submitted_at)
+        self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
             prepared = self.preparer.prepare(req)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
@@ -302,7 +313,7 @@ class Worker:
         finally:
             self._busy(None)
         dt = time.monotonic() - t0
-        self.metrics.step.observe(dt)
+        self.engine_metrics.step.observe(dt)
         dt -= self._admit_s  # the step's own cost, without its admissions
         self.step_s = dt if self.step_s == 0 else 0.9 * self.step_s + 0.1 * dt
 
@@ -343,7 +354,7 @@ class Worker:
                 continue
             good.append((stream, result))
         self.frames_generated += len(good)
-        self.metrics.frames.inc(len(good))
+        self.engine_metrics.frames.inc(len(good))
         if not good:
             return
         try:
