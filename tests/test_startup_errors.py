@@ -60,6 +60,8 @@ def files(tmp_path_factory):
     (["--auth-token-file", "{d}/empty-token"], "the first line is empty"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got gpu"),
+    (["--device", "cpu", "--devices", "1,1"], "--devices '1,1': each GPU number once"),
+    (["--device", "cpu", "--devices", "0,x"], "--devices '0,x': expected 'all' or GPU numbers"),
     (["--max-streams", "0"], "--max-streams must be at least 1, got 0"),
     (["--max-streams", "many"], "argument --max-streams: invalid int value: 'many'"),
     (["--max-queue", "-1"], "--max-queue must be at least 0, got -1"),
@@ -100,6 +102,7 @@ def test_port_in_use():
     (["--device", "cuda"], "--device cuda needs a CUDA GPU, and torch sees none"),
     (["--engine", "megakernel"], "--engine megakernel needs a CUDA GPU"),
     (["--engine", "batched"], "--engine batched needs a CUDA GPU"),
+    (["--devices", "all"], "--devices all needs GPUs and none is visible"),
 ])
 def test_cuda_asked_for_without_cuda(args, expected):
     _assert_one_line(_start(*args), expected)
