@@ -90,3 +90,24 @@ async def test_cli_with_token_and_ca(secure_server, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TTS_AUTH_TOKEN"}
     rc, out, err = await _run_cli(*base, "voices", env=env)
     assert rc == 1 and "UNAUTHENTICATED" in err
+
+
+async def test_bearer_scheme_is_case_insensitive(secure_server):
+    address, ca = secure_server
+    for value, ok in ((f"bearer {TOKEN}", True), (f"BEARER  {TOKEN}", True),
+                      (f"Basic {TOKEN}", False), (TOKEN, False), (f"Bearer {TOKEN}x", False)):
+        async with TTSClient(address, credentials=grpc.ssl_channel_credentials(ca),
+                             metadata=(("authorization", value),)) as client:
+            if ok:
+                assert (await client.model_info()).model
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.model_info()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
+
+
+async def test_plaintext_cli_against_tls_server_gets_a_hint(secure_server):
+    address, _ = secure_server
+    rc, out, err = await _run_cli("--address", address, "--token", TOKEN, "voices")
+    assert rc == 1 and err.startswith("error: UNAVAILABLE")
+    assert "hint:" in err and "If it serves TLS, pass --tls-ca" in err

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from .client import TTSClient, build_request
+from .helpfmt import ArgumentParser
 from .pb.tts.v1 import tts_pb2
 from .stats import RequestRecord, capacity, format_table, summarize, summary_line
 from .workloads import WORKLOADS, load_text_file, schedule
@@ -356,15 +357,17 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="tts-bench", description=__doc__)
-    p.add_argument("--address", help="HOST:PORT of a running server; none starts tts-server for the run")
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="tts-bench", description=__doc__)
+    p.add_argument("--address", help="HOST:PORT of a running server (default: start tts-server "
+                                     "for the run)")
     p.add_argument("--model", default="synthetic-tiny", help="model of a self-started server")
     p.add_argument("--engine", default="auto", help="engine of a self-started server")
     p.add_argument("--max-streams", type=int,
                    help="of a self-started server (default: max concurrency, or the server's own "
                         "default with --rps)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds a self-started server may take to load")
     p.add_argument("--concurrency", default="1,2,4",
                    help="closed-loop levels, comma-separated, e.g. 1,4,16,64 ('' for none)")
     p.add_argument("--rps", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 5,10,20")
@@ -377,20 +380,29 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before the sweep")
     p.add_argument("--seed", type=int, default=1234, help="workload order and sampling seeds")
-    p.add_argument("--text-file", help="one text per line (or LANGUAGE<TAB>TEXT) instead of the built-ins")
+    p.add_argument("--text-file", help="one text per line (or LANGUAGE<TAB>TEXT) instead of the "
+                                       "built-ins (default: --workload)")
     p.add_argument("--max-duration", type=float, default=20.0, help="cap on each request's audio (s)")
     p.add_argument("--voice", default="", help="voice for every request (default: the server's default)")
     p.add_argument("--preroll-ms", type=float, default=200.0,
                    help="player start delay after the first chunk (underruns at 0 ms are also reported)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
-    p.add_argument("--baseline", choices=["none", "qwen-tts"], default="none")
+    p.add_argument("--baseline", choices=["none", "qwen-tts"], default="none",
+                   help="also time qwen-tts generate on the same requests")
     p.add_argument("--baseline-concurrency", default="1", help="static batch sizes of the baseline")
     p.add_argument("--baseline-requests", type=int, default=0, help="first N requests (default: all)")
     p.add_argument("--baseline-model", help="model for the baseline (default: the server's --model)")
-    p.add_argument("--json", help="write every record and the aggregates to this file")
-    p.add_argument("--plot", help="write TTFC and RTF vs concurrency to this PNG (needs matplotlib)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p.parse_args(argv)
+    p.add_argument("--json", help="write every record and the aggregates to this file "
+                                  "(default: none)")
+    p.add_argument("--plot", help="write TTFC and RTF vs concurrency to this PNG (needs "
+                                  "matplotlib; default: none)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress line per finished request (default: progress shown)")
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,8 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
             return text
         if action.default is False and action.nargs == 0:
             return f"{text} (default: off)"
+        if action.default == "":
+            return f"{text} (default: none)"
         return f"{text} (default: %(default)s)"
 
 

@@ -29,6 +29,7 @@ import grpc
 
 from .bench import ServerProcess, free_port
 from .client import TTSClient, build_request
+from .helpfmt import ArgumentParser
 from .stats import percentile
 
 SCENARIOS = {"complete": 45, "cancel": 20, "deadline": 10, "slow": 5, "invalid": 10, "burst": 10}
@@ -261,26 +262,33 @@ class Soak:
         }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="tts-soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", help="HOST:PORT of a running loopback server (needs --metrics-url); "
-                                     "none starts tts-server --model synthetic-tiny for the run")
-    p.add_argument("--metrics-url", help="the server's /metrics URL, with --address")
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="tts-soak", description=__doc__)
+    p.add_argument("--address", help="HOST:PORT of a running loopback server (needs --metrics-url; "
+                                     "default: start tts-server for the run)")
+    p.add_argument("--metrics-url", help="the server's /metrics URL, with --address (default: the "
+                                         "self-started server's)")
     p.add_argument("--model", default="synthetic-tiny", help="model of a self-started server")
-    p.add_argument("--engine", default="auto")
+    p.add_argument("--engine", default="auto", help="engine of a self-started server")
     p.add_argument("--max-streams", type=int, default=4, help="of a self-started server")
     p.add_argument("--max-queue", type=int, default=4, help="of a self-started server")
-    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many")
     p.add_argument("--windows", type=int, default=10, help="report intervals (latency drift)")
     p.add_argument("--concurrency", type=int, default=6, help="client lanes")
     p.add_argument("--max-audio-s", type=float, default=2.4, help="longest request's audio")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of non-deadline requests")
-    p.add_argument("--max-rss-growth-mb", type=float, default=150.0)
-    p.add_argument("--max-fd-growth", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", help="write the report here")
+    p.add_argument("--max-rss-growth-mb", type=float, default=150.0,
+                   help="server memory growth (after warm-up) that fails the soak")
+    p.add_argument("--max-fd-growth", type=int, default=8,
+                   help="growth in the server's open descriptors that fails the soak")
+    p.add_argument("--seed", type=int, default=1, help="seed of the request mix")
+    p.add_argument("--json", help="write the report here (default: only printed)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     a.duration_s = a.minutes * 60.0
     if a.address and a.address.rsplit(":", 1)[0] not in LOOPBACK:

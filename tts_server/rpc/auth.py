@@ -25,21 +25,28 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
 
 
+def bearer_token(value: str | bytes) -> bytes:
+    """The credentials of an `authorization` value whose scheme is Bearer (matched without
+    regard to case, RFC 7235 section 2.1), else b""."""
+    if isinstance(value, str):
+        value = value.encode()
+    scheme, _, credentials = value.strip().partition(b" ")
+    return credentials.strip() if scheme.lower() == b"bearer" else b""
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Answers UNAUTHENTICATED unless the call carries `authorization: Bearer <token>`."""
 
     def __init__(self, token: str):
         if not token:
             raise ValueError("empty auth token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(given, str):
-            given = given.encode()
+        given = bearer_token(dict(details.invocation_metadata or ()).get("authorization", ""))
         if hmac.compare_digest(given, self._expected):
             return handler
         return _denied(handler)

@@ -107,8 +107,8 @@ def _language(value: str, info: ModelInfo) -> str:
     name = LANGUAGE_TAGS.get(lang.split("-")[0])
     if name in info.languages:
         return name
-    raise InvalidRequest("language", f"unsupported language {value!r}; use 'auto' or one of "
-                                     f"{', '.join(info.languages)} (or a BCP-47 tag such as 'en')")
+    raise InvalidRequest("language", f'unsupported language "{value}"; use auto or one of '
+                                     f"{', '.join(info.languages)} (or a BCP-47 tag such as en)")
 
 
 def _sampling(msg: tts_pb2.SamplingParams, has: bool) -> SamplingConfig:
@@ -164,7 +164,15 @@ def _reference(msg: tts_pb2.VoiceCloneReference) -> ReferenceAudio:
                           transcript=transcript)
 
 
-def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfig) -> SynthesisRequest:
+def request_id_of(msg) -> str:
+    """The request's own `request_id` when it is a valid one, else a generated id: what logs and
+    the `x-request-id` metadata carry, also for a request that is refused."""
+    given = getattr(msg, "request_id", "")
+    return given if given and REQUEST_ID_RE.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
+def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfig,
+               request_id: str | None = None) -> SynthesisRequest:
     """Validate a SynthesizeRequest; raises InvalidRequest naming the first bad field."""
     text = msg.text.strip()
     if not text:
@@ -187,7 +195,8 @@ def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfi
                                               "use `voice`")
         voice = (msg.voice.strip().lower() or info.default_voice)
         if voice not in info.voices:
-            raise InvalidRequest("voice", f"unknown voice {msg.voice!r}; available: {', '.join(info.voices)}")
+            raise InvalidRequest("voice", f'unknown voice "{msg.voice}"; available: '
+                                          f"{', '.join(info.voices)}")
     language = _language(msg.language, info)
     if msg.encoding not in (tts_pb2.AUDIO_ENCODING_UNSPECIFIED, tts_pb2.AUDIO_ENCODING_PCM_S16LE,
                             tts_pb2.AUDIO_ENCODING_FLOAT32_LE):
@@ -202,7 +211,7 @@ def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfi
                                                f"text length), got {max_s}")
     max_s = max_s or min(default_max_duration_s(text), cfg.max_duration_s)
     return SynthesisRequest(
-        request_id=msg.request_id or uuid.uuid4().hex[:16], text=text, voice=voice,
+        request_id=request_id or msg.request_id or uuid.uuid4().hex[:16], text=text, voice=voice,
         language=language, sampling=_sampling(msg.sampling, msg.HasField("sampling")),
         max_frames=max(1, math.floor(max_s * info.frame_rate + 1e-3)), output_sample_rate=rate,
         reference=reference)
@@ -213,10 +222,11 @@ def encoding_of(msg: tts_pb2.SynthesizeRequest) -> int:
 
 
 def chunk_message(chunk: AudioChunk, rate: int, encoding: int) -> tts_pb2.SynthesizeResponse:
+    samples = np.clip(chunk.samples, -1.0, 1.0)  # the proto promises [-1, 1] for FLOAT32 too
     if encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
-        data = chunk.samples.astype("<f4").tobytes()
+        data = samples.astype("<f4").tobytes()
     else:
-        data = (np.clip(chunk.samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        data = (samples * 32767.0).round().astype("<i2").tobytes()
     return tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
         audio=data, sample_rate_hz=rate, encoding=encoding, sequence_number=chunk.sequence_number,
         sample_offset=chunk.sample_offset, num_samples=int(chunk.samples.shape[0]),

@@ -50,6 +50,13 @@ def _status_of(error: BaseException | None) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"synthesis failed: {error}"
 
 
+def _deadline_passed(context) -> bool:
+    """A call that ended at its deadline (the client's copy fires a moment before the server's)
+    rather than by a client cancel or hang-up."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0.1
+
+
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     def __init__(self, worker, info: ModelInfo, config: ServerConfig):
         self.worker = worker
@@ -58,18 +65,21 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.metrics = worker.metrics
 
     async def Synthesize(self, request, context):
-        """Counts every call's final status code in tts_requests_total."""
+        """Counts every call's final status code in tts_requests_total; every call that ends
+        with an error logs its request id and reason and returns `x-request-id` as well."""
         code = "OK"
+        request_id = convert.request_id_of(request)
+        request_id_var.set(request_id)
         try:
-            await self._synthesize(request, context)
+            await self._synthesize(request, context, request_id)
         except _Abort as e:
             code = e.code.name
+            log.info("request %s ended with %s: %s", request_id, code, e.details,
+                     extra={"code": code, "request_id": request_id})
+            context.set_trailing_metadata((("x-request-id", request_id),))
             await context.abort(e.code, e.details)
         except asyncio.CancelledError:
-            # the client's own deadline fires a moment before the server's copy of it
-            remaining = context.time_remaining()
-            code = ("DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.1
-                    else "CANCELLED")
+            code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
             raise
         except Exception:
             code = "INTERNAL"
@@ -78,17 +88,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         finally:
             self.metrics.requests.labels(code=code).inc()
 
-    async def _synthesize(self, request, context):
+    async def _synthesize(self, request, context, request_id: str):
         t0 = time.monotonic()
         if isinstance(request, convert.MalformedRequest):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.field}: {request.message}")
         try:
-            req = convert.to_request(request, self.info, self.config)
-            request_id_var.set(req.request_id)
+            req = convert.to_request(request, self.info, self.config, request_id)
             handle = self.worker.submit(req, asyncio.get_running_loop())
         except (InvalidRequest, Overloaded, ShuttingDown, EngineFailure) as e:
-            if isinstance(e, InvalidRequest):
-                log.info("request rejected: %s", e.field, extra={"field": e.field})
             raise _Abort(*_status_of(e)) from None
         try:
             await self._stream(req, handle, request, context, t0)
@@ -157,8 +164,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                             "audio_s": round(s.audio_seconds, 3), "ttfc_ms": round(ttfc_ms, 1),
                             "rtf": round(s.real_time_factor, 4), "chunks": num_chunks})
         except asyncio.CancelledError:
-            log.info("request %s cancelled by the client after %d chunks", req.request_id, num_chunks,
-                     extra={"chunks": num_chunks})
+            if _deadline_passed(context):
+                log.info("request %s: the client's deadline passed after %d chunks; stopped",
+                         req.request_id, num_chunks, extra={"chunks": num_chunks, "code":
+                                                            "DEADLINE_EXCEEDED"})
+            else:
+                log.info("request %s cancelled by the client after %d chunks", req.request_id,
+                         num_chunks, extra={"chunks": num_chunks, "code": "CANCELLED"})
             raise
 
     async def ListVoices(self, request, context):

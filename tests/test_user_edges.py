@@ -1,0 +1,106 @@
+"""Edges a new user meets first: refused calls say which request and why (logs and
+`x-request-id`), deadlines are logged as deadlines, FLOAT32 stays in [-1, 1], error messages read
+as prose, and the CLI fails early and helpfully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from tts_client.bench import free_port
+from tts_client.client import TTSClient, build_request
+from tts_client.pb.tts.v1 import tts_pb2
+
+
+def _metadata(err: grpc.aio.AioRpcError) -> dict:
+    return {**dict(err.initial_metadata() or ()), **dict(err.trailing_metadata() or ())}
+
+
+async def test_refused_request_logs_its_id_and_reason_and_returns_it(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="tts_server")
+    async with TTSClient(tiny_server) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.synthesize(build_request("Hi.", voice="nobody", request_id="bad-voice-1"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _metadata(err.value)["x-request-id"] == "bad-voice-1"
+        # an id the server cannot use (invalid characters) is replaced by a generated one
+        with pytest.raises(grpc.aio.AioRpcError) as err2:
+            await client.synthesize(build_request("Hi.", request_id="no spaces allowed"))
+        generated = _metadata(err2.value)["x-request-id"]
+        assert len(generated) == 16 and err2.value.details().startswith("request_id:")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("bad-voice-1" in m and "INVALID_ARGUMENT" in m and 'unknown voice "nobody"' in m
+               for m in lines), lines
+    assert any(generated in m and "request_id:" in m for m in lines), lines
+    record = next(r for r in caplog.records if "bad-voice-1" in r.getMessage())
+    assert record.request_id == "bad-voice-1" and record.code == "INVALID_ARGUMENT"
+
+
+async def test_error_messages_read_as_prose(tiny_server):
+    async with TTSClient(tiny_server) as client:
+        for kwargs in ({"voice": "nobody"}, {"language": "klingon"}):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.synthesize(build_request("Hi.", **kwargs))
+            details = err.value.details()
+            assert "'" not in details and "(" not in details.split(";")[0], details
+
+
+async def test_deadline_is_logged_as_a_deadline(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="tts_server")
+    async with TTSClient(tiny_server) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.synthesize(build_request("A long one.", max_duration_s=30.0,
+                                                  request_id="late-1"), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        call = client.stream(build_request("Cancel me.", max_duration_s=30.0, request_id="gone-1"))
+        async for _ in call:
+            call.cancel()
+            break
+    for _ in range(50):  # the handlers log as they unwind
+        messages = [r.getMessage() for r in caplog.records if r.name == "tts_server.rpc.servicer"]
+        if any("late-1" in m and "deadline" in m for m in messages) and any(
+                "gone-1" in m and "cancelled" in m for m in messages):
+            break
+        await asyncio.sleep(0.1)
+    late = [m for m in messages if "late-1" in m and m != messages[0]]
+    assert any("deadline passed" in m for m in late), messages
+    assert not any("cancelled" in m for m in late), late
+    assert any("gone-1" in m and "cancelled by the client" in m for m in messages), messages
+
+
+def test_float32_output_is_clipped_to_the_promised_range():
+    from tts_server.api import AudioChunk
+    from tts_server.rpc.convert import chunk_message
+
+    chunk = AudioChunk(np.array([-1.7, -0.5, 0.25, 1.3], np.float32), 0, 1, 0)
+    msg = chunk_message(chunk, 24000, tts_pb2.AUDIO_ENCODING_FLOAT32_LE)
+    samples = np.frombuffer(msg.audio.audio, "<f4")
+    np.testing.assert_array_equal(samples, [-1.0, -0.5, 0.25, 1.0])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tts_client.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_say_into_a_missing_folder_fails_before_calling(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: the check must come first
+    res = _cli("--address", address, "say", "Hi.", "-o", str(tmp_path / "nope" / "hi.wav"))
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"tts-client: error: -o {tmp_path}/nope/hi.wav: the folder "
+                                  f"{tmp_path}/nope does not exist")
+    res = _cli("--address", address, "--tls-ca", str(tmp_path / "ca.pem"), "voices")
+    assert res.returncode == 2 and "--tls-ca" in res.stderr and "no such file" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_no_server_gets_a_hint(tmp_path):
+    res = _cli("--address", f"127.0.0.1:{free_port()}", "info")
+    assert res.returncode == 1 and res.stderr.startswith("error: UNAVAILABLE")
+    assert "hint: is a server running on" in res.stderr and "--tls-ca" in res.stderr
