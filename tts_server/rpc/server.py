@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,7 +56,8 @@ class TTSServer:
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", config.max_request_bytes),
         ])
-        add_servicer(TextToSpeechServicer(worker, info, config), self.server)
+        self.servicer = TextToSpeechServicer(worker, info, config)
+        add_servicer(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
@@ -111,12 +113,21 @@ class TTSServer:
         self._failed.set()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Health goes NOT_SERVING, new calls are refused, in-flight streams get `grace` s."""
+        """Drain: health goes NOT_SERVING and new Synthesize calls get UNAVAILABLE while the
+        listener stays open (so probes and load balancers see NOT_SERVING, not a refused
+        connection), in-flight streams get `grace` s to finish, then the listener closes."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        grace = self.config.grace_period_s if grace is None else grace
+        deadline = time.monotonic() + grace
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.grace_period_s if grace is None else grace)
+        self.servicer.draining = True
+        while self.servicer.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # calls still running past the grace period are cancelled; a call that has just ended
+        # gets a moment to write its last message
+        await self.server.stop(max(deadline - time.monotonic(), min(grace, 0.5)))
         self.worker.metrics.close()
         if self.owns_worker and self.failure is None:
             await asyncio.to_thread(self.worker.stop, 10.0)

@@ -63,6 +63,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.info = info
         self.config = config
         self.metrics = worker.metrics
+        self.draining = False  # set by TTSServer.stop: new calls get UNAVAILABLE
+        self.num_in_flight = 0  # Synthesize calls being handled (drain waits for them)
 
     async def Synthesize(self, request, context):
         """Counts every call's final status code in tts_requests_total; every call that ends
@@ -70,7 +72,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         code = "OK"
         request_id = convert.request_id_of(request)
         request_id_var.set(request_id)
+        self.num_in_flight += 1
         try:
+            if self.draining:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                             "server is draining (shutting down); retry on another replica")
             await self._synthesize(request, context, request_id)
         except _Abort as e:
             code = e.code.name
@@ -86,6 +92,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             log.exception("Synthesize failed")
             raise
         finally:
+            self.num_in_flight -= 1
             self.metrics.requests.labels(code=code).inc()
 
     async def _synthesize(self, request, context, request_id: str):
