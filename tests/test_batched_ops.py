@@ -255,6 +255,22 @@ def test_ref_attention_matches_dense_sdpa():
         torch.testing.assert_close(out[b], ref[:, 0], rtol=1e-5, atol=1e-6)
 
 
+def test_gemm_tiles_keep_each_rows_reduction_order():
+    """The tile may follow M, but what fixes an element's reduction order (BLOCK_K, the K chunks,
+    the x terms) must not: same for every M, per tuned shape, and every tile divides into its shape."""
+    from tts_server.engines.batched import tk_gemm
+
+    for (kind, n, k), tuned in tk_gemm.TUNED.items():
+        bounds = [b for b, _ in tk_gemm.BY_M.get((kind, n, k), ())]
+        assert bounds == sorted(bounds), (kind, n, k)
+        for m in sorted({1, 2, 3, 16, 17, 31, 33, 64, 65, 128, 129, 256, 4096, *bounds}):
+            cfg = tk_gemm.config(kind, n, k, m)
+            assert (cfg[2], cfg[5], cfg[6]) == (tuned[2], tuned[5], tuned[6]), (kind, n, k, m, cfg)
+            assert n % cfg[1] == 0 and cfg[0] in (16, 32, 64, 128), (kind, n, k, m, cfg)
+        assert tk_gemm.config(kind, n, k) == tuned
+    assert set(tk_gemm.BY_M) <= set(tk_gemm.TUNED)
+
+
 # ---------------------------------------------------------------- kernels: interpreter / GPU
 def test_triton_kernels_in_interpreter():
     """All kernels on CPU through TRITON_INTERPRET=1 (a subprocess, so no other module sees it)."""

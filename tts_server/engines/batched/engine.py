@@ -99,6 +99,7 @@ class BatchedEngine:
             self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
         self.row_graphs = None
         if dev.type == "cuda":
+            ops.warm_up(dev)  # every GEMM tile of every row-count bucket
             self._warm_admissions()  # eager admission kernels compiled for every row count
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)

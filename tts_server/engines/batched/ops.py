@@ -78,3 +78,9 @@ def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: to
                                         counter, stream)
     return ops_ref.sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter,
                                  stream)
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the GEMM tiles of every row-count bucket before serving (CUDA only)."""
+    if device.type == "cuda":
+        _kernels().warm_up(device)

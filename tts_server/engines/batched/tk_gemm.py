@@ -11,26 +11,61 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, K chunk, x terms) per GEMM kind, chosen from
-# (kind, N, K) alone: the same tile for every M keeps each row's reduction order fixed. K > chunk
-# is split into ceil(K / chunk) fixed pieces summed in order (swiglu never splits: silu needs the
-# full sum). x terms: fp32 x as 2 (hi + lo) or 3 bf16 parts. OVERRIDE is for benchmark sweeps.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, K chunk, x terms) per GEMM kind. Each output
+# element's reduction order is fixed by (BLOCK_K, K chunk, x terms) alone: K > chunk is split into
+# ceil(K / chunk) fixed pieces summed in order (swiglu never splits: silu needs the full sum), and
+# each piece walks K in BLOCK_K steps, x's bf16 hi part then its lo part (x terms: fp32 x as 2 or 3
+# bf16 parts). Those three depend on (kind, N, K) only, never on M, which keeps every row's bits
+# independent of the batch. BLOCK_M / BLOCK_N / warps / stages only decide which program computes
+# an element, so they may follow M (measured bitwise equal on the H100 for every candidate tile,
+# benchmarks/results/h100-gemm-tiles-*.json; the engine's invariance test crosses M buckets).
 DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4, 1 << 30, 2)}
-# The 0.6B shapes, picked on an H100 (benchmarks/results/batched_ops_h100_run2.json, gemm_sweep):
-# per shape the tile whose worst slowdown over M = 1, 64, 256 against the best tile is smallest.
+# The 0.6B shapes on an H100: BLOCK_K / chunk / terms from the ops sweep
+# (benchmarks/results/batched_ops_h100_run2.json, gemm_sweep), then per M bucket the fastest
+# (BLOCK_M, BLOCK_N, warps, stages) of scripts/gpu_gemm_tiles.py (largest M first applies above).
 TUNED: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): (64, 64, 128, 4, 3, 1024, 2),   # q|k|v
-    ("linear", 1024, 2048): (64, 64, 64, 4, 4, 512, 2),     # o_proj (split-K 4)
-    ("swiglu", 3072, 1024): (64, 32, 128, 4, 4, 1 << 30, 2),  # gate|up
-    ("linear", 1024, 3072): (64, 64, 64, 4, 4, 512, 2),     # down (split-K 6)
+    ("linear", 1024, 2048): (64, 64, 64, 4, 3, 512, 2),     # o_proj (split-K 4)
+    ("swiglu", 3072, 1024): (64, 64, 128, 4, 3, 1 << 30, 2),  # gate|up
+    ("linear", 1024, 3072): (64, 64, 64, 4, 3, 512, 2),     # down (split-K 6)
     ("linear", 3072, 1024): (64, 64, 128, 4, 3, 1024, 2),   # codec head
-    ("linear", 2048, 1024): (64, 64, 64, 4, 4, 512, 2),     # code-predictor heads (split-K 2)
+    ("linear", 2048, 1024): (64, 64, 64, 4, 3, 512, 2),     # code-predictor heads (split-K 2)
 }
+# (max M, (BLOCK_M, BLOCK_N, num_warps, num_stages)) per shape, smallest M first; M above the
+# last bound uses TUNED's tile
+BY_M: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4))),
+    ("linear", 1024, 2048): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5))),
+    ("swiglu", 3072, 1024): ((16, (16, 32, 4, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4))),
+    ("linear", 1024, 3072): ((32, (16, 64, 2, 5)), (64, (64, 64, 4, 4)), (128, (64, 32, 4, 4))),
+    ("linear", 3072, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 3)), (64, (64, 32, 4, 4))),
+    ("linear", 2048, 1024): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5))),
+}
+# one row count per tile bucket, for compiling every tile before serving (warm_up)
+WARM_ROWS = (1, 17, 33, 65, 129)
 OVERRIDE: dict[str, tuple] = {}
 
 
-def config(kind: str, n: int, k: int) -> tuple:
-    return OVERRIDE.get(kind) or TUNED.get((kind, n, k)) or DEFAULT[kind]
+def config(kind: str, n: int, k: int, m: int = 1 << 30) -> tuple:
+    """The tile for an [m, k] x [k, n] GEMM of this kind (see TUNED / BY_M)."""
+    if kind in OVERRIDE:
+        return OVERRIDE[kind]
+    tuned = TUNED.get((kind, n, k))
+    if tuned is None:
+        return DEFAULT[kind]
+    for max_m, (bm, bn, warps, stages) in BY_M.get((kind, n, k), ()):
+        if m <= max_m:
+            return (bm, bn, tuned[2], warps, stages) + tuned[5:]
+    return tuned
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile every tuned tile once (a first compile while serving stalls a step for ~1 s)."""
+    for (kind, n, k) in TUNED:
+        w = torch.zeros(n, k, dtype=torch.bfloat16, device=device)
+        for m in WARM_ROWS:
+            x = torch.zeros(m, k, dtype=torch.float32, device=device)
+            _gemm(x, w, w if kind == "swiglu" else None)
 
 
 @triton.jit
@@ -106,7 +141,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Te
     n = w.shape[0]
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
-    bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k)
+    bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k, m)
     split = 1 if swiglu else triton.cdiv(k, chunk)
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per)
