@@ -131,6 +131,8 @@ class Worker:
 
     def submit(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop) -> StreamHandle:
         handle = StreamHandle(request, loop, self._wake)
+        # tokenized here, in the caller's thread: the engine thread's time is the server's capacity
+        handle.text_ids = self.preparer.text_ids(request.text)
         with self._cond:
             if self.failure is not None:
                 raise EngineFailure(f"the decode engine failed ({self.failure}); restarting")
@@ -280,7 +282,7 @@ class Worker:
             return None
         self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
-            prepared = self.preparer.prepare(req)
+            prepared = self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
             if room < 1:
                 raise InvalidRequest("text", "too long for the model's context")

@@ -1,12 +1,15 @@
 """Turn a `SynthesisRequest` into engine inputs: tokenize, clone the voice, build the prefill.
 
-Voice-clone prompts (speaker embedding, reference codes, tokenized transcript) are cached by a
-hash of the reference's content, so a repeated reference costs no encoder work."""
+Tokenizing is CPU work without torch (`text_ids`, done when a request is submitted, off the engine
+thread); the rest runs on the engine thread. Voice-clone prompts (speaker embedding, reference
+codes, tokenized transcript) are cached by a hash of the reference's content, so a repeated
+reference costs no encoder work."""
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +26,8 @@ class Prepared:
 
 
 class RequestPreparer:
-    """Runs on the engine thread (it calls the model's embedding tables and encoders)."""
+    """`prepare` runs on the engine thread (it calls the model's embedding tables and encoders);
+    `text_ids` on any thread."""
 
     def __init__(self, loaded: LoadedModel, max_cached_voices: int = 64):
         self.tts = loaded.tts
@@ -34,13 +38,25 @@ class RequestPreparer:
         # qwen-tts wrapper defaults: CustomVoice/VoiceDesign put all text in the prefill,
         # voice cloning streams the text in alongside the codec frames.
         self.non_streaming = loaded.model_type != "base"
+        self._tokenizer = loaded.tts.processor.tokenizer
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe across threads
+
+    def text_ids(self, text: str) -> list[int]:
+        """The request text's prompt ids, as qwen-tts tokenizes them (its processor calls this
+        tokenizer); any thread, no torch."""
+        with self._tokenizer_lock:
+            return self._tokenizer(self.tts._build_assistant_text(text))["input_ids"]
 
     def _ids(self, text: str) -> torch.Tensor:
-        return self.tts._tokenize_texts([text])[0]  # [1, T]
+        with self._tokenizer_lock:
+            return torch.tensor([self._tokenizer(text)["input_ids"]], dtype=torch.long)  # [1, T] on the CPU
 
     @torch.inference_mode()
-    def prepare(self, req: SynthesisRequest) -> Prepared:
-        ids = self._ids(self.tts._build_assistant_text(req.text))
+    def prepare(self, req: SynthesisRequest, text_ids: list[int] | None = None) -> Prepared:
+        """text_ids: `text_ids(req.text)` when the caller has them already."""
+        if text_ids is None:
+            text_ids = self.text_ids(req.text)
+        ids = torch.tensor([text_ids], dtype=torch.long)  # [1, T] on the CPU: no device sync
         clone = self._voice(req.reference) if req.reference is not None else None
         prompt = self.builder.build(ids, req.language, req.voice, clone=clone,
                                     non_streaming=self.non_streaming)
