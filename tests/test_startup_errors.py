@@ -68,6 +68,7 @@ def files(tmp_path_factory):
     (["--max-queue-wait-s", "-1"], "--max-queue-wait-s must be a positive number of seconds"),
     (["--stall-timeout-s", "0"], "--stall-timeout-s must be a positive number of seconds"),
     (["--grace-period-s", "-5"], "--grace-period-s must be at least 0, got -5"),
+    (["--player-preroll-ms", "-20"], "--player-preroll-ms must be at least 0, got -20"),
     (["--port", "70000"], "--port must be 0-65535"),
     (["--metrics-port", "-2"], "--metrics-port must be 0-65535"),
     (["--chunk-frames", "1,x"], "--chunk-frames must be comma-separated frame counts"),

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a queued request gets RESOURCE_EXHAUSTED after waiting this long")
     p.add_argument("--max-buffer-s", type=float, default=d.max_buffer_s,
                    help="audio seconds a stream may run ahead of a slow client before it pauses")
+    p.add_argument("--player-preroll-ms", type=float, default=d.player_preroll_ms,
+                   help="audio a client's player buffers before playing (default %(default)g): new "
+                        "requests are admitted only as fast as every running stream keeps that "
+                        "much ahead; lower it for players with a smaller jitter buffer")
     p.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s,
                    help="end a stream whose client has read nothing for this long")
     p.add_argument("--watchdog-s", type=float, default=d.watchdog_s,
@@ -112,6 +116,7 @@ def parse_args(argv=None) -> ServerConfig:
         grace_period_s=a.grace_period_s, default_voice=a.default_voice,
         tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token,
         max_queue_wait_s=a.max_queue_wait_s, max_buffer_s=a.max_buffer_s,
+        player_preroll_ms=a.player_preroll_ms,
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port,
         inject_fault=a.inject_fault)

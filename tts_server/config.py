@@ -23,6 +23,9 @@ class ServerConfig:
     chunk_frames: tuple[int, ...] = (1, 2, 4, 8)  # frames per chunk: first chunks small, then the last value
     grace_period_s: float = 10.0  # SIGTERM drain time
     max_buffer_s: float = 10.0  # audio a stream may run ahead of its client before it pauses
+    # audio a client's player buffers before it starts playing: admissions are scheduled so that
+    # no running stream's player runs dry with this much pre-roll (what the bench's underruns assume)
+    player_preroll_ms: float = 200.0
     stall_timeout_s: float = 30.0  # a client that reads nothing for this long is cut off
     watchdog_s: float = 30.0  # an engine step or prefill running longer is a hang: exit non-zero
     max_request_bytes: int = 64 * 1024 * 1024  # a 30 s reference WAV at 48 kHz stereo float fits

@@ -66,7 +66,8 @@ class Worker:
         self.frame_s = codec.samples_per_frame / codec.sample_rate
         self.scheduler = Scheduler(SchedulerConfig(
             max_streams=self.max_streams, frame_s=self.frame_s, chunk_frames=config.chunk_frames,
-            max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s))
+            max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s,
+            preroll_s=config.player_preroll_ms / 1e3))
         self.watchdog_s = config.watchdog_s
         # the cost model of a step's admissions, and a moving average of a step without them
         self.prefill_cost = PrefillCost()

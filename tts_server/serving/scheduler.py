@@ -24,7 +24,7 @@ class SchedulerConfig:
     max_buffer_s: float = 10.0  # a stream this far ahead of its client pauses
     min_lead_s: float = 0.2  # a stream with less audio ahead of its player gets every frame at once
     margin_s: float = 0.04  # kept free of prefill work below the most urgent stream's deadline
-    preroll_s: float = 0.1  # audio a player is assumed to buffer before it starts playing
+    preroll_s: float = 0.2  # audio a player buffers before it starts playing (--player-preroll-ms)
     max_admit_per_step: int = 256
 
 
