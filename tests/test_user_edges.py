@@ -104,3 +104,47 @@ def test_no_server_gets_a_hint(tmp_path):
     res = _cli("--address", f"127.0.0.1:{free_port()}", "info")
     assert res.returncode == 1 and res.stderr.startswith("error: UNAVAILABLE")
     assert "hint: is a server running on" in res.stderr and "--tls-ca" in res.stderr
+
+
+@pytest.mark.slow
+def test_json_logs_are_the_only_output(tmp_path):
+    """A real server process with --log-format json: a good call, a refused one, a cancelled one
+    and SIGTERM; every line it writes to stdout and stderr is a JSON object with a UTC time."""
+    import json
+    import signal
+    import time
+
+    port = free_port()
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tts_server", "--model", "synthetic-tiny",
+                             "--port", str(port), "--log-format", "json", "--metrics-port", "-1"],
+                            stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving tts.v1" not in (tmp_path / "err").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.5)
+
+        async def calls():
+            async with TTSClient(f"127.0.0.1:{port}") as client:
+                await client.synthesize(build_request("Hi.", max_duration_s=0.16, seed=1))
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await client.synthesize(build_request("Hi.", voice="nobody"))
+                call = client.stream(build_request("Bye.", max_duration_s=10.0))
+                async for _ in call:
+                    call.cancel()
+                    break
+
+        asyncio.run(calls())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = (tmp_path / "out").read_text().splitlines() + (tmp_path / "err").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # fails on any non-JSON line
+    assert all(r["time"].endswith("Z") and "T" in r["time"] for r in records)
+    messages = " | ".join(r["message"] for r in records)
+    assert "ended with INVALID_ARGUMENT" in messages and "cancelled by the client" in messages
+    assert "SIGTERM: draining" in messages

@@ -1,4 +1,4 @@
-"""Bearer-token check for every RPC except health (supervisors probe it without credentials)."""
+"""Bearer-token check for every RPC except health and reflection."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import hmac
 
 import grpc
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+# Health: supervisors probe without credentials. Reflection: it serves only the schema, which is
+# public (protos/), and tools such as `buf curl` do not send -H headers to it, so a call with the
+# right token would otherwise fail as "service not found".
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                   "/grpc.reflection.v1.ServerReflection/")
 
 
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
