@@ -163,7 +163,7 @@ async def test_interruption_cancels_the_server_stream(tiny_server, tiny_app, cap
         await asyncio.wait_for(run, 20)
     request_id = f"{started.context_id[:8]}.1"
     assert server_lines(caplog, f"request {request_id} cancelled by the client after")
-    assert server_lines(caplog, f"request {request_id} cancelled after")
+    assert server_lines(caplog, f"request {request_id}: synthesis stopped after")
     assert not server_lines(caplog, f"request {request_id} done")
     # No stop frame for the interrupted context; the next sentence plays in full.
     (stopped,) = rec.of(TTSStoppedFrame)

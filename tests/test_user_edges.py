@@ -63,12 +63,12 @@ async def test_deadline_is_logged_as_a_deadline(tiny_server, caplog):
             call.cancel()
             break
     for _ in range(50):  # the handlers log as they unwind
-        messages = [r.getMessage() for r in caplog.records if r.name == "tts_server.rpc.servicer"]
+        messages = [r.getMessage() for r in caplog.records if r.name.startswith("tts_server")]
         if any("late-1" in m and "deadline" in m for m in messages) and any(
                 "gone-1" in m and "cancelled" in m for m in messages):
             break
         await asyncio.sleep(0.1)
-    late = [m for m in messages if "late-1" in m and m != messages[0]]
+    late = [m for m in messages if "late-1" in m]
     assert any("deadline passed" in m for m in late), messages
     assert not any("cancelled" in m for m in late), late
     assert any("gone-1" in m and "cancelled by the client" in m for m in messages), messages

@@ -198,7 +198,7 @@ class Worker:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail loudly
             log.exception("engine loop crashed")
-            self.fail(EngineFailure(f"engine loop crashed: {e!r}"))
+            self.fail(EngineFailure(f"engine loop crashed: {type(e).__name__}: {e}"))
             return
         if self.failure is not None:
             return
@@ -256,7 +256,9 @@ class Worker:
                 f"no synthesis slot became free within {wait_s:g} s"))
         for stream in gone:
             rid = stream.handle.request.request_id
-            log.info("request %s cancelled after %d frames", rid, stream.num_frames,
+            # the call ended early (cancel, deadline, stall, drain: the servicer logs which)
+            log.info("request %s: synthesis stopped after %d frames, slot freed", rid,
+                     stream.num_frames,
                      extra={"request_id": rid, "frames": stream.num_frames})
             self._finish(stream, FinishReason.CANCELLED)
 
