@@ -115,6 +115,8 @@ class QwenTTSService(TTSService):
         self._client: TTSClient | None = None
         self._call: tuple[str, grpc.aio.UnaryStreamCall] | None = None  # (context id, call)
         self._num_requests = 0
+        self._asked_contexts: set[str] = set()  # contexts run_tts was called for
+        self._reported_contexts: set[str] = set()  # contexts whose failure was pushed already
 
     @property
     def address(self) -> str:
@@ -159,7 +161,30 @@ class QwenTTSService(TTSService):
         # The interruption has already cancelled run_tts (whose `finally` cancels the call);
         # this also covers a generator that was suspended at a yield when that happened.
         self._cancel_call(context_id)
+        self._forget(context_id)
         await super().on_audio_context_interrupted(context_id)
+
+    async def _record_context_audio_outcome(self, context_id: str, received_audio: bool):
+        # Pipecat 1.14 reports every context that completes without audio as an error of its
+        # own (after stop_frame_timeout_s). A sentence whose failure this service has pushed
+        # already would get a second ErrorFrame, and so would one Pipecat never sent here
+        # because the service was unusable at the time (a later settings update made it usable
+        # again before the context ended). (A private hook: pipecat-ai is pinned.)
+        asked, reported = context_id in self._asked_contexts, context_id in self._reported_contexts
+        self._forget(context_id)
+        if not received_audio and (reported or not asked):
+            return
+        await super()._record_context_audio_outcome(context_id, received_audio)
+
+    def _forget(self, context_id: str) -> None:
+        self._asked_contexts.discard(context_id)
+        self._reported_contexts.discard(context_id)
+
+    async def _report(self, context_id: str, error: ErrorFrame) -> None:
+        """Pushes `error` upstream now (rather than yielding it into the audio context, so that
+        a verdict of "unusable" applies before the next sentence is sent), once per sentence."""
+        self._reported_contexts.add(context_id)
+        await self.push_error_frame(error)
 
     def _classify_error(self, exception: Exception) -> ErrorCategory | None:
         if not isinstance(exception, grpc.aio.AioRpcError):
@@ -186,14 +211,17 @@ class QwenTTSService(TTSService):
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
         """Yields audio frames as the server streams them; errors are pushed as ErrorFrames."""
+        self._asked_contexts.add(context_id)
         if self._client is None:
-            await self.push_error(f"{self}: no channel to {self._address} (setup() not run)")
+            await self._report(context_id, ErrorFrame(
+                error=f"{self}: no channel to {self._address} (setup() not run)"))
             return
         self._num_requests += 1
         request_id = f"{context_id[:8]}.{self._num_requests}"
         try:
             request = self._build_request(text, request_id)
         except (TypeError, ValueError) as e:
+            self._reported_contexts.add(context_id)
             await self.push_error(f"{self}: bad settings for {request_id}: {e}", exception=e,
                                   category=ErrorCategory.INVALID_REQUEST)
             return
@@ -218,9 +246,7 @@ class QwenTTSService(TTSService):
                     await self._call_event_handler("on_connection_error", error)
                     await asyncio.sleep(delay)
                     continue
-                # Pushed now rather than yielded into the audio context, so that a verdict
-                # of "unusable" applies before the next sentence is sent.
-                await self.push_error_frame(ErrorFrame(error=error, exception=e))
+                await self._report(context_id, ErrorFrame(error=error, exception=e))
                 return
             finally:
                 call.cancel()

@@ -175,7 +175,9 @@ async def test_rejected_sentence_is_not_fatal_and_the_next_one_speaks(tiny_serve
     tts = make_tts(tiny_server)
     frames = [TTSSpeakFrame("x" * 2001), TTSSpeakFrame("Next sentence.")]  # limit: 2000 chars
     down, up, rec = await speak(tts, tiny_app, frames)
-    (err,) = errors(up, "INVALID_ARGUMENT")
+    assert len(errors(up)) == 1, [e.error for e in errors(up)]
+    (err,) = errors(up)  # one ErrorFrame: not a second "completed with no audio" one from Pipecat
+    assert "INVALID_ARGUMENT" in err.error
     assert not err.fatal and err.category is ErrorCategory.APPLICATION and "text" in err.error
     assert tts.is_usable and audio_bytes(rec) == 10 * FRAME_BYTES
     assert [f.text for f in rec.of(TTSTextFrame)][-1] == "Next sentence."
@@ -187,7 +189,9 @@ async def test_bad_voice_writes_the_service_off_until_settings_change(tiny_serve
               TTSUpdateSettingsFrame(delta=QwenTTSSettings(voice="ryan")),
               TTSSpeakFrame("Ryan speaking.")]
     down, up, rec = await speak(tts, tiny_app, frames)
-    (err,) = errors(up, "INVALID_ARGUMENT")  # "Not spoken." was not even sent
+    assert len(errors(up)) == 1, [e.error for e in errors(up)]
+    (err,) = errors(up)  # "Not spoken." was not even sent; no "completed with no audio" either
+    assert "INVALID_ARGUMENT" in err.error
     assert err.category is ErrorCategory.INVALID_REQUEST and "voice" in err.error
     assert tts.is_usable  # the settings update made it usable again
     assert [f.text for f in rec.of(TTSTextFrame)][-1] == "Ryan speaking."
@@ -206,6 +210,7 @@ async def test_server_down_gives_error_frames_after_retries(tiny_app):
     down, up, rec = await speak(tts, tiny_app, sentences)
     unavailable = errors(up, "UNAVAILABLE")
     assert len(unavailable) == 4 and len(attempts) == 4 * 2  # two retries each
+    assert len(errors(up)) == 4  # one ErrorFrame per sentence
     assert {(e.category, e.fatal) for e in unavailable} == {(ErrorCategory.CONNECTIVITY, False)}
     assert tts.is_usable and not rec.of(TTSAudioRawFrame)  # an outage does not write it off
 
