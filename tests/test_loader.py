@@ -60,5 +60,7 @@ def test_loaded_snapshot_equals_the_saved_model(tiny_custom, snapshot):
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a folder nor a hub id"):
+    from tts_server.memory_plan import StartupError
+
+    with pytest.raises(StartupError, match="neither a folder nor a hub id"):
         load_model(str(tmp_path / "nope" / "deeper"), device="cpu")

@@ -116,3 +116,38 @@ def test_json_log_format_reports_it_as_one_json_line(files):
     record = json.loads(line)
     assert record["level"] == "CRITICAL" and "no such folder" in record["message"]
     assert record["time"].endswith("Z") and "T" in record["time"]
+
+
+@pytest.mark.slow
+def test_unknown_default_voice_is_one_line():
+    """Checked once the model's voices are known (after loading), still one line, exit 2."""
+    res = _start("--model", "synthetic-tiny", "--port", "0", "--default-voice", "bob")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].endswith(
+        "cannot start: --default-voice bob: the model has no such voice; choose one of aiden, "
+        "eric, ryan, vivian")
+
+
+@pytest.mark.slow
+def test_hub_id_that_cannot_be_fetched_is_one_line():
+    res = subprocess.run([sys.executable, "-m", "tts_server", "--metrics-port", "-1", "--model",
+                          "nobody/no-such-model"], capture_output=True, text=True, timeout=180,
+                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert "cannot start: --model nobody/no-such-model: could not load it as a hub id" in line
+
+
+def test_megakernel_without_its_library_says_how_to_build_it(monkeypatch):
+    """The GPU-machine case, where this machine has no GPU: CUDA stubbed as present, the kernel
+    library pointed at a file that does not exist."""
+    import torch
+
+    from tts_server import preflight
+    from tts_server.memory_plan import StartupError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("QMK_LIB", "/nonexistent/libqwen_megakernel.so")
+    with pytest.raises(StartupError, match=r"kernel library is not built; build it with `make kernel`"):
+        preflight.check_device("megakernel", "auto", "auto")

@@ -169,7 +169,8 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
     if voices:
         default_voice = (config.default_voice or voices[0]).lower()
         if default_voice not in voices:
-            raise ValueError(f"--default-voice {config.default_voice!r} is not one of {voices}")
+            raise StartupError(f"--default-voice {config.default_voice}: the model has no such "
+                               f"voice; choose one of {', '.join(voices)}")
     info = ModelInfo(
         name=config.model, model_type=loaded.model_type, model_size=loaded.model.tts_model_size,
         is_synthetic=loaded.is_synthetic, warning=loaded.warning, engine=engine.name,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory_plan import StartupError
 from .synthetic import SYNTHETIC_NAMES, SYNTHETIC_WARNING, build_synthetic
 
 log = logging.getLogger(__name__)
@@ -74,18 +75,19 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
 
     name = os.path.expanduser(name)
     if not os.path.isdir(name) and (name.startswith((os.sep, ".")) or name.count("/") != 1):
-        raise FileNotFoundError(f"model {name!r} is neither a folder nor a hub id (org/name)")
+        raise StartupError(f"--model {name}: neither a folder nor a hub id (org/name)")
     try:
         tts = Qwen3TTSModel.from_pretrained(name, dtype=dt, device_map=str(dev),
                                             attn_implementation="sdpa")
     except OSError as e:
         where = "folder" if os.path.isdir(name) else "hub id (is the network reachable?)"
-        raise RuntimeError(f"could not load Qwen3-TTS model from {name!r} as a {where}: {e}") from e
+        reason = " ".join(str(e).split())  # one line
+        raise StartupError(f"--model {name}: could not load it as a {where}: {reason}") from None
     tts.model.eval()
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2Model,
     )
 
     if not isinstance(tts.model.speech_tokenizer.model, Qwen3TTSTokenizerV2Model):
-        raise RuntimeError(f"{name}: only the 12 Hz speech tokenizer models are supported")
+        raise StartupError(f"--model {name}: only the 12 Hz speech tokenizer models are supported")
     return LoadedModel(name, tts, False, dev, dt)
