@@ -117,19 +117,20 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
   if (!(flags & QMK_FLAG_TALKER_ONLY)) {
     const size_t lstride = (size_t)QMK_NKV * QMK_CP_POS * QMK_HD;
     const SampleParams sub{sp.sub_do_sample, sp.sub_temperature, sp.sub_top_k, sp.sub_top_p};
-    for (int k = 0; k < QMK_GROUPS - 1; ++k) {
+    for (int k = 0; k < TALKER_STACK; ++k) {  // the code predictor's passes (ops/schedule.cuh)
+      const Stack sk = frame_stack(m, k);
       bool ok;
       if (k == 0) {  // [past_hidden, codec_embedding(code0)] at positions 0, 1
         const Input in{1, {nullptr, m->codec_emb + (size_t)codes[0] * QMK_H}, st.past_hidden + (size_t)slot * QMK_H,
                        nullptr};
-        ok = run_stack<2, float, true>(c, m->cp, QMK_CP_LAYERS, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                         m->inv_freq_cp);
-        ok = ok && head_phase(c, m->cp_norm, QMK_VC, 1, nullptr, 0);
+        ok = run_stack<2, float, true>(c, sk.layers, sk.nlayers, in, 0, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                       m->inv_freq_cp);
+        ok = ok && head_phase(c, sk.norm, sk.rows, 1, nullptr, 0);
       } else {  // codec_embedding[k-1](code k) at position k+1
         const Input in{1, {m->cp_emb[k - 1] + (size_t)codes[k] * QMK_H, nullptr}, nullptr, nullptr};
-        ok = run_stack<1, float, true>(c, m->cp, QMK_CP_LAYERS, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
-                                         m->inv_freq_cp);
-        ok = ok && head_phase(c, m->cp_norm, QMK_VC, 0, nullptr, k);
+        ok = run_stack<1, float, true>(c, sk.layers, sk.nlayers, in, k + 1, st.cp_k, st.cp_v, lstride, QMK_CP_POS,
+                                       m->inv_freq_cp);
+        ok = ok && head_phase(c, sk.norm, sk.rows, 0, nullptr, k);
       }
       if (!ok) return;
       // Every block draws the same code from the same logits: no extra barrier before the next pass.
@@ -157,21 +158,19 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
   const size_t lstride = (size_t)QMK_NKV * st.max_pos * QMK_HD;
   const size_t sstride = lstride * QMK_TALKER_LAYERS;
   const Input in{2, {nullptr, nullptr}, nullptr, text};
+  const Stack sk = frame_stack(m, TALKER_STACK);
   bool ok;
   if (flags & QMK_FLAG_KV_FP32) {
     float* kk = static_cast<float*>(st.kv_k) + slot * sstride;
     float* vv = static_cast<float*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, float, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                    m->inv_freq_talker);
+    ok = run_stack<1, float, false>(c, sk.layers, sk.nlayers, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker);
   } else {
     qmk_bf16* kk = static_cast<qmk_bf16*>(st.kv_k) + slot * sstride;
     qmk_bf16* vv = static_cast<qmk_bf16*>(st.kv_v) + slot * sstride;
-    ok = run_stack<1, qmk_bf16, false>(c, m->talker, QMK_TALKER_LAYERS, in, pos, kk, vv, lstride, st.max_pos,
-                                       m->inv_freq_talker);
+    ok = run_stack<1, qmk_bf16, false>(c, sk.layers, sk.nlayers, in, pos, kk, vv, lstride, st.max_pos, m->inv_freq_talker);
   }
   if (!ok) return;
-  if (!head_phase(c, m->talker_norm, QMK_VT, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr,
-                  QMK_GROUPS - 1))
+  if (!head_phase(c, sk.norm, sk.rows, 0, commit ? st.past_hidden + (size_t)slot * QMK_H : nullptr, TALKER_STACK))
     return;
   if (blockIdx.x != 0) return;
   sample_code0(st, slot, commit, sm.sa, codes);

@@ -18,6 +18,7 @@
 #pragma once
 #include "common.cuh"
 #include "matvec.cuh"
+#include "schedule.cuh"
 
 namespace qmk {
 
@@ -55,16 +56,16 @@ __device__ __forceinline__ void oproj_partial(const QmkState& st, Grid& grid, St
   oproj_rows(g, gi, r0, n);
   bsync();
   grid.mark(3);
-  sg.wait(SLOT_Y);
+  sg.wait(SLOT_O);
   grid.mark(4);
-  mv_mma<T, 2 * QMK_HD, QMK_HD, KW_CPO>(n, sg.slot[SLOT_Y], &s.a[0][0], s.out, red);
+  mv_mma<T, 2 * QMK_HD, QMK_HD, KW_CPO>(n, sg.slot[SLOT_O], &s.a[0][0], s.out, red);
   for (int idx = threadIdx.x; idx < n * T; idx += NT) {
     const int r = idx / T, t = idx % T;
     __stcg(st.opart + ((size_t)g * QMK_MAX_T + t) * QMK_H + r0 + r, s.out[idx]);
   }
   grid.mark(5);
   grid.arrive();
-  sg.release(SLOT_Y);
+  sg.release(SLOT_O);
 }
 
 // Code predictor. kc / vc: this layer's CP cache [NKV][CP_POS][HD]; T new tokens at positions

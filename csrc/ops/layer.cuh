@@ -1,4 +1,5 @@
-// One decoder stack (talker or code predictor) over T tokens, as grid-wide phases:
+// One decoder stack (talker or code predictor) over T tokens, as grid-wide phases in the order of
+// ops/schedule.cuh (LAYER_PHASES, whose table also names each weight phase's staging slot):
 //   P1 input RMSNorm + q|k|v rows (published as LL words, ops/common.cuh: no barrier after it)
 //   [P2 talker only: q/k norm, RoPE, KV append, split-K attention (ops/attention.cuh), in the
 //       blocks that have a key chunk; its states are LL words too]
@@ -15,6 +16,7 @@
 #include "common.cuh"
 #include "matvec.cuh"
 #include "sampling.cuh"
+#include "schedule.cuh"
 
 namespace qmk {
 
@@ -25,15 +27,18 @@ constexpr int OUT_MAX = 2 * ROWS_MAX * QMK_MAX_T;
 static_assert(rows4_max(QMK_QKV) * QMK_MAX_T <= OUT_MAX, "qkv rows");
 static_assert(rows4_max(QMK_QKV) <= RED_ROWS && 2 * ROWS_MAX <= RED_ROWS && rows4_max(QMK_VT) <= RED_ROWS, "red");
 // Weight staging (matvec.cuh Stage): slot X holds q|k|v, gate|up or a head; slot Y o_proj or
-// down. Consecutive weight phases use different slots, so the producer fills one while the
-// compute threads read the other.
+// down (ops/schedule.cuh: consecutive weight phases use different slots, so the producer fills
+// one while the compute threads read the other).
 constexpr int X_BYTES = 2 * ROWS_MAX * QMK_H * 2;                      // gate + up rows
 constexpr int Y_BYTES = ROWS_H_MAX * QMK_I * 2;                        // down rows
 constexpr int STAGE_BYTES = X_BYTES + Y_BYTES;
-static_assert(rows4_max(QMK_QKV) * QMK_H * 2 <= X_BYTES, "qkv slice fits in X");
-static_assert(rows4_max(QMK_VC) * QMK_H * 2 <= X_BYTES, "CP head in X");
-static_assert(rows4_max(QMK_VT) * QMK_H * 2 <= X_BYTES, "talker head in X");
-static_assert(rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= Y_BYTES, "o_proj partial slice in Y");
+constexpr int slot_bytes(int s) { return s == SLOT_X ? X_BYTES : Y_BYTES; }
+static_assert(rows4_max(QMK_QKV) * QMK_H * 2 <= slot_bytes(SLOT_QKV), "q|k|v slice fits its slot");
+static_assert(rows4_max(QMK_H, QMK_MIN_BLOCKS / QMK_NKV) * 2 * QMK_HD * 2 <= slot_bytes(SLOT_O), "o_proj partial slice");
+static_assert(2 * ROWS_MAX * QMK_H * 2 <= slot_bytes(SLOT_GATE_UP), "gate|up slice");
+static_assert(ROWS_H_MAX * QMK_I * 2 <= slot_bytes(SLOT_DOWN), "down slice");
+static_assert(rows4_max(QMK_VC) * QMK_H * 2 <= slot_bytes(SLOT_HEAD), "CP head slice");
+static_assert(rows4_max(QMK_VT) * QMK_H * 2 <= slot_bytes(SLOT_HEAD), "talker head slice");
 // Split activations (matvec.cuh split_store) overwrite xs in place: a token row is XS uint2.
 constexpr int XS = QMK_I / 2;
 static_assert(QMK_H == 4 * NT, "input loads and norms: one float4 per thread and token");
@@ -234,10 +239,10 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     rmsnorm_xs<T>(c, norm_cvt(wn));
     if (attn_block) attention_static_store<T>(asr, p0, c.exact, c.as);  // read after P1's closing sync
     c.g.mark(3);
-    c.sg.wait(SLOT_X);
+    c.sg.wait(SLOT_QKV);
     c.g.mark(4);
-    mv_mma<T, QMK_H, XS, KW_QKV>(qn, c.sg.slot[SLOT_X], xsp, out, c.red);
-    c.sg.release(SLOT_X);
+    mv_mma<T, QMK_H, XS, KW_QKV>(qn, c.sg.slot[SLOT_QKV], xsp, out, c.red);
+    c.sg.release(SLOT_QKV);
     c.g.mark(5);
     // published as LL words: only the attention's blocks read them, and they poll (no barrier)
     const uint32_t llf = c.g.ll_next();
@@ -288,9 +293,9 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
     }
     rmsnorm_xs<T>(c, norm_cvt(wn));
     c.g.mark(3);
-    c.sg.wait(SLOT_X);
+    c.sg.wait(SLOT_GATE_UP);
     c.g.mark(4);
-    mv_mma<T, QMK_H, XS, KW_GU>(2 * in_, c.sg.slot[SLOT_X], xsp, out, c.red);
+    mv_mma<T, QMK_H, XS, KW_GU>(2 * in_, c.sg.slot[SLOT_GATE_UP], xsp, out, c.red);
     c.g.mark(5);
     for (int idx = threadIdx.x; idx < in_ * T; idx += NT) {
       const int r = idx / T, t = idx % T;
@@ -298,19 +303,19 @@ __device__ __forceinline__ bool run_stack(const Ctx& c, const QmkLayer* layers, 
       st.act[t * QMK_I + i0 + r] = rnd(rnd(gt / (1.0f + expf(-gt)), c.exact) * up, c.exact);
     }
     c.g.arrive();
-    c.sg.release(SLOT_X);
+    c.sg.release(SLOT_GATE_UP);
 
     // P5: down_proj (Y) + residual on this block's rows.
     if (!c.g.wait(c.flag)) return false;
     load_scratch<T, QMK_I / (4 * NT)>(c, st.act);
     c.g.mark(3);
-    c.sg.wait(SLOT_Y);
+    c.sg.wait(SLOT_DOWN);
     c.g.mark(4);
-    mv_mma<T, QMK_I, XS, KW_DOWN>(hn, c.sg.slot[SLOT_Y], xsp, out, c.red);
+    mv_mma<T, QMK_I, XS, KW_DOWN>(hn, c.sg.slot[SLOT_DOWN], xsp, out, c.red);
     c.g.mark(5);
     residual_add<T>(c, h0, hn, out, c.g.ll_next());
     c.g.tick();
-    c.sg.release(SLOT_Y);
+    c.sg.release(SLOT_DOWN);
   }
   return true;
 }
@@ -328,9 +333,9 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, int V, int t, f
   c.g.mark(2);
   rmsnorm_xs<1>(c, norm_cvt(wn), b == 0 ? hidden_out : nullptr);
   c.g.mark(3);
-  c.sg.wait(SLOT_X);
+  c.sg.wait(SLOT_HEAD);
   c.g.mark(4);
-  mv_mma<1, QMK_H, XS, KW_HEAD>(n, c.sg.slot[SLOT_X], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
+  mv_mma<1, QMK_H, XS, KW_HEAD>(n, c.sg.slot[SLOT_HEAD], reinterpret_cast<const uint2*>(&c.sm.mv.xs[0][0]), c.sm.mv.out,
                                      c.red);
   c.g.mark(5);
   for (int r = threadIdx.x; r < n; r += NT) {
@@ -339,7 +344,7 @@ __device__ bool head_phase(const Ctx& c, const qmk_bf16* norm_w, int V, int t, f
     if (!QMK_TRACE && c.st.dump != nullptr) c.st.dump[dump_row * QMK_VT + r0 + r] = v;
   }
   c.g.arrive();
-  c.sg.release(SLOT_X);
+  c.sg.release(SLOT_HEAD);
   return c.g.wait(c.flag);
 }
 

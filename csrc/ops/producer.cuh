@@ -1,6 +1,6 @@
 // The producer warpgroup: QMK_PRODUCER_THREADS threads launched beside the compute threads of
 // every block, of which one thread copies every weight slice of the frame into the two staging
-// slots (X: q|k|v, gate|up, heads; Y: o_proj, down), in the order the phases consume them.
+// slots, in the order the phases consume them: ops/schedule.cuh (which slice, which slot).
 //
 // Why a separate thread, and why small pieces: a whole slice (32-96 KB per SM) issued at once by
 // every SM makes each dependent L2 read of a phase wait behind it (an L2 hit took ~1.3 us with a
@@ -118,61 +118,77 @@ struct Producer {
     return true;
   }
 
-  // One layer's four slices, as the phases of run_stack consume them (ops/layer.cuh).
-  __device__ bool layer(const QmkLayer& w, bool cp, int L) {
+  // The slice of matrix M (this block's rows) -> slot s. CP layer L's big slices may be kept in L2.
+  template <Mat M>
+  __device__ bool slice(const QmkLayer& w, bool cp, int L, int s) {
     const int G = gridDim.x, b = blockIdx.x;
     constexpr uint32_t RB = QMK_H * 2;
-    const bool keep_big = cp && l2_keep(L, true), keep_qkv = cp && l2_keep(L, true, true);  // o_proj, down: evict-first
-    int q0, qn;  // q|k|v rows [q0, q0 + qn) of the virtual [q; k; v] matrix -> X
-    rows4_of(b, G, QMK_QKV, q0, qn);
-    if (!acquire(SLOT_X)) return false;
-    for (int part = 0; part < 3; ++part) {
-      const int lo = part == 0 ? 0 : part == 1 ? QMK_QD : QMK_QD + QMK_KVD;
-      const int hi = part == 0 ? QMK_QD : part == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
-      const int a = max(q0, lo), e = min(q0 + qn, hi);
-      if (a < e) {
-        const qmk_bf16* base = part == 0 ? w.q : part == 1 ? w.k : w.v;
-        if (!copy(SLOT_X, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB, keep_qkv, e == q0 + qn))
-          return false;
+    if constexpr (M == MAT_QKV) {  // rows [q0, q0 + qn) of the virtual [q; k; v] matrix
+      const bool keep = cp && l2_keep(L, true, true);
+      int q0, qn;
+      rows4_of(b, G, QMK_QKV, q0, qn);
+      if (!acquire(s)) return false;
+      for (int part = 0; part < 3; ++part) {
+        const int lo = part == 0 ? 0 : part == 1 ? QMK_QD : QMK_QD + QMK_KVD;
+        const int hi = part == 0 ? QMK_QD : part == 1 ? QMK_QD + QMK_KVD : QMK_QKV;
+        const int a = max(q0, lo), e = min(q0 + qn, hi);
+        if (a < e) {
+          const qmk_bf16* base = part == 0 ? w.q : part == 1 ? w.k : w.v;
+          if (!copy(s, (a - q0) * RB, base + (size_t)(a - lo) * QMK_H, (e - a) * RB, keep, e == q0 + qn)) return false;
+        }
       }
-    }
-    {  // o_proj rows x the 256 columns of kv group g (head-group major: one range) -> Y
+      return true;
+    } else if constexpr (M == MAT_O) {  // o_proj rows x the 256 columns of kv group g (head-group major: one range)
       int g, gi, r0, n;
       oproj_rows(g, gi, r0, n);
       constexpr uint32_t OB = 2 * QMK_HD * 2;
-      if (!acquire(SLOT_Y) || !copy(SLOT_Y, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * OB, false, true))
-        return false;
+      return acquire(s) && copy(s, 0, w.o + ((size_t)g * QMK_H + r0) * (2 * QMK_HD), n * OB, false, true);
+    } else if constexpr (M == MAT_GATE_UP) {  // gate rows then up rows [i0, i0 + in_)
+      const bool keep = cp && l2_keep(L, true);
+      int i0, in_;
+      rows4_of(b, G, QMK_I, i0, in_);
+      return acquire(s) && copy(s, 0, w.gate + (size_t)i0 * QMK_H, in_ * RB, keep, false) &&
+             copy(s, in_ * RB, w.up + (size_t)i0 * QMK_H, in_ * RB, keep, true);
+    } else if constexpr (M == MAT_DOWN) {  // down rows [h0, h0 + hn)
+      int h0, hn;
+      rows4_of(b, G, QMK_H, h0, hn);
+      return acquire(s) && copy(s, 0, w.down + (size_t)h0 * QMK_I, hn * QMK_I * 2, false, true);
+    } else {
+      static_assert(M == MAT_NONE, "a layer phase's matrix");
+      return true;
     }
-    int i0, in_;  // gate rows then up rows [i0, i0 + in_) -> X
-    rows4_of(b, G, QMK_I, i0, in_);
-    if (!acquire(SLOT_X) || !copy(SLOT_X, 0, w.gate + (size_t)i0 * QMK_H, in_ * RB, keep_big, false) ||
-        !copy(SLOT_X, in_ * RB, w.up + (size_t)i0 * QMK_H, in_ * RB, keep_big, true))
-      return false;
-    int h0, hn;  // down rows [h0, h0 + hn) -> Y
-    rows4_of(b, G, QMK_H, h0, hn);
-    return acquire(SLOT_Y) && copy(SLOT_Y, 0, w.down + (size_t)h0 * QMK_I, hn * QMK_I * 2, false, true);
   }
-  // A head's rows [r0, r0 + n) of [V, H] -> X.
+  // One layer's slices, phase P onwards, in the order of the table (ops/schedule.cuh).
+  template <int P = 0>
+  __device__ bool layer(const QmkLayer& w, bool cp, int L) {
+    if constexpr (P == N_LAYER_PHASES) {
+      return true;
+    } else {
+      constexpr Mat M = LAYER_PHASES[P].mat;
+      constexpr int S = LAYER_PHASES[P].slot;
+      return slice<M>(w, cp, L, S) && layer<P + 1>(w, cp, L);
+    }
+  }
+  // A head's rows [r0, r0 + n) of [V, H].
   __device__ bool head(const qmk_bf16* w, int V) {
     int r0, n;
     rows4_of(blockIdx.x, gridDim.x, V, r0, n);
-    return acquire(SLOT_X) && copy(SLOT_X, 0, w + (size_t)r0 * QMK_H, n * QMK_H * 2, false, true);
+    return acquire(SLOT_HEAD) && copy(SLOT_HEAD, 0, w + (size_t)r0 * QMK_H, n * QMK_H * 2, false, true);
+  }
+  // One stack of the frame (ops/schedule.cuh frame_stack): its layers, then its head.
+  __device__ bool stack(const Stack& sk, bool cp) {
+    for (int L = 0; L < sk.nlayers; ++L)
+      if (!layer(sk.layers[L], cp, L)) return false;
+    return head(sk.head, sk.rows);
   }
 
-  // The frame's slices in the order the compute threads consume them (megakernel.cu): 15 code
-  // predictor passes (5 layers + a head each), then the talker's 28 layers and the codec head.
+  // The frame's slices in the order the compute threads consume them (megakernel.cu): the code
+  // predictor's passes, then the talker step.
   __device__ void run(const QmkModel* m, bool cp_runs, bool talker_runs) {
     if (cp_runs)
-      for (int k = 0; k < QMK_GROUPS - 1; ++k) {
-        for (int L = 0; L < QMK_CP_LAYERS; ++L)
-          if (!layer(m->cp[L], true, L)) return;
-        if (!head(m->cp_head[k], QMK_VC)) return;
-      }
-    if (talker_runs) {
-      for (int L = 0; L < QMK_TALKER_LAYERS; ++L)
-        if (!layer(m->talker[L], false, L)) return;
-      head(m->codec_head, QMK_VT);
-    }
+      for (int k = 0; k < TALKER_STACK; ++k)
+        if (!stack(frame_stack(m, k), true)) return;
+    if (talker_runs) stack(frame_stack(m, TALKER_STACK), false);
   }
 };
 
