@@ -1,12 +1,15 @@
-// Single source of truth for the megakernel's dimensions and host<->device structs.
-// tts_server/kernels/megakernel.py mirrors QmkState and QmkModel with ctypes / int64 tables and
-// checks their sizes against qmk_state_size() / qmk_model_size() at load time.
+// Single source of truth for the megakernel's dimensions and host<->device structs. The host
+// (tts_server/engines/megakernel.py) does not retype them: it reads the constants, the structs'
+// sizes and every field's offset from the library by name (abi.cu), fills QmkModel at those
+// offsets and checks its ctypes mirrors of QmkState / QmkSampling field by field.
 #pragma once
 #include <stdint.h>
 
-#define QMK_ABI_VERSION 4  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
+#define QMK_ABI_VERSION 5  // 2: weight matrices in the tensor-core layout (megakernel.py mma_layout)
                            // 3: every o_proj head-group major (megakernel.py grouped_o); opart
                            // 4: qkv and part are LL words (ops/common.cuh), ll_seq
+                           // 5: the host reads this file's constants, the structs' sizes and
+                           //    offsets and the phase table from the library (abi.cu), not qmk_*_size
 
 // Qwen3-TTS-12Hz-0.6B decoder stacks (talker and code predictor share the layer shape).
 #define QMK_H 1024            // hidden size
@@ -152,6 +155,15 @@ typedef struct {
 } QmkState;
 
 #define QMK_OUT_WORDS 18
+
+// Elements of the instance scratch buffers of QmkState (the host allocates them flat; qmk_frame
+// zeroes the LL ones).
+#define QMK_X_WORDS (QMK_MAX_T * QMK_H)
+#define QMK_QKV_WORDS (QMK_MAX_T * QMK_QKV)
+#define QMK_PART_WORDS (QMK_MAX_T * QMK_NH * QMK_MAX_CHUNKS * (QMK_HD + 2))
+#define QMK_OPART_FLOATS (QMK_NKV * QMK_MAX_T * QMK_H)
+#define QMK_ACT_FLOATS (QMK_MAX_T * QMK_I)
+#define QMK_CP_KV_FLOATS (QMK_CP_LAYERS * QMK_NKV * QMK_CP_POS * QMK_HD)
 
 #ifdef __cplusplus
 static_assert(sizeof(QmkLayer) == 11 * 8, "QmkLayer: 11 pointers");

@@ -3,7 +3,8 @@
 // the 16-codebook embedding sum plus the text-track vector, one 28-layer talker step, the codec
 // head and the code-0 draw. Phases (ops/layer.cuh) are separated by a per-instance split-phase grid
 // barrier, or hand their outputs to the few blocks that read them as LL words (ops/common.cuh).
-// Host interface: a C ABI (qmk_*), loaded with ctypes by tts_server/kernels/megakernel.py.
+// Host interface: a C ABI (qmk_*; abi.cu adds the layout by name), loaded with ctypes by
+// tts_server/engines/megakernel.py.
 #include <cuda_runtime.h>
 
 #include "ops/layer.cuh"
@@ -188,11 +189,8 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_sample_talker_kernel(const
 
 extern "C" {
 
+// The layout constants, struct offsets and phase names are exported by abi.cu.
 int qmk_abi_version() { return QMK_ABI_VERSION; }
-size_t qmk_state_size() { return sizeof(QmkState); }
-size_t qmk_model_size() { return sizeof(QmkModel); }
-size_t qmk_sampling_size() { return sizeof(QmkSampling); }
-int qmk_sync_words() { return QMK_SYNC_WORDS; }
 // Grid for `device`: one block per SM, checked co-resident. Returns a cudaError_t (0 = ok);
 // cudaErrorCooperativeLaunchTooLarge when the device cannot hold the grid.
 int qmk_grid_size(int device, int* blocks, int* sms) {
@@ -222,10 +220,9 @@ int qmk_frame(QmkState* st, const QmkModel* model, int slot, int flags, int bloc
   cudaError_t e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_BYTES);
   if (e != cudaSuccess) return e;
   if (st->ll_seq == 0 || st->ll_seq >= QMK_LL_SEQ_MAX) {
-    e = cudaMemsetAsync(st->qkv, 0, (size_t)QMK_MAX_T * QMK_QKV * sizeof(uint64_t), s);
-    if (e == cudaSuccess)
-      e = cudaMemsetAsync(st->part, 0, (size_t)QMK_MAX_T * QMK_NH * QMK_MAX_CHUNKS * (QMK_HD + 2) * sizeof(uint64_t), s);
-    if (e == cudaSuccess) e = cudaMemsetAsync(st->x, 0, (size_t)QMK_MAX_T * QMK_H * sizeof(uint64_t), s);
+    e = cudaMemsetAsync(st->qkv, 0, (size_t)QMK_QKV_WORDS * sizeof(uint64_t), s);
+    if (e == cudaSuccess) e = cudaMemsetAsync(st->part, 0, (size_t)QMK_PART_WORDS * sizeof(uint64_t), s);
+    if (e == cudaSuccess) e = cudaMemsetAsync(st->x, 0, (size_t)QMK_X_WORDS * sizeof(uint64_t), s);
     if (e != cudaSuccess) return e;
     st->ll_seq = 0;
   }

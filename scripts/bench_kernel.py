@@ -35,9 +35,12 @@ from tts_server.testing.audio_stubs import stub_audio_modules  # noqa: E402,F401
 from tts_server.model.weights import (CodecIds, DecodeWeights, LayerWeights, LMConfig,  # noqa: E402
                                       LMWeights, decode_weights)
 
-TALKER_BYTES = (28 * 15_728_640 + 28 * 2 * 1024 + 28 * 2 * 128 + 1024 + 3072 * 1024) * 2
-CP_PASS_BYTES = (5 * 15_728_640 + 5 * 2 * 1024 + 5 * 2 * 128 + 1024 + 2048 * 1024) * 2
-KV_BYTES_PER_POS = 28 * 8 * 128 * 2 * 2
+
+def stack_bytes(L, layers: int, vocab: int) -> int:
+    """bf16 weight bytes one pass of a stack reads (csrc layout L): per layer q|k|v, o_proj,
+    gate/up/down and four norms, then the final norm and the head."""
+    per_layer = L.QKV * L.H + L.H * L.QD + 3 * L.I * L.H + 2 * L.H + 2 * L.HD
+    return (layers * per_layer + L.H + vocab * L.H) * 2
 
 
 
@@ -288,12 +291,11 @@ def time_frame(eng, ctx: int, greedy_iters: int = 20, no_topk: bool = False) -> 
     """Medians (µs) of one engine's launches at context `ctx`, slot 0 left unchanged (no commit):
     talker step, code-predictor pass (CP-only launch / 15), sampled frame, greedy frame and, with
     no_topk, a sampled frame without the top-k select."""
-    from tts_server.engines import megakernel as mk
-
-    nc = mk.FLAG_NO_COMMIT
+    L = eng.L
+    nc = L.FLAG_NO_COMMIT
     eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(seed=3))
-    r = dict(talker_us=time_us(lambda: eng.launch(0, mk.FLAG_TALKER_ONLY | nc)),
-             cp_pass_us=time_us(lambda: eng.launch(0, mk.FLAG_CP_ONLY | nc)) / 15,
+    r = dict(talker_us=time_us(lambda: eng.launch(0, L.FLAG_TALKER_ONLY | nc)),
+             cp_pass_us=time_us(lambda: eng.launch(0, L.FLAG_CP_ONLY | nc)) / (L.GROUPS - 1),
              frame_us=time_us(lambda: eng.launch(0, nc)))
     eng.prefill(0, make_prompt(5, length=ctx), SamplingConfig(do_sample=False, subtalker_do_sample=False))
     r["frame_greedy_us"] = time_us(lambda: eng.launch(0, nc), iters=greedy_iters)
@@ -307,9 +309,7 @@ def time_frame(eng, ctx: int, greedy_iters: int = 20, no_topk: bool = False) -> 
 
 def barrier_us(eng) -> float:
     """One grid barrier (arrive + wait) of the engine's grid, from a launch of 1000 of them."""
-    from tts_server.engines import megakernel as mk
-
-    return time_us(lambda: eng.launch(0, mk.FLAG_BARRIER_BENCH), iters=10) / mk.BARRIER_BENCH_N
+    return time_us(lambda: eng.launch(0, eng.L.FLAG_BARRIER_BENCH), iters=10) / eng.L.BARRIER_BENCH_N
 
 
 def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dict:
@@ -321,13 +321,15 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
         eng = mk.MegakernelEngine(w, max_streams=1, max_positions=max(contexts) + 64, kv_dtype=kv)
         res["blocks"] = eng.blocks
         res["barrier_us"] = barrier_us(eng)
-        kv_pos = 28 * 8 * 128 * 2 * kv.itemsize
+        L = eng.L
+        kv_pos = L.TALKER_LAYERS * L.KVD * 2 * kv.itemsize
+        talker_bytes, cp_pass_bytes = stack_bytes(L, L.TALKER_LAYERS, L.VT), stack_bytes(L, L.CP_LAYERS, L.VC)
         for ctx in contexts:
             t = time_frame(eng, ctx)
-            gbs = (TALKER_BYTES + ctx * kv_pos) / (t["talker_us"] * 1e-6) / 1e9
+            gbs = (talker_bytes + ctx * kv_pos) / (t["talker_us"] * 1e-6) / 1e9
             key = f"ctx{ctx}" + ("" if kv == torch.float32 else "_kvbf16")
             res[key] = dict(t, talker_gbps=gbs, talker_frac_copy=gbs / res["copy_gbps"],
-                            cp_gbps=CP_PASS_BYTES / (t["cp_pass_us"] * 1e-6) / 1e9)
+                            cp_gbps=cp_pass_bytes / (t["cp_pass_us"] * 1e-6) / 1e9)
         del eng
     ref = TorchEngine(w, max_streams=1, max_positions=256)
     ref.prefill(0, make_prompt(5, length=100), SamplingConfig(seed=3))
@@ -345,20 +347,19 @@ def bench(w: DecodeWeights, contexts=(100, 1000), torch_frames: int = 12) -> dic
     return res
 
 
-def trace_labels() -> list[tuple[str, str]]:
-    """(stack, phase) of each phase of one sampled frame after the first, in order: attention
-    (code predictor) or the merge of the talker's split-K attention phase P2 and o_proj are one
-    phase, P2F (csrc/ops/layer.cuh)."""
-    lab = []
-    l0 = ["P2F", "P4", "P5"]
-    for _ in range(15):
-        lab += [("cp", p) for p in l0 + (["P1"] + l0) * 4 + ["HEAD", "SAMP+P1"]]
-    t0 = ["P2"] + l0
-    lab += [("talker", p) for p in t0 + (["P1"] + t0) * 27 + ["HEAD", "END"]]
-    return lab
-
-
-TRACE_EPOCHS, TRACE_MARKS = 1024, 7  # csrc/ops/common.cuh
+def trace_labels(L) -> list[tuple[str, str]]:
+    """(stack, phase) of each trace row of one sampled frame after the first, from the library's
+    phase table (csrc/ops/schedule.cuh: a layer's phases, then the head; the CP's layers skip the
+    talker-only split-K phase P2). A row runs from one phase's end to the next's, so it is named
+    after the phase it ends with; a P1 after a head also holds the draw of the head's code
+    (SAMP+P1, counted with the head's stack), and the row after the talker's head is the code-0 draw (END)."""
+    *layer, head = L.phases
+    seq = []
+    for stack, layers in [("cp", L.CP_LAYERS)] * (L.GROUPS - 1) + [("talker", L.TALKER_LAYERS)]:
+        names = [n for n, talker_only in layer if stack == "talker" or not talker_only]
+        seq += [(stack, n) for n in names * layers] + [(stack, head[0])]
+    lab = [(pst, "SAMP+P1") if n == "P1" and prev == head[0] else (st, n) for (st, n), (pst, prev) in zip(seq[1:], seq)]
+    return lab + [("talker", "END")]
 
 
 def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False) -> dict:
@@ -375,20 +376,21 @@ def trace_frame(w: DecodeWeights, lib: str, ctx: int = 100, greedy: bool = False
     eng = mk.MegakernelEngine(w, max_streams=1, max_positions=ctx + 64, dump_logits=True)
     s = SamplingConfig(do_sample=False, subtalker_do_sample=False) if greedy else SamplingConfig(seed=3)
     eng.prefill(0, make_prompt(5, length=ctx), s)
-    frame_us = time_us(lambda: eng.launch(0, mk.FLAG_NO_COMMIT), iters=10, warm=3)
+    L = eng.L
+    frame_us = time_us(lambda: eng.launch(0, L.FLAG_NO_COMMIT), iters=10, warm=3)
     eng.dump.zero_()
-    eng.launch(0, mk.FLAG_NO_COMMIT)
+    eng.launch(0, L.FLAG_NO_COMMIT)
     torch.cuda.synchronize()
-    n_words = 3 * TRACE_EPOCHS * TRACE_MARKS
+    n_words = 3 * L.TRACE_EPOCHS * L.TRACE_MARKS
     tr = eng.dump.view(-1)[:n_words].view(torch.int32).cpu().numpy().astype(np.int64)
-    tr = tr.reshape(3, TRACE_EPOCHS, TRACE_MARKS)
+    tr = tr.reshape(3, L.TRACE_EPOCHS, L.TRACE_MARKS)
     os.environ.pop("QMK_LIB", None)
     if prev is not None:
         os.environ["QMK_LIB"] = prev
-    lab = trace_labels()
+    lab = trace_labels(L)
     n = len(lab)
     res = dict(frame_us=frame_us, epochs=n)
-    total_cyc = int(tr[0, n, 0]) if n < TRACE_EPOCHS else 0  # block 0's last phase end
+    total_cyc = int(tr[0, n, 0]) if n < L.TRACE_EPOCHS else 0  # block 0's last phase end
     res["cycles_last_end_b0"] = total_cyc
     us_per_cyc = frame_us / total_cyc if total_cyc > 0 else float("nan")
     res["mhz_est"] = 1.0 / us_per_cyc if total_cyc else None

@@ -42,11 +42,11 @@ def _make(name: str, weights):
     if name == "megakernel":
         from tts_server.engines import megakernel
 
-        if weights.talker.config.hidden_size != megakernel.H:
-            pytest.skip("the megakernel is compiled for the 0.6B shapes only; this suite runs the "
-                        "tiny model (tests/test_megakernel.py covers it at full size)")
         if not megakernel.is_available():
             pytest.skip("the megakernel library is not built on this GPU machine (make kernel)")
+        if weights.talker.config.hidden_size != megakernel.load_library().layout.H:
+            pytest.skip("the megakernel is compiled for the 0.6B shapes only; this suite runs the "
+                        "tiny model (tests/test_megakernel.py covers it at full size)")
         return megakernel.MegakernelEngine(cuda_w, SLOTS, POSITIONS)
     raise ValueError(name)
 

@@ -1,7 +1,9 @@
-"""The CUDA megakernel (csrc/, tts_server/kernels/megakernel.py).
+"""The CUDA megakernel (csrc/, tts_server/engines/megakernel.py).
 
-CPU tests: the library compiles with nvcc for sm_90a (where nvcc exists), the ctypes mirrors match
-csrc/layout.h, and the sampling-settings packing. GPU tests (marked `gpu`) run the full-size
+CPU tests: the library builds with nvcc for sm_90a (where nvcc exists; `make -C csrc check`) and,
+loaded without a GPU, reports its layout: the ABI version, the constants, the struct offsets the
+ctypes mirrors and the model table follow, the phase table the trace labels come from; plus the
+host-side weight layouts and the sampling-settings packing. GPU tests (marked `gpu`) run the full-size
 synthetic model against the fp32 reference and the PyTorch engine (scripts/bench_kernel.py has
 the same checks at evidence scale).
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,32 +33,89 @@ def _bench_module():
     return mod
 
 
-def _layout_define(name: str) -> int:
-    text = (ROOT / "csrc" / "layout.h").read_text()
-    m = re.search(rf"#define {name} \(?(\d+)", text)
-    assert m, name
-    return int(m.group(1))
+@pytest.fixture(scope="module")
+def check_lib():
+    """The sm_90a library of `make -C csrc check` (built here where nvcc exists; loading it and
+    reading its layout needs no GPU)."""
+    if NVCC is None:
+        pytest.skip("nvcc not installed: the CUDA library cannot be built here")
+    r = subprocess.run(["make", "-C", str(ROOT / "csrc"), "check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return ROOT / "csrc" / "build" / "check" / mk.LIB_NAME
 
 
-def test_python_mirrors_layout_h():
-    assert mk.ABI_VERSION == _layout_define("QMK_ABI_VERSION")
-    for py, c in ((mk.H, "QMK_H"), (mk.NH, "QMK_NH"), (mk.NKV, "QMK_NKV"), (mk.HD, "QMK_HD"), (mk.I, "QMK_I"),
-                  (mk.TALKER_LAYERS, "QMK_TALKER_LAYERS"), (mk.CP_LAYERS, "QMK_CP_LAYERS"), (mk.VT, "QMK_VT"),
-                  (mk.VC, "QMK_VC"), (mk.GROUPS, "QMK_GROUPS"), (mk.CP_POS, "QMK_CP_POS"),
-                  (mk.MAX_T, "QMK_MAX_T"), (mk.MAX_CHUNKS, "QMK_MAX_CHUNKS"), (mk.SYNC_WORDS, "QMK_SYNC_WORDS"),
-                  (mk.SYNC_ERR, "QMK_SYNC_ERR"), (mk.OUT_WORDS, "QMK_OUT_WORDS"),
-                  (mk.FLAG_TALKER_ONLY, "QMK_FLAG_TALKER_ONLY"), (mk.FLAG_CP_ONLY, "QMK_FLAG_CP_ONLY"),
-                  (mk.FLAG_NO_COMMIT, "QMK_FLAG_NO_COMMIT"), (mk.FLAG_BARRIER_BENCH, "QMK_FLAG_BARRIER_BENCH"),
-                  (mk.FLAG_BF16_EXACT, "QMK_FLAG_BF16_EXACT"), (mk.FLAG_KV_FP32, "QMK_FLAG_KV_FP32"),
-                  (mk.BARRIER_BENCH_N, "QMK_BARRIER_BENCH_N")):
-        assert py == _layout_define(c), c
-    assert ctypes.sizeof(mk.QmkState) == 23 * 8 + 8 * 4 + 8
+def test_library_reports_its_layout(check_lib):
+    """The ABI version matches, the ctypes mirrors match the library field by field (load_library
+    checks), and the constants are csrc/layout.h's."""
+    L = mk.load_library(check_lib).layout
+    assert L.ABI_VERSION == mk.ABI_VERSION
+    assert (L.H, L.NH, L.NKV, L.HD, L.I, L.TALKER_LAYERS, L.CP_LAYERS) == (1024, 16, 8, 128, 3072, 28, 5)
+    assert L.QKV == L.QD + 2 * L.KVD and L.QD == L.NH * L.HD
+    assert L.size("QmkSampling") == ctypes.sizeof(mk.QmkSampling) == 48
+    assert L.size("QmkState") == ctypes.sizeof(mk.QmkState)
+    assert L.size("QmkModel") == (L.size("QmkLayer") * (L.TALKER_LAYERS + L.CP_LAYERS)
+                                  + 8 * (4 + 2 * (L.GROUPS - 1) + 2))
+    assert L.PART_WORDS == L.MAX_T * L.NH * L.MAX_CHUNKS * (L.HD + 2)
+    with pytest.raises(AttributeError, match="exports no constant 'NOPE'"):
+        L.NOPE
+
+
+def test_abi_mismatch_fails_with_a_clear_message(check_lib, monkeypatch):
+    monkeypatch.setattr(mk, "ABI_VERSION", mk.ABI_VERSION - 1)
+    with pytest.raises(RuntimeError, match=r"has megakernel ABI \d+, this tts_server needs ABI \d+: rebuild it"):
+        mk.load_library(check_lib)
+
+
+def test_a_mirror_that_differs_is_named(check_lib):
+    L = mk.load_library(check_lib).layout
+
+    class QmkSampling(ctypes.Structure):  # seed and top_k swapped
+        _fields_ = [(n, t) for n, t in mk.QmkSampling._fields_ if n not in ("top_k", "seed")] + [
+            ("seed", ctypes.c_uint64), ("top_k", ctypes.c_int32)]
+
+    with pytest.raises(RuntimeError, match="QmkSampling differs.*top_k"):
+        mk.check_mirror(L, QmkSampling, check_lib)
+
+
+def test_model_table_puts_each_pointer_at_its_field(check_lib):
+    """model_table writes every QmkModel word at the offset the library reports (tiny stand-in
+    tensors on the CPU: the table only needs their pointers)."""
+    import torch
+
+    from tts_server.model.weights import CodecIds, DecodeWeights, LayerWeights, LMConfig, LMWeights
+
+    L = mk.load_library(check_lib).layout
+    t = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16)  # noqa: E731
+
+    def lm(n):
+        cfg = LMConfig(n, 64, 2, 1, 32, 64, 1e-6, 1e6)
+        # matrices 4 x 64 (o_proj 4 x 512: 64 columns per kv-head group), norms 64
+        shapes = [(64,), (4, 64), (4, 64), (4, 64), (64,), (64,), (4, 512), (64,), (4, 64), (4, 64), (4, 64)]
+        return LMWeights(cfg, tuple(LayerWeights(*(t(*sh) for sh in shapes)) for _ in range(n)), t(64))
+
+    ids = CodecIds(vocab_size=8, eos=5, pad=4, bos=3, suppress_start=6, num_code_groups=L.GROUPS,
+                   predictor_vocab_size=8)
+    w = DecodeWeights(lm(L.TALKER_LAYERS), t(8, 64), t(8, 64), lm(L.CP_LAYERS),
+                      tuple(t(8, 64) for _ in range(L.GROUPS - 1)), tuple(t(8, 64) for _ in range(L.GROUPS - 1)),
+                      None, ids)
+    keep: list = []
+    table = mk.model_table(w, L, keep).tolist()
+    assert len(table) * 8 == L.size("QmkModel") and 0 not in table and len(set(table)) == len(table)
+    model, layer = L.fields("QmkModel"), L.fields("QmkLayer")
+    # tensors passed as they are keep their pointers
+    assert table[model["talker_norm"] // 8] == w.talker.final_norm.data_ptr()
+    assert table[model["cp_emb"] // 8 + 14] == w.predictor_embeddings[14].data_ptr()
+    off = model["cp"] + 3 * L.size("QmkLayer") + layer["post_norm"]
+    assert table[off // 8] == w.predictor.layers[3].post_norm.data_ptr()
+    off = model["talker"] + 27 * L.size("QmkLayer") + layer["in_norm"]
+    assert table[off // 8] == w.talker.layers[27].input_norm.data_ptr()
 
 
 def test_sampling_bytes_layout():
     b = mk.sampling_bytes(SamplingConfig(seed=2**40 + 5, top_k=50, temperature=0.9))
     assert len(b) == 48
     assert int.from_bytes(b[40:48], "little") == 2**40 + 5
+    assert int.from_bytes(b[4:8], "little") == 50
 
 
 def test_grouped_o_proj_layout():
@@ -65,11 +123,11 @@ def test_grouped_o_proj_layout():
     (csrc/ops/attn_oproj.cuh reads one contiguous slice per block)."""
     import torch
 
-    o = torch.randn(mk.H, mk.NH * mk.HD)
-    g = mk.grouped_o(o)
-    assert g.shape == (mk.NKV, mk.H, 2 * mk.HD) and g.is_contiguous()
+    o = torch.randn(1024, 2048)
+    g = mk.grouped_o(o, 8)
+    assert g.shape == (8, 1024, 256) and g.is_contiguous()
     for grp, row, col in ((0, 0, 0), (3, 17, 5), (7, 1023, 255)):
-        assert g[grp, row, col] == o[row, 2 * mk.HD * grp + col]
+        assert g[grp, row, col] == o[row, 256 * grp + col]
 
 
 def _mma_matvec_emulated(wl, xsp, rows: int, k: int):
@@ -129,29 +187,27 @@ def test_mma_layout_and_split_give_the_matvec():
     assert torch.equal(mk.mma_layout(w)[1], mk.mma_layout(w[4:8])[0])
 
 
-def test_trace_labels_count_barriers():
-    """One label per grid barrier of a frame: 4 per CP layer (attention and o_proj fused), 5 per
-    talker layer (split-K attention, then its merge fused with o_proj), one head per stack (the
-    QMK_TRACE analysis in bench_kernel depends on it)."""
+def test_trace_labels_count_barriers(check_lib):
+    """One label per trace row of a frame, built from the library's phase table: 4 per CP layer
+    (attention and o_proj fused), 5 per talker layer (split-K attention, then its merge fused with
+    o_proj), one head per stack (the QMK_TRACE analysis in bench_kernel depends on it)."""
     bk = _bench_module()
-    n = len(bk.trace_labels())
-    assert n == 15 * (5 * 4 + 1) + 28 * 5 + 1
-    assert n < bk.TRACE_EPOCHS
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed: CUDA build not checked")
-def test_kernel_compiles_for_sm90():
-    r = subprocess.run(["make", "-C", str(ROOT / "csrc"), "check"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "spill" not in r.stderr or "0 bytes spill stores" in r.stderr
+    L = mk.load_library(check_lib).layout
+    lab = bk.trace_labels(L)
+    assert len(lab) == 15 * (5 * 4 + 1) + 28 * 5 + 1
+    assert len(lab) < L.TRACE_EPOCHS
+    assert lab[:4] == [("cp", "P2F"), ("cp", "P4"), ("cp", "P5"), ("cp", "P1")]
+    assert lab[19:22] == [("cp", "HEAD"), ("cp", "SAMP+P1"), ("cp", "P2F")]
+    assert lab[15 * 21 - 1:15 * 21 + 1] == [("cp", "SAMP+P1"), ("talker", "P2")]
+    assert lab[-2:] == [("talker", "HEAD"), ("talker", "END")]
 
 
 def test_library_loads_when_built():
     lib_path = ROOT / "csrc" / mk.LIB_NAME
     if not lib_path.exists():
         pytest.skip("csrc/libqwen_megakernel.so not built (make kernel)")
-    lib = mk.load_library(lib_path)  # checks ABI version and struct sizes
-    assert lib.qmk_model_size() == (11 * 33 + 4 + 30 + 2) * 8
+    lib = mk.load_library(lib_path)  # checks ABI version and struct layouts
+    assert lib.layout.ABI_VERSION == mk.ABI_VERSION
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -7,14 +7,15 @@ current stream, so it does not depend on the torch C++ ABI. Prefill is batched P
 draw runs on the GPU with the same sampling code as the frame kernel.
 
 All per-stream state (KV rows, positions, pending code 0, code-0 history, text track,
-sampling settings) lives in device arrays indexed by slot.
+sampling settings) lives in device arrays indexed by slot. Nothing of csrc/layout.h is retyped
+here: the dims, flags, buffer sizes and struct offsets come from the library (csrc/abi.cu,
+`Layout`), after its ABI version matches ABI_VERSION.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,22 +30,34 @@ from .contract import FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan,
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LIB_NAME = "libqwen_megakernel.so"
-ABI_VERSION = 4
+ABI_VERSION = 5  # csrc/layout.h QMK_ABI_VERSION that this module is written against
 
-# csrc/layout.h
-H, NH, NKV, HD, I = 1024, 16, 8, 128, 3072
-TALKER_LAYERS, CP_LAYERS = 28, 5
-VT, VC, GROUPS, CP_POS, MAX_T, MAX_CHUNKS = 3072, 2048, 16, 16, 2, 32
-SYNC_WORDS, SYNC_ERR = 128, 32
-OUT_WORDS = 18
-FLAG_TALKER_ONLY, FLAG_CP_ONLY, FLAG_NO_COMMIT, FLAG_BARRIER_BENCH = 1, 2, 4, 8
-FLAG_BF16_EXACT, FLAG_KV_FP32 = 32, 64
-BARRIER_BENCH_N = 1000
-ERRORS = {1: "a grid barrier wait or LL poll timed out (blocks not co-resident or a hang)", 2: "talker context is full"}
+
+class Layout:
+    """csrc/layout.h as the library reports it (csrc/abi.cu): its constants as attributes (L.H,
+    L.FLAG_NO_COMMIT, ...), struct sizes and field offsets through size() / fields(), and the
+    phase table (ops/schedule.cuh) as (name, talker_only) pairs: a layer's phases, then the head."""
+
+    def __init__(self, values: dict[str, int], phases: list[tuple[str, bool]]):
+        self.values, self.phases = values, phases
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(f"the megakernel library exports no constant {name!r} (csrc/abi.cu)") from None
+
+    def size(self, name: str) -> int:
+        """sizeof of a csrc/layout.h struct."""
+        return self.values[f"sizeof({name})"]
+
+    def fields(self, name: str) -> dict[str, int]:
+        """Field name -> byte offset of a csrc/layout.h struct."""
+        return {k.split(".", 1)[1]: v for k, v in self.values.items() if k.startswith(name + ".")}
 
 
 class QmkState(ctypes.Structure):
-    """Mirror of csrc/layout.h QmkState (checked against qmk_state_size())."""
+    """ctypes mirror of csrc/layout.h QmkState (checked field by field against the library)."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing", "past_hidden",
@@ -55,11 +68,27 @@ class QmkState(ctypes.Structure):
         ("eps", ctypes.c_float), ("ll_seq", ctypes.c_uint32), ("timeout_ns", ctypes.c_uint64)]
 
 
+class QmkSampling(ctypes.Structure):
+    """ctypes mirror of csrc/layout.h QmkSampling (qwen-tts names; checked like QmkState)."""
+
+    _fields_ = [("do_sample", ctypes.c_int32), ("top_k", ctypes.c_int32), ("temperature", ctypes.c_float),
+                ("top_p", ctypes.c_float), ("repetition_penalty", ctypes.c_float),
+                ("sub_do_sample", ctypes.c_int32), ("sub_top_k", ctypes.c_int32),
+                ("sub_temperature", ctypes.c_float), ("sub_top_p", ctypes.c_float), ("pad0", ctypes.c_int32),
+                ("seed", ctypes.c_uint64)]
+
+
 def sampling_bytes(s: SamplingConfig) -> bytes:
-    """csrc/layout.h QmkSampling (48 bytes)."""
-    return struct.pack("<iifffiiffiQ", int(s.do_sample), int(s.top_k), s.temperature, s.top_p,
-                       s.repetition_penalty, int(s.subtalker_do_sample), int(s.subtalker_top_k),
-                       s.subtalker_temperature, s.subtalker_top_p, 0, s.seed & (2**64 - 1))
+    """One slot's QmkSampling as bytes."""
+    return bytes(QmkSampling(int(s.do_sample), int(s.top_k), s.temperature, s.top_p, s.repetition_penalty,
+                             int(s.subtalker_do_sample), int(s.subtalker_top_k), s.subtalker_temperature,
+                             s.subtalker_top_p, 0, s.seed & (2**64 - 1)))
+
+
+class KernelLibrary(ctypes.CDLL):
+    """The loaded csrc library; `layout` holds what it reports about csrc/layout.h."""
+
+    layout: Layout
 
 
 def build_library(force: bool = False) -> Path:
@@ -70,21 +99,48 @@ def build_library(force: bool = False) -> Path:
     return lib
 
 
-def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+def read_layout(lib: ctypes.CDLL) -> Layout:
+    lib.qmk_layout_name.restype = ctypes.c_char_p
+    lib.qmk_layout_value.restype = ctypes.c_int64
+    lib.qmk_phase_name.restype = ctypes.c_char_p
+    values = {lib.qmk_layout_name(i).decode(): int(lib.qmk_layout_value(i)) for i in range(lib.qmk_layout_count())}
+    phases = [(lib.qmk_phase_name(i).decode(), bool(lib.qmk_phase_talker_only(i))) for i in range(lib.qmk_phase_count())]
+    return Layout(values, phases)
+
+
+def check_mirror(layout: Layout, cls: type[ctypes.Structure], path: Path) -> None:
+    """A ctypes mirror has the library's fields at the library's offsets, and its size."""
+    want = layout.fields(cls.__name__)
+    got = {name: getattr(cls, name).offset for name, _ in cls._fields_}
+    if got != want or ctypes.sizeof(cls) != layout.size(cls.__name__):
+        diff = sorted(set(got.items()) ^ set(want.items()))
+        raise RuntimeError(f"{path}: {cls.__name__} differs from megakernel.py's mirror (field, offset: {diff}; "
+                           f"size {layout.size(cls.__name__)} vs {ctypes.sizeof(cls)})")
+
+
+def load_library(path: str | os.PathLike | None = None) -> KernelLibrary:
+    """Load the kernel library (default csrc/libqwen_megakernel.so, or $QMK_LIB), check its ABI
+    version and struct layouts, and read its layout (lib.layout). Needs no GPU."""
     path = Path(path or os.environ.get("QMK_LIB", CSRC / LIB_NAME))
-    lib = ctypes.CDLL(str(path))
+    lib = KernelLibrary(str(path))
+    try:
+        abi = lib.qmk_abi_version()
+    except AttributeError as e:
+        raise RuntimeError(f"{path} is not a megakernel library ({e})") from None
+    if abi != ABI_VERSION:
+        raise RuntimeError(f"{path} has megakernel ABI {abi}, this tts_server needs ABI {ABI_VERSION}: "
+                           "rebuild it (make kernel)")
     lib.qmk_frame.argtypes = [ctypes.POINTER(QmkState), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int, ctypes.c_void_p]
     lib.qmk_sample_talker.argtypes = [ctypes.POINTER(QmkState), ctypes.c_int, ctypes.c_void_p]
     lib.qmk_grid_size.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
     lib.qmk_error_string.restype = ctypes.c_char_p
-    lib.qmk_state_size.restype = ctypes.c_size_t
-    lib.qmk_model_size.restype = ctypes.c_size_t
-    lib.qmk_sampling_size.restype = ctypes.c_size_t
-    if lib.qmk_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI {lib.qmk_abi_version()} != {ABI_VERSION}")
-    if lib.qmk_state_size() != ctypes.sizeof(QmkState) or lib.qmk_sampling_size() != 48:
-        raise RuntimeError(f"{path}: QmkState/QmkSampling layout differs from megakernel.py")
+    lib.qmk_status_string.restype = ctypes.c_char_p
+    lib.layout = read_layout(lib)
+    if lib.layout.ABI_VERSION != abi:
+        raise RuntimeError(f"{path}: layout ABI {lib.layout.ABI_VERSION} != qmk_abi_version {abi}")
+    for cls in (QmkState, QmkSampling):
+        check_mirror(lib.layout, cls, path)
     return lib
 
 
@@ -108,24 +164,28 @@ def inv_freq(cfg: LMConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
 
-def check_shapes(w: DecodeWeights) -> None:
-    for cfg, layers in ((w.talker.config, TALKER_LAYERS), (w.predictor.config, CP_LAYERS)):
+def check_shapes(w: DecodeWeights, L: Layout) -> None:
+    for cfg, layers in ((w.talker.config, L.TALKER_LAYERS), (w.predictor.config, L.CP_LAYERS)):
         got = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                cfg.intermediate_size)
-        if got != (layers, H, NH, NKV, HD, I):
-            raise ValueError(f"megakernel is built for the 0.6B shapes, got {got}")
+        want = (layers, L.H, L.NH, L.NKV, L.HD, L.I)
+        if got != want:
+            raise ValueError(f"megakernel is built for the shapes {want} (layers, hidden, heads, kv heads, "
+                             f"head dim, intermediate), got {got}")
     if w.predictor_in_proj is not None:
         raise ValueError("megakernel: predictor input projection (1.7B) not supported")
-    if w.ids.vocab_size != VT or w.ids.predictor_vocab_size != VC or w.ids.num_code_groups != GROUPS:
+    if w.ids.vocab_size != L.VT or w.ids.predictor_vocab_size != L.VC or w.ids.num_code_groups != L.GROUPS:
         raise ValueError("megakernel: vocabulary sizes differ from csrc/layout.h")
     if w.codec_head.dtype != torch.bfloat16 or w.codec_head.device.type != "cuda":
         raise ValueError("megakernel needs bf16 weights on a CUDA device")
 
 
-def grouped_o(o_proj: torch.Tensor) -> torch.Tensor:
-    """o_proj [H, NH*HD] -> head-group major [NKV, H, 2*HD]: out[g, r, c] = o_proj[r, 2*HD*g + c]
-    (csrc/ops/attn_oproj.cuh: one contiguous slice per block)."""
-    return o_proj.view(H, NKV, 2 * HD).permute(1, 0, 2).contiguous()
+def grouped_o(o_proj: torch.Tensor, groups: int) -> torch.Tensor:
+    """o_proj [H, NH*HD] -> head-group major [groups, H, NH*HD/groups] (groups = kv heads):
+    out[g, r, c] = o_proj[r, g * NH*HD/groups + c] (csrc/ops/attn_oproj.cuh: one contiguous slice
+    per block)."""
+    rows, cols = o_proj.shape
+    return o_proj.view(rows, groups, cols // groups).permute(1, 0, 2).contiguous()
 
 
 def mma_layout(w: torch.Tensor) -> torch.Tensor:
@@ -141,12 +201,23 @@ def mma_layout(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(rows // 4, 4, k // 64, 2, 2, 4, 2, 2).permute(0, 2, 4, 1, 5, 6, 3, 7).contiguous()
 
 
-def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
-    """csrc/layout.h QmkModel as an int64 host tensor of device pointers (qmk_frame passes it
-    to the kernel by value). Every matrix is passed in the tensor-core layout (mma_layout: a
-    permuted copy, ~1.05 GB for the 0.6B model; the nn.Linear tensors stay for the PyTorch
-    prefill), every o_proj head-group major first (grouped_o)."""
-    ptrs: list[int] = []
+# QmkLayer field -> (LayerWeights attribute, a matrix passed in the tensor-core layout).
+LAYER_FIELDS = {"in_norm": ("input_norm", False), "q": ("q_proj", True), "k": ("k_proj", True),
+                "v": ("v_proj", True), "q_norm": ("q_norm", False), "k_norm": ("k_norm", False),
+                "o": ("o_proj", True), "post_norm": ("post_norm", False), "gate": ("gate_proj", True),
+                "up": ("up_proj", True), "down": ("down_proj", True)}
+
+
+def model_table(w: DecodeWeights, L: Layout, keep: list) -> torch.Tensor:
+    """csrc/layout.h QmkModel as an int64 host tensor of device pointers, each written at the
+    offset the library reports for its field (qmk_frame passes the table to the kernel by value).
+    Every matrix is passed in the tensor-core layout (mma_layout: a permuted copy, ~1.05 GB for the
+    0.6B model; the nn.Linear tensors stay for the PyTorch prefill), every o_proj head-group major
+    first (grouped_o)."""
+    table = [0] * (L.size("QmkModel") // 8)
+    model, layer = L.fields("QmkModel"), L.fields("QmkLayer")
+    if set(layer) != set(LAYER_FIELDS):
+        raise RuntimeError(f"QmkLayer fields {sorted(layer)} differ from megakernel.py's {sorted(LAYER_FIELDS)}")
 
     def p(t: torch.Tensor) -> int:
         t = t.contiguous()
@@ -156,16 +227,28 @@ def model_table(w: DecodeWeights, keep: list) -> torch.Tensor:
     def m(t: torch.Tensor) -> int:
         return p(mma_layout(t.reshape(-1, t.shape[-1])))
 
-    for lm in (w.talker, w.predictor):
-        for lw in lm.layers:
-            ptrs += [p(lw.input_norm), m(lw.q_proj), m(lw.k_proj), m(lw.v_proj), p(lw.q_norm),
-                     p(lw.k_norm), m(grouped_o(lw.o_proj)), p(lw.post_norm), m(lw.gate_proj), m(lw.up_proj),
-                     m(lw.down_proj)]
+    def put(offset: int, ptr: int) -> None:
+        table[offset // 8] = ptr
+
+    for stack, lm in (("talker", w.talker), ("cp", w.predictor)):
+        for i, lw in enumerate(lm.layers):
+            for field, (attr, matrix) in LAYER_FIELDS.items():
+                t = getattr(lw, attr)
+                t = grouped_o(t, L.NKV) if field == "o" else t
+                put(model[stack] + i * L.size("QmkLayer") + layer[field], m(t) if matrix else p(t))
     dev = w.codec_head.device
-    ptrs += [p(w.talker.final_norm), p(w.predictor.final_norm), p(w.codec_embedding), m(w.codec_head)]
-    ptrs += [p(e) for e in w.predictor_embeddings] + [m(h) for h in w.predictor_heads]
-    ptrs += [p(inv_freq(w.talker.config).to(dev)), p(inv_freq(w.predictor.config).to(dev))]
-    return torch.tensor(ptrs, dtype=torch.int64)
+    put(model["talker_norm"], p(w.talker.final_norm))
+    put(model["cp_norm"], p(w.predictor.final_norm))
+    put(model["codec_emb"], p(w.codec_embedding))
+    put(model["codec_head"], m(w.codec_head))
+    for k in range(L.GROUPS - 1):  # arrays of pointers
+        put(model["cp_emb"] + 8 * k, p(w.predictor_embeddings[k]))
+        put(model["cp_head"] + 8 * k, m(w.predictor_heads[k]))
+    put(model["inv_freq_talker"], p(inv_freq(w.talker.config).to(dev)))
+    put(model["inv_freq_cp"], p(inv_freq(w.predictor.config).to(dev)))
+    if 0 in table:
+        raise RuntimeError(f"QmkModel word {table.index(0)} is not filled by megakernel.py (csrc/layout.h changed?)")
+    return torch.tensor(table, dtype=torch.int64)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,21 +265,21 @@ def prefill_fp32(w, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     x [L, H] fp32; k_cache / v_cache [layers, NKV, max_pos, HD] bf16 (one slot). Returns the
     final-normed hidden states [L, H] fp32."""
     cfg = w.config
-    n = x.shape[0]
+    n, nh, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     freqs = torch.arange(n, device=x.device).float()[:, None] * inv_freq(cfg).to(x.device)[None]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [L, 1, HD]
     eps = cfg.rms_norm_eps
     for i, lw in enumerate(w.layers):
         h = _rms(x, lw.input_norm, eps)
-        q = _rope(_rms((h @ lw.q_proj.float().T).view(n, NH, HD), lw.q_norm, eps), cos, sin)
-        k = _rope(_rms((h @ lw.k_proj.float().T).view(n, NKV, HD), lw.k_norm, eps), cos, sin)
-        v = (h @ lw.v_proj.float().T).view(n, NKV, HD)
+        q = _rope(_rms((h @ lw.q_proj.float().T).view(n, nh, hd), lw.q_norm, eps), cos, sin)
+        k = _rope(_rms((h @ lw.k_proj.float().T).view(n, nkv, hd), lw.k_norm, eps), cos, sin)
+        v = (h @ lw.v_proj.float().T).view(n, nkv, hd)
         k_cache[i, :, :n] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[i, :, :n] = v.transpose(0, 1).to(v_cache.dtype)
         att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             is_causal=True, scale=HD ** -0.5, enable_gqa=True)
-        x = x + att[0].transpose(0, 1).reshape(n, NH * HD) @ lw.o_proj.float().T
+                                             is_causal=True, scale=hd ** -0.5, enable_gqa=True)
+        x = x + att[0].transpose(0, 1).reshape(n, nh * hd) @ lw.o_proj.float().T
         h = _rms(x, lw.post_norm, eps)
         x = x + (F.silu(h @ lw.gate_proj.float().T) * (h @ lw.up_proj.float().T)) @ lw.down_proj.float().T
     return _rms(x, w.final_norm, eps)
@@ -215,7 +298,9 @@ class MegakernelEngine:
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  max_trailing: int = 1024, timeout_s: float = 2.0, lib_path: str | None = None,
                  dump_logits: bool = False, precision: str = "fp32", kv_dtype: torch.dtype | None = None):
-        check_shapes(weights)
+        self.lib = load_library(lib_path)
+        L = self.L = self.lib.layout
+        check_shapes(weights, L)
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
         self.precision = precision
@@ -223,11 +308,10 @@ class MegakernelEngine:
         if precision == "bf16" and kv_dtype != torch.bfloat16:
             raise ValueError("precision bf16 keeps a bf16 KV cache")
         self.kv_dtype = kv_dtype
-        self.base_flags = (FLAG_BF16_EXACT if precision == "bf16" else 0) | (
-            FLAG_KV_FP32 if kv_dtype == torch.float32 else 0)
+        self.base_flags = (L.FLAG_BF16_EXACT if precision == "bf16" else 0) | (
+            L.FLAG_KV_FP32 if kv_dtype == torch.float32 else 0)
         self.w = weights
         self.max_streams, self.max_positions, self.max_trailing = max_streams, max_positions, max_trailing
-        self.lib = load_library(lib_path)
         dev = self.device = weights.codec_head.device
         blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
         err = self.lib.qmk_grid_size(dev.index or 0, ctypes.byref(blocks), ctypes.byref(sms))
@@ -235,35 +319,29 @@ class MegakernelEngine:
             raise RuntimeError(f"megakernel grid: {self.lib.qmk_error_string(err).decode()}")
         self.blocks, self.sms = blocks.value, sms.value
         self._keep: list = []
-        self.model_host = model_table(weights, self._keep)
-        if self.model_host.numel() * 8 != self.lib.qmk_model_size():
-            raise RuntimeError("QmkModel layout differs from megakernel.py")
+        self.model_host = model_table(weights, L, self._keep)
         bf, i32 = dict(dtype=torch.bfloat16, device=dev), dict(dtype=torch.int32, device=dev)
-        f32 = dict(dtype=torch.float32, device=dev)
+        f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
         s = max_streams
-        kv_shape = (s, TALKER_LAYERS, NKV, max_positions, HD)
+        kv_shape = (s, L.TALKER_LAYERS, L.NKV, max_positions, L.HD)
         kv = dict(dtype=kv_dtype, device=dev)
         self.kv_k, self.kv_v = torch.zeros(kv_shape, **kv), torch.zeros(kv_shape, **kv)
         self.pos, self.code0 = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_sampled, self.text_step = torch.zeros(s, **i32), torch.zeros(s, **i32)
         self.n_trailing = torch.zeros(s, **i32)
-        self.past_hidden = torch.zeros(s, H, **f32)
-        self.trailing = torch.zeros(s, max_trailing, H, **bf)
-        self.pad_embed = torch.zeros(s, H, **bf)
-        self.seen = torch.zeros(s, VT, dtype=torch.uint8, device=dev)
-        self.samp = torch.zeros(s, 48, dtype=torch.uint8, device=dev)
-        self.out = torch.zeros(s, OUT_WORDS, **i32)
-        # LL words (csrc/ops/common.cuh): {fp32 bits, flag} as int64
-        self.x = torch.zeros(MAX_T, H, dtype=torch.int64, device=dev)
-        self.qkv = torch.zeros(MAX_T, 4096, dtype=torch.int64, device=dev)
-        self.opart = torch.zeros(NKV, MAX_T, H, **f32)
-        self.act = torch.zeros(MAX_T, I, **f32)
-        self.logits = torch.zeros(VT, dtype=torch.float32, device=dev)
-        self.part = torch.zeros(MAX_T * NH, MAX_CHUNKS, HD + 2, dtype=torch.int64, device=dev)
-        cp_shape = (CP_LAYERS, NKV, CP_POS, HD)
-        self.cp_k, self.cp_v = torch.zeros(cp_shape, **f32), torch.zeros(cp_shape, **f32)
-        self.sync = torch.zeros(SYNC_WORDS, **i32)
-        self.dump = torch.zeros(GROUPS, VT, dtype=torch.float32, device=dev) if dump_logits else None
+        self.past_hidden = torch.zeros(s, L.H, **f32)
+        self.trailing = torch.zeros(s, max_trailing, L.H, **bf)
+        self.pad_embed = torch.zeros(s, L.H, **bf)
+        self.seen = torch.zeros(s, L.VT, dtype=torch.uint8, device=dev)
+        self.samp = torch.zeros(s, L.size("QmkSampling"), dtype=torch.uint8, device=dev)
+        self.out = torch.zeros(s, L.OUT_WORDS, **i32)
+        # instance scratch, flat (LL words, csrc/ops/common.cuh: {fp32 bits, flag} as int64)
+        self.x, self.qkv, self.part = (torch.zeros(n, **i64) for n in (L.X_WORDS, L.QKV_WORDS, L.PART_WORDS))
+        self.opart, self.act = torch.zeros(L.OPART_FLOATS, **f32), torch.zeros(L.ACT_FLOATS, **f32)
+        self.logits = torch.zeros(L.VT, **f32)
+        self.cp_k, self.cp_v = torch.zeros(L.CP_KV_FLOATS, **f32), torch.zeros(L.CP_KV_FLOATS, **f32)
+        self.sync = torch.zeros(L.SYNC_WORDS, **i32)
+        self.dump = torch.zeros(L.GROUPS, L.VT, **f32) if dump_logits else None
         ids = weights.ids
         st = QmkState()
         for name in ("kv_k", "kv_v", "pos", "code0", "n_sampled", "text_step", "n_trailing",
@@ -294,7 +372,7 @@ class MegakernelEngine:
                                        flags | self.base_flags, self.blocks, self._stream()), "launch")
 
     def kernel_error(self) -> int:
-        return int(self.sync[SYNC_ERR].item())
+        return int(self.sync[self.L.SYNC_ERR].item())
 
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -344,12 +422,13 @@ class MegakernelEngine:
             if self.active[slot] >= self.max_positions:
                 raise RuntimeError("talker context is full")
             self.launch(slot)
-            row = torch.cat((self.out[slot], self.sync[SYNC_ERR:SYNC_ERR + 1])).cpu().numpy()
+            err = self.L.SYNC_ERR
+            row = torch.cat((self.out[slot], self.sync[err:err + 1])).cpu().numpy()
             if row[-1]:
-                raise RuntimeError(f"megakernel: {ERRORS.get(int(row[-1]), int(row[-1]))}")
+                raise RuntimeError(f"megakernel: {self.lib.qmk_status_string(int(row[-1])).decode()}")
             self.active[slot] += 1
-            results.append(FrameResult(slot=slot, codes=row[:GROUPS].astype(np.int64),
-                                       next_is_eos=bool(row[17])))
+            g = self.L.GROUPS  # out: GROUPS codes, the next code 0, next_is_eos
+            results.append(FrameResult(slot=slot, codes=row[:g].astype(np.int64), next_is_eos=bool(row[g + 1])))
         return results
 
     def release(self, slot: int) -> None:
