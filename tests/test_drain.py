@@ -49,3 +49,47 @@ async def test_not_serving_is_observable_while_draining(tiny_app):
         raise AssertionError("the listener is still open after the drain")
     except grpc.aio.AioRpcError as e:
         assert e.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _ready(port: int) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+async def test_drain_delay_takes_new_calls_while_not_serving(tiny_app):
+    """--drain-delay-s: health (gRPC and /ready on the metrics port) turns NOT_SERVING at once,
+    but calls are still served for the delay, so a load balancer that polls health has time to
+    stop sending before anything is refused."""
+    from tts_server.config import ServerConfig
+    from tts_server.rpc.server import TTSServer
+
+    cfg = ServerConfig(port=0, metrics_port=0, drain_delay_s=1.5)
+    server = TTSServer(tiny_app.worker, tiny_app.info, cfg, owns_worker=False)
+    await server.start()
+    address = f"127.0.0.1:{server.port}"
+    assert await asyncio.to_thread(_ready, server.metrics_port) == 200
+    async with TTSClient(address) as client:
+        call = client.stream(build_request("Keep the drain busy.", max_duration_s=4.0, seed=2))
+        assert (await call.read()).HasField("audio")  # in flight: the listener stays open
+        stopping = asyncio.ensure_future(server.stop(grace=10.0))
+        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(_ready, server.metrics_port) == 503
+        assert await _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        res = await client.synthesize(build_request("Just in time.", max_duration_s=0.4), timeout=30)
+        assert res.summary.num_frames == 5  # served: within the drain delay
+        await asyncio.sleep(1.5)
+        try:
+            await client.synthesize(build_request("Too late.", max_duration_s=0.16), timeout=5)
+            raise AssertionError("a new call was accepted after the drain delay")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.details()
+        last = None
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            last = msg
+        assert last.HasField("summary") and last.summary.num_frames == 50
+    await asyncio.wait_for(stopping, 30)

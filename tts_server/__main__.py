@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s,
                    help="on SIGTERM: health NOT_SERVING, new calls refused, in-flight streams get "
                         "this long to finish")
+    p.add_argument("--drain-delay-s", type=float, default=d.drain_delay_s,
+                   help="on SIGTERM: health NOT_SERVING at once but new calls still taken this long, "
+                        "so that load balancers polling health stop sending first; then the "
+                        "--grace-period-s drain (default 0; behind a proxy: above its check "
+                        "interval x fall count)")
     p.add_argument("--default-voice", default=None,
                    help="voice of requests that name none (default: the model's first voice)")
     p.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS "
@@ -113,7 +118,7 @@ def parse_args(argv=None) -> ServerConfig:
         max_text_chars=a.max_text_chars,
         max_duration_s=a.max_duration_s,
         chunk_frames=_chunk_frames(a.chunk_frames),
-        grace_period_s=a.grace_period_s, default_voice=a.default_voice,
+        grace_period_s=a.grace_period_s, drain_delay_s=a.drain_delay_s, default_voice=a.default_voice,
         tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=token,
         max_queue_wait_s=a.max_queue_wait_s, max_buffer_s=a.max_buffer_s,
         player_preroll_ms=a.player_preroll_ms,

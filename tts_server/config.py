@@ -22,6 +22,7 @@ class ServerConfig:
     max_duration_s: float = 300.0  # upper bound of a request's audio
     chunk_frames: tuple[int, ...] = (1, 2, 4, 8)  # frames per chunk: first chunks small, then the last value
     grace_period_s: float = 10.0  # SIGTERM drain time
+    drain_delay_s: float = 0.0  # after SIGTERM: NOT_SERVING but still taking calls this long
     max_buffer_s: float = 10.0  # audio a stream may run ahead of its client before it pauses
     # audio a client's player buffers before it starts playing: admissions are scheduled so that
     # no running stream's player runs dry with this much pre-roll (what the bench's underruns assume)

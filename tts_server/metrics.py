@@ -11,14 +11,25 @@ import logging
 
 from dataclasses import dataclass
 
+import socket
+import threading
+from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
-                               start_http_server)
+                               make_wsgi_app)
+from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger(__name__)
 
 TTFC_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 RTF_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.25, 1.5, 2.0, 4.0)
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # scrapes and probes every few seconds: not logged
+        pass
 
 
 @dataclass(frozen=True)
@@ -77,9 +88,25 @@ class Metrics:
         m.engine_healthy.set(1)
         return m
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, ready: Callable[[], bool] = lambda: True) -> int:
+        """Start the HTTP endpoint in a daemon thread; returns the bound port. /ready answers 200
+        while ready() (the server's gRPC health is SERVING), else 503 (draining, failed), for
+        load balancers that check over HTTP; every other path serves the metrics."""
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") != "/ready":
+                return metrics_app(environ, start_response)
+            is_ready = ready()
+            start_response("200 OK" if is_ready else "503 Service Unavailable",
+                           [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"SERVING\n" if is_ready else b"NOT_SERVING\n"]
+
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        self._http = make_server(sockaddr[0], port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="tts-metrics", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:

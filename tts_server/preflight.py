@@ -42,6 +42,7 @@ def check_numbers(c: ServerConfig) -> None:
                              ("--max-text-chars", c.max_text_chars, 1),
                              ("--max-request-bytes", c.max_request_bytes, 1024),
                              ("--grace-period-s", c.grace_period_s, 0),
+                             ("--drain-delay-s", c.drain_delay_s, 0),
                              ("--watchdog-s", c.watchdog_s, 0),
                              ("--player-preroll-ms", c.player_preroll_ms, 0)):
         _at_least(flag, value, low)

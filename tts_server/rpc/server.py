@@ -75,6 +75,7 @@ class TTSServer:
             raise StartupError(f"--host {config.host} --port {config.port}: cannot listen there "
                                f"(port in use?)") from None
         self._stopped = asyncio.Event()
+        self.is_ready = False  # what health says (SERVING), also served as /ready on the metrics port
         self.failure = None  # the EngineFailure that ended serving, if any
         self._failed = asyncio.Event()
         self.metrics_port: int | None = None
@@ -89,12 +90,13 @@ class TTSServer:
         else:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.is_ready = True
         if self.config.metrics_port is not None and self.config.metrics_port >= 0:
             try:
-                self.metrics_port = self.worker.metrics.serve(self.config.host,
-                                                              self.config.metrics_port)
-                log.info("Prometheus metrics on http://%s:%d/metrics", self.config.host,
-                         self.metrics_port)
+                self.metrics_port = self.worker.metrics.serve(
+                    self.config.host, self.config.metrics_port, ready=lambda: self.is_ready)
+                log.info("Prometheus metrics on http://%s:%d/metrics (readiness: /ready)",
+                         self.config.host, self.metrics_port)
             except OSError as e:  # serving matters more than metrics
                 log.error("metrics endpoint not started on port %d: %s (use --metrics-port N, or "
                           "0 for any free port)", self.config.metrics_port, e)
@@ -108,23 +110,41 @@ class TTSServer:
         if self.failure is not None:
             return
         self.failure = failure
+        self.is_ready = False
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
         self._failed.set()
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain: health goes NOT_SERVING and new Synthesize calls get UNAVAILABLE while the
-        listener stays open (so probes and load balancers see NOT_SERVING, not a refused
-        connection), in-flight streams get `grace` s to finish, then the listener closes."""
+    async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
+        """Drain, with the listener open throughout (probes and load balancers see NOT_SERVING,
+        not a refused connection): health goes NOT_SERVING (gRPC health and /ready); for
+        `drain_delay` s (--drain-delay-s) new calls are still taken, so that load balancers that
+        poll health stop sending first; then new Synthesize calls get UNAVAILABLE, in-flight
+        streams get `grace` s to finish, the connections stay open until a client playing in real
+        time has received every finished stream's audio (within the grace period), and the
+        listener closes."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.is_ready = False
+        await self.health.enter_graceful_shutdown()
+        delay = self.config.drain_delay_s if drain_delay is None else drain_delay
+        if delay > 0:
+            log.info("health NOT_SERVING; new calls still taken for %.1f s (--drain-delay-s)", delay)
+            await asyncio.sleep(delay)
         grace = self.config.grace_period_s if grace is None else grace
         deadline = time.monotonic() + grace
-        await self.health.enter_graceful_shutdown()
         self.servicer.draining = True
         while self.servicer.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        # A finished call's last audio and status may still sit in the connection (flow control:
+        # a client, or a proxy in front of one, that reads at playback pace); closing now would
+        # cut them off. Keep the connections until a real-time player has had it all.
+        linger = min(deadline, self.servicer.playback_ends_at) - time.monotonic()
+        if linger > 0:
+            log.info("draining: connections kept %.1f s more for clients still receiving audio",
+                     linger)
+            await asyncio.sleep(linger)
         # calls still running past the grace period are cancelled; a call that has just ended
         # gets a moment to write its last message
         await self.server.stop(max(deadline - time.monotonic(), min(grace, 0.5)))
@@ -139,7 +159,7 @@ class TTSServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: (
                 log.info("%s: draining for up to %.0f s", signal.Signals(s).name,
-                         self.config.grace_period_s),
+                         self.config.drain_delay_s + self.config.grace_period_s),
                 asyncio.ensure_future(self.stop())))
         await self.start()
         terminated = asyncio.ensure_future(self.server.wait_for_termination())

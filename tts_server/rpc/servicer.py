@@ -65,6 +65,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.metrics = worker.metrics
         self.draining = False  # set by TTSServer.stop: new calls get UNAVAILABLE
         self.num_in_flight = 0  # Synthesize calls being handled (drain waits for them)
+        self.playback_ends_at = 0.0  # monotonic: when real-time players have every finished stream
 
     async def Synthesize(self, request, context):
         """Counts every call's final status code in tts_requests_total; every call that ends
@@ -164,6 +165,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             if s.audio_seconds > 0:
                 self.metrics.rtf.observe(s.real_time_factor)
             await write(summary)
+            # a client playing from its first chunk in real time has the last audio by then
+            self.playback_ends_at = max(self.playback_ends_at,
+                                        t0 + ttfc_ms / 1000.0 + s.audio_seconds)
             log.info("request %s done: %s, %d frames, %.2f s audio, ttfc %.1f ms, rtf %.3f",
                      req.request_id, end.finish_reason.value, s.num_frames, s.audio_seconds,
                      ttfc_ms, s.real_time_factor,
