@@ -11,7 +11,7 @@ ENGINE ?= auto
 STAMP  := $(VENV)/.setup-stamp
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: setup serve test protos check-protos lint-protos kernel kernel-check probes agent bench bench-vs-qwen-tts soak bench-kernel kernel-gpu-check clean
+.PHONY: proxy-tools setup serve test protos check-protos lint-protos kernel kernel-check probes agent bench bench-vs-qwen-tts soak bench-kernel kernel-gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(BIN)/tts-server --host $(HOST) --port $(PORT) --model $(MODEL) --engine $(ENGINE)
 
-test: setup check-protos lint-protos kernel-check
+test: setup check-protos lint-protos kernel-check proxy-tools
 	$(BIN)/python -m pytest
 
 # The example voice agent (STT -> LLM -> this TTS), browser page at http://localhost:7860/client.
@@ -94,6 +94,15 @@ kernel:
 kernel-check:
 	@if [ -n "$(NVCC)" ] && [ -f csrc/Makefile ]; then $(MAKE) -C csrc check && $(MAKE) -C tools/probes; \
 	else echo "kernel-check: nvcc not found, CUDA build not checked"; fi
+
+# HAProxy for tests/test_proxy_drain.py (replicas behind a real proxy), from the distribution's
+# packages where apt-get runs as root; elsewhere that test is skipped and says why.
+proxy-tools:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy) \
+			>/dev/null 2>&1 || echo "proxy-tools: apt-get install haproxy failed; the proxy test will skip"; \
+	else echo "proxy-tools: haproxy not installed (no root apt-get here); the proxy test will skip"; fi
 
 # The micro-probes behind the kernel's design (tools/probes/: standalone CUDA programs for an H100).
 probes:
