@@ -12,7 +12,7 @@ import torch
 
 from tts_server.engines.contract import SamplingConfig, decode_until_eos
 from tts_server.engines.torch_ref import TorchEngine
-from tts_server.model.prompt import PromptBuilder, VoiceClone
+from tts_server.model.prompt import PromptBuilder, VoiceClone, project_vocabulary
 from tts_server.model.weights import decode_weights
 
 TEXT = "Hello world, this is a fidelity test of the talker."
@@ -50,6 +50,11 @@ def _ids(tts, text):
     return tts._tokenize_texts([tts._build_assistant_text(text)])[0]
 
 
+def _builder(tts, table: bool) -> PromptBuilder:
+    """The per-request text projection, or (as GPU servers run it) the precomputed vocabulary table."""
+    return PromptBuilder(tts.model, project_vocabulary(tts.model) if table else None)
+
+
 def _check(tts, prompt, ref_codes, ref_embeds, ref_trailing, max_new_tokens):
     assert prompt.embeds.shape == ref_embeds.shape
     assert (prompt.embeds - ref_embeds).abs().max().item() <= PREFILL_TOL
@@ -61,20 +66,21 @@ def _check(tts, prompt, ref_codes, ref_embeds, ref_trailing, max_new_tokens):
     np.testing.assert_array_equal(ours, ref_codes)
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["projected", "vocab-table"])
 @pytest.mark.parametrize("non_streaming", [True, False], ids=["non-streaming-text", "streaming-text"])
 @pytest.mark.parametrize("language,speaker", [("english", "ryan"), ("auto", "aiden"),
                                               ("chinese", "eric")])
-def test_custom_voice_prefill_and_greedy_codes(tiny_custom, non_streaming, language, speaker):
+def test_custom_voice_prefill_and_greedy_codes(tiny_custom, non_streaming, language, speaker, table):
     ids = _ids(tiny_custom, TEXT)
     codes, embeds, trailing = _reference(tiny_custom, 24, input_ids=[ids], languages=[language],
                                          speakers=[speaker], non_streaming_mode=non_streaming)
-    prompt = PromptBuilder(tiny_custom.model).build(ids, language, speaker,
-                                                    non_streaming=non_streaming)
+    prompt = _builder(tiny_custom, table).build(ids, language, speaker, non_streaming=non_streaming)
     _check(tiny_custom, prompt, codes, embeds, trailing, 24)
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["projected", "vocab-table"])
 @pytest.mark.parametrize("icl", [False, True], ids=["x-vector-only", "icl"])
-def test_base_voice_clone_prefill_and_greedy_codes(tiny_base, reference_audio, icl):
+def test_base_voice_clone_prefill_and_greedy_codes(tiny_base, reference_audio, icl, table):
     tts = tiny_base
     ref_text = "This is the reference transcript."
     item = tts.create_voice_clone_prompt(ref_audio=reference_audio, ref_text=ref_text if icl else None,
@@ -87,7 +93,7 @@ def test_base_voice_clone_prefill_and_greedy_codes(tiny_base, reference_audio, i
                                          non_streaming_mode=False)
     clone = VoiceClone(speaker_embedding=item.ref_spk_embedding,
                        ref_codes=item.ref_code if icl else None, ref_ids=ref_ids)
-    prompt = PromptBuilder(tts.model).build(ids, "english", clone=clone, non_streaming=False)
+    prompt = _builder(tts, table).build(ids, "english", clone=clone, non_streaming=False)
     if icl:
         assert item.ref_code.shape[0] > 10  # the ICL block really holds reference frames
     _check(tts, prompt, codes, embeds, trailing, 20)

@@ -4,6 +4,7 @@ pooled) -> ModelInfo."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from .metrics import Metrics
 from .serving.loop import Worker
 from .serving.pool import EnginePool
 from .model.loader import LoadedModel, load_model
+from .model.prompt import project_vocabulary
 from .model.weights import decode_weights
 
 log = logging.getLogger(__name__)
@@ -134,6 +136,12 @@ def build_worker(config: ServerConfig, loaded: LoadedModel, metrics: Metrics, la
         torch.backends.cuda.matmul.allow_tf32 = False
         if loaded.device.index is not None:
             torch.cuda.set_device(loaded.device)  # graphs are captured on the current device
+        if loaded.text_table is None:  # before the memory plan, which then counts it
+            t0 = time.perf_counter()
+            loaded.text_table = project_vocabulary(loaded.model)
+            log.info("text projection of all %d token ids precomputed in %.1f s (%.0f MiB)",
+                     loaded.text_table.shape[0], time.perf_counter() - t0,
+                     loaded.text_table.numel() * loaded.text_table.element_size() / 2**20)
     engine = create_engine(config.engine, loaded, config)
     codec = create_codec(loaded, engine.max_streams)
     return Worker(loaded, engine, codec, config, metrics=metrics, label=label)

@@ -28,6 +28,8 @@ class LoadedModel:
     is_synthetic: bool
     device: torch.device
     dtype: torch.dtype
+    # P(x) for every text token id (model/prompt.py project_vocabulary), built on GPUs at start-up
+    text_table: torch.Tensor | None = None
 
     @property
     def model(self):

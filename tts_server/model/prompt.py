@@ -31,11 +31,28 @@ class VoiceClone:
     ref_ids: torch.Tensor | None = None  # [1, n] tokenized "<|im_start|>assistant\n{ref}<|im_end|>\n"
 
 
-class PromptBuilder:
-    """Builds `Prompt`s from token ids with the model's own embedding tables."""
+def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
+    """P(x) = text_projection(text_embedding(x)) for every text token id -> [V, H] in the model's
+    dtype, on its device. P acts on each position alone, so a prompt's text rows are then plain
+    rows of this table: no GEMM per request, and the same bits whatever else is admitted with it
+    (computed once, in fixed chunks, so the table itself does not depend on traffic)."""
+    talker = model.talker
+    emb = talker.get_text_embeddings()
+    rows = []
+    with torch.inference_mode():
+        for start in range(0, emb.num_embeddings, chunk):
+            ids = torch.arange(start, min(start + chunk, emb.num_embeddings), device=talker.device)
+            rows.append(talker.text_projection(emb(ids)))
+    return torch.cat(rows)
 
-    def __init__(self, model):
+
+class PromptBuilder:
+    """Builds `Prompt`s from token ids with the model's own embedding tables (or, when given,
+    a `project_vocabulary` table for the text rows)."""
+
+    def __init__(self, model, text_table: torch.Tensor | None = None):
         self.model = model  # qwen-tts Qwen3TTSForConditionalGeneration
+        self.text_table = text_table  # [V, H] or None
         self.talker = model.talker
         self.cfg = model.config
         self.tcfg = model.config.talker_config
@@ -45,6 +62,8 @@ class PromptBuilder:
 
     def _text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, n] -> [1, n, H]."""
+        if self.text_table is not None:
+            return self.text_table[ids.to(self.text_table.device)]
         return self.talker.text_projection(self.talker.get_text_embeddings()(ids))
 
     def _fixed(self, kind: str, ids: tuple[int, ...]) -> torch.Tensor:

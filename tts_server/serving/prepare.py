@@ -34,7 +34,7 @@ class RequestPreparer:
         self.max_cached_voices = max_cached_voices
         self._voices: collections.OrderedDict[str, VoiceClone] = collections.OrderedDict()
         self.voice_cache_hits = 0
-        self.builder = PromptBuilder(loaded.model)
+        self.builder = PromptBuilder(loaded.model, loaded.text_table)
         # qwen-tts wrapper defaults: CustomVoice/VoiceDesign put all text in the prefill,
         # voice cloning streams the text in alongside the codec frames.
         self.non_streaming = loaded.model_type != "base"
