@@ -6,7 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from tts_server.serving.scheduler import PrefillCost, Scheduler, SchedulerConfig
+from tts_server.serving.scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
 from tts_server.serving.streams import Stream
 
 FRAME = 0.08
@@ -132,6 +132,27 @@ def test_the_assumed_player_preroll_counts_as_lead():
     running(sch, now=1.0, lead_s=0.0)  # its player would be dry now without a pre-roll
     sch.waiting.extend(FakeHandle() for _ in range(40))
     assert sch.admission_budget(1.0, per(0.01), step_s=0.02) == 18  # (0.2 - 0.02) / 0.01
+
+
+def test_admissions_pay_for_the_bigger_step_they_make():
+    """With a step cost that grows with its streams, admitting n also makes the step itself
+    longer: the budget counts step(running + n), not the step as it was."""
+    sch = make(max_streams=64, margin_s=0.0, preroll_s=0.2)
+    running(sch, now=1.0, lead_s=0.0)
+    sch.waiting.extend(FakeHandle() for _ in range(40))
+    flat = sch.admission_budget(1.0, per(0.005), step_s=0.02)
+    step = StepCost(base_s=0.02, each_s=0.002)  # 1 running stream: 22 ms; +2 ms per new one
+    growing = sch.admission_budget(1.0, per(0.005), step_s=step)
+    assert flat == 36  # (0.2 - 0.02) / 0.005
+    assert growing == 25  # 0.005 n + 0.02 + 0.002 (1 + n) <= 0.2
+    assert step(1 + growing) + 0.005 * growing <= 0.2 < step(2 + growing) + 0.005 * (growing + 1)
+
+
+def test_step_cost_learns_its_growth_with_streams():
+    cost = StepCost()
+    for b in (1, 8, 64, 128, 256, 32):
+        cost.observe(b, 0.010 + 0.0001 * b)
+    assert abs(cost(200) - 0.030) < 1e-9
 
 
 def test_prefill_cost_fits_a_fixed_and_a_per_admission_part():

@@ -30,7 +30,7 @@ from ..config import ServerConfig
 from ..engines.contract import Admission, StepPlan
 from ..metrics import Metrics
 from .prepare import RequestPreparer
-from .scheduler import PrefillCost, Scheduler, SchedulerConfig
+from .scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
 from .streams import Stream, StreamHandle
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Worker:
         self.watchdog_s = config.watchdog_s
         # the cost model of a step's admissions, and a moving average of a step without them
         self.prefill_cost = PrefillCost()
-        self.step_s = 0.0
+        self.step_cost = StepCost()
         self._admit_s = 0.0  # this step's preparation + prefill
         self.metrics = metrics or Metrics()
         m = self.engine_metrics = self.metrics.engine(self.label)
@@ -226,7 +226,7 @@ class Worker:
                 sch.waiting.extend(self._incoming)
                 self._incoming.clear()
             self._reap()
-            plan = sch.plan(time.monotonic(), self.prefill_cost, self.step_s)
+            plan = sch.plan(time.monotonic(), self.prefill_cost, self.step_cost)
             if (plan.admit or plan.step) and self.failure is None:
                 self._step(plan)
 
@@ -319,8 +319,9 @@ class Worker:
             self._busy(None)
         dt = time.monotonic() - t0
         self.engine_metrics.step.observe(dt)
-        dt -= self._admit_s  # the step's own cost, without its admissions
-        self.step_s = dt if self.step_s == 0 else 0.9 * self.step_s + 0.1 * dt
+        num_streams = len(plan.step) + len(admissions)
+        if num_streams:  # the step's own cost for that many streams, without its admissions
+            self.step_cost.observe(num_streams, dt - self._admit_s)
 
     def _run_step(self, streams: list[Stream], admissions: list[Admission], t0: float) -> None:
         admitted = [self._active[a.slot] for a in admissions]

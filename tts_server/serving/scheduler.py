@@ -80,33 +80,36 @@ class Scheduler:
                 out.append(stream)
         return out
 
-    def admission_budget(self, now: float, prefill_cost, step_s: float) -> int:
+    def admission_budget(self, now: float, prefill_cost, step_s) -> int:
         """How many waiting requests this step may admit. Admitting n costs `prefill_cost(n)`
-        seconds of engine time (a step's admissions prefill together) on top of the step itself
-        (`step_s`); the most urgent running stream's player (assumed to have buffered
+        seconds of engine time (a step's admissions prefill together) on top of the step itself,
+        `step_s(b)` seconds for b streams (the running ones plus the n new ones; a number: the
+        same for any b); the most urgent running stream's player (assumed to have buffered
         `preroll_s`) must still have audio left when the step ends. At least one admission when
         no running stream is at risk, or when the oldest request has waited half of
         `max_queue_wait_s`, so that a free slot never lets a request time out in the queue."""
         room = min(len(self.waiting), len(self.free_slots), self.cfg.max_admit_per_step)
         if room == 0:
             return 0
-        lead = min((s.lead_s(now, self.cfg.frame_s) for s in self.active.values()
-                    if not s.handle.paused), default=math.inf)
-        spare = lead + self.cfg.preroll_s - step_s - self.cfg.margin_s + 1e-9  # rounding
+        running = [s for s in self.active.values() if not s.handle.paused]
+        lead = min((s.lead_s(now, self.cfg.frame_s) for s in running), default=math.inf)
+        spare = lead + self.cfg.preroll_s - self.cfg.margin_s + 1e-9  # rounding
         if math.isinf(spare):
             return room
-        if spare < prefill_cost(1):
+        step = step_s if callable(step_s) else (lambda b: step_s)
+        cost = lambda n: prefill_cost(n) + step(len(running) + n)  # noqa: E731
+        if spare < cost(1):
             # a server that cannot protect its running streams still serves its queue: one
             # admission a step once the oldest request has waited half its allowed time
             starving = now - self.waiting[0].submitted_at > self.cfg.max_queue_wait_s / 2
             return 1 if starving else 0
-        lo, hi = 1, room  # the largest n with prefill_cost(n) <= spare (cost grows with n)
+        lo, hi = 1, room  # the largest n with cost(n) <= spare (cost grows with n)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if prefill_cost(mid) <= spare else (lo, mid - 1)
+            lo, hi = (mid, hi) if cost(mid) <= spare else (lo, mid - 1)
         return lo
 
-    def plan(self, now: float, prefill_cost, step_s: float) -> Plan:
+    def plan(self, now: float, prefill_cost, step_s) -> Plan:
         """Admissions (popped from the queue, each with a free slot) and the streams to step."""
         admit = []
         for _ in range(self.admission_budget(now, prefill_cost, step_s)):
@@ -137,9 +140,9 @@ class Scheduler:
 
 
 @dataclass
-class PrefillCost:
-    """The cost of a step's admissions, t = base + each * n, fitted by least squares to the
-    last observations (prefills run batched, so n admissions cost far less than n single ones)."""
+class LinearCost:
+    """Seconds as a function of a count, t = base + each * n, fitted by least squares to the
+    last `window` observations."""
 
     base_s: float = 0.005
     each_s: float = 0.001
@@ -162,3 +165,19 @@ class PrefillCost:
             self.base_s = max(mt - self.each_s * mx, 0.0)
         else:  # one batch size seen so far: split the cost evenly between the two terms
             self.base_s, self.each_s = mt / 2, max(mt / 2 / mx, 1e-5)
+
+
+@dataclass
+class PrefillCost(LinearCost):
+    """A step's admissions for n requests (prefills run batched, so n admissions cost far less
+    than n single ones)."""
+
+
+@dataclass
+class StepCost(LinearCost):
+    """A step without its admissions for b streams (engine frame, codec, chunking: all grow with
+    b), so that the admissions' budget counts the step they make bigger."""
+
+    base_s: float = 0.005
+    each_s: float = 0.0002
+    window: int = 64

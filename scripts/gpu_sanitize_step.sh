@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck and racecheck over one B = 8 step of the batched engine (issue #16's
+# evidence): scripts/gpu_sanitize_step.py under each tool, no caching allocator (so an access past
+# a tensor lands outside any allocation), every kernel checked. Logs: $OUT/sanitize-<tool>.log.
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+for tool in memcheck racecheck; do
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool $tool \
+    --error-exitcode 9 $PY scripts/gpu_sanitize_step.py >"$OUT/sanitize-$tool.log" 2>&1
+  echo "$tool rc=$? :: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize step ok' "$OUT/sanitize-$tool.log" | tr '\n' ' ')"
+done
