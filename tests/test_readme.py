@@ -140,3 +140,20 @@ async def test_readme_python_snippet_runs_as_a_script(tiny_server, tmp_path):
     assert rc == 0, err
     seconds = float(re.match(r"([\d.]+) s of audio, first chunk after \d+ ms", out).group(1))
     assert (tmp_path / "hello.pcm").stat().st_size == round(seconds * 16000) * 2
+
+
+async def test_first_chunk_lengths_the_readme_gives(tiny_server):
+    """'979 samples (61 ms) at 16 kHz, 490 at 8 kHz, 3320 (69 ms) at 48 kHz', and whole streams
+    of exactly audioSeconds x rate samples."""
+    from tts_client.client import TTSClient, build_request
+
+    claims = re.search(r"(\d+) samples \(\d+ ms\) at 16 kHz, (\d+) at 8 kHz, (\d+) \(\d+ ms\) at "
+                       r"48 kHz", " ".join(README.split()))
+    assert claims, "the README no longer gives the first chunk's length at resampled rates"
+    async with TTSClient(tiny_server) as client:
+        for rate, expected in zip((16000, 8000, 48000), map(int, claims.groups())):
+            msgs = [m async for m in client.chunks(build_request(
+                "Hello there.", sample_rate_hz=rate, max_duration_s=0.8, seed=1))]
+            assert msgs[0].audio.num_samples == expected and msgs[0].audio.num_frames == 1
+            total = sum(m.audio.num_samples for m in msgs[:-1])
+            assert total == round(msgs[-1].summary.audio_seconds * rate) == 10 * rate * 8 // 100

@@ -148,3 +148,17 @@ def test_json_logs_are_the_only_output(tmp_path):
     messages = " | ".join(r["message"] for r in records)
     assert "ended with INVALID_ARGUMENT" in messages and "cancelled by the client" in messages
     assert "SIGTERM: draining" in messages
+
+
+def test_a_crash_in_json_mode_is_a_json_record():
+    import json
+
+    code = ("from tts_server.logs import setup_logging; setup_logging('INFO', 'json'); "
+            "import threading; t = threading.Thread(target=lambda: 1 / 0, name='w'); t.start(); "
+            "t.join(); raise RuntimeError('boom')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and not res.stdout
+    records = [json.loads(line) for line in res.stderr.splitlines()]
+    assert [r["message"] for r in records] == ["uncaught ZeroDivisionError in thread w: division by zero",
+                                               "uncaught RuntimeError: boom"]
+    assert all("Traceback" in r["exc_info"] for r in records)

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -61,9 +62,21 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.captureWarnings(True)  # warnings.warn() from libraries: a log record, not raw stderr
+    if fmt == "json":  # a crash, too, is one JSON record (its traceback in `exc_info`)
+        sys.excepthook = _log_uncaught
+        threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback,
+                                                       a.thread)
     # The `sox` package (imported by qwen-tts's unused 25 Hz tokenizer) warns that the sox binary
     # is missing; nothing here calls sox.
     logging.getLogger("sox").setLevel(logging.ERROR)
+
+
+def _log_uncaught(kind, value, tb, thread=None) -> None:
+    if kind is SystemExit:
+        return
+    where = f" in thread {thread.name}" if thread is not None else ""
+    logging.getLogger("tts_server").critical("uncaught %s%s: %s", kind.__name__, where, value,
+                                             exc_info=(kind, value, tb))
 
 
 @contextlib.contextmanager
