@@ -162,3 +162,20 @@ def test_a_crash_in_json_mode_is_a_json_record():
     assert [r["message"] for r in records] == ["uncaught ZeroDivisionError in thread w: division by zero",
                                                "uncaught RuntimeError: boom"]
     assert all("Traceback" in r["exc_info"] for r in records)
+
+
+def test_output_while_importing_becomes_a_log_record():
+    """What libraries print when imported (fd-level: a child shell's stderr too) is captured."""
+    import json
+
+    code = ("import os, sys; from tts_server.logs import quiet_imports, setup_logging; "
+            "setup_logging('DEBUG', 'json')\n"
+            "with quiet_imports():\n    print('banner'); os.system('echo shell-noise >&2')\n"
+            "try:\n    with quiet_imports():\n        print('half'); raise ImportError('x')\n"
+            "except ImportError:\n    pass\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and not res.stdout, res.stdout
+    records = [json.loads(line) for line in res.stderr.splitlines()]
+    assert [(r["level"], r["message"]) for r in records] == [
+        ("DEBUG", "output while importing: banner\nshell-noise"),
+        ("ERROR", "output while importing: half")]

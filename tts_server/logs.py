@@ -82,16 +82,18 @@ def _log_uncaught(kind, value, tb, thread=None) -> None:
 @contextlib.contextmanager
 def quiet_imports(logger: str = "tts_server.imports"):
     """Captures what the process writes to stdout and stderr (file descriptors 1 and 2, so child
-    shells too) while the block runs, and logs it at DEBUG: qwen-tts prints a flash-attn banner
-    and its sox dependency runs `sox -h` through a shell when imported."""
+    shells too) while the block runs, and logs it at DEBUG (at ERROR if the block raised): qwen-tts
+    prints a flash-attn banner and its sox dependency runs `sox -h` through a shell when imported."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
+    failed = True
     with tempfile.TemporaryFile(mode="w+b") as sink:
         try:
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
             yield
+            failed = False
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -99,7 +101,8 @@ def quiet_imports(logger: str = "tts_server.imports"):
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
-        sink.seek(0)
-        text = sink.read().decode(errors="replace").strip()
-    if text:
-        logging.getLogger(logger).debug("output while importing: %s", text)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace").strip()
+            if text:
+                logging.getLogger(logger).log(logging.ERROR if failed else logging.DEBUG,
+                                              "output while importing: %s", text)
