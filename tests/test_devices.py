@@ -109,6 +109,14 @@ def test_pool_spreads_requests_and_loses_only_the_failed_engines_capacity():
         pool.submit("nobody home", None)
 
 
+def test_pool_with_every_engine_dead_refuses_before_it_has_heard_of_it():
+    a, b = FakeWorker("cuda:0", 1), FakeWorker("cuda:1", 1)
+    pool = EnginePool([a, b])
+    a.failure = b.failure = EngineFailure("hung")  # the listeners have not run yet
+    with pytest.raises(EngineFailure, match="every decode engine has failed"):
+        pool.submit("now", None)
+
+
 def test_pool_refuses_while_shutting_down():
     a, b = FakeWorker("cpu:0", 1), FakeWorker("cpu:1", 1)
     a.stopping = b.stopping = True

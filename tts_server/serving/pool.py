@@ -101,8 +101,8 @@ class EnginePool:
         if any(isinstance(e, ShuttingDown) for e in refused):
             raise ShuttingDown("server is shutting down")
         if not any(isinstance(e, Overloaded) for e in refused):
-            raise EngineFailure(f"every decode engine has failed ({self.failure or refused[-1]}); "
-                                f"restarting")
+            why = self.failure or (refused[-1] if refused else "no engine left")
+            raise EngineFailure(f"every decode engine has failed ({why}); restarting")
         live = self.live_workers
         raise Overloaded(f"all {sum(w.max_streams for w in live)} synthesis streams on "
                          f"{len(live)} engines are busy and their queues are full")
