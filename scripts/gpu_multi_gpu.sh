@@ -17,6 +17,10 @@
 #   PHASE=1gpu OUT=$OUT bash scripts/gpu_multi_gpu.sh; then PHASE=2gpu ...; then PHASE=fault ...
 # Per GPU the server takes what fits up to 256 streams (the memory plan); MAX_STREAMS_PER_GPU
 # raises that (e.g. 384 on an H200) to look for the limit above the default.
+# Time: one GPU's start-up took 68-196 s on the H100 (Triton compiles, graph capture); engines
+# are built one GPU after the other, so 2gpu starts slower. If a phase nears the 10-minute limit,
+# split LEVELS over calls. tts-bench is one Python process: if 512 streams are client-bound (its
+# CPU at 100%), the capacity line says "client", not the server; compare aggregate x real time.
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 PHASE=${PHASE:?PHASE=1gpu, 2gpu or fault}
