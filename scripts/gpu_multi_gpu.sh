@@ -19,8 +19,8 @@
 # raises that (e.g. 384 on an H200) to look for the limit above the default.
 # Time: one GPU's start-up took 68-196 s on the H100 (Triton compiles, graph capture); engines
 # are built one GPU after the other, so 2gpu starts slower. If a phase nears the 10-minute limit,
-# split LEVELS over calls. tts-bench is one Python process: if 512 streams are client-bound (its
-# CPU at 100%), the capacity line says "client", not the server; compare aggregate x real time.
+# split LEVELS over calls. tts-bench is one Python process: at 512 streams it may be the limit
+# itself (watch its CPU, e.g. `top -b -n1` beside it); underruns then understate the server.
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 PHASE=${PHASE:?PHASE=1gpu, 2gpu or fault}
