@@ -19,6 +19,8 @@ class FakeHandle:
         self.paused = False
         self.request = SimpleNamespace(request_id="r", output_sample_rate=rate)
         self._backlog = backlog
+        self.ready = True  # False: a StreamSynthesize context without its first token yet
+        self.track = None  # a StreamSynthesize context's text track (is_dry)
 
     def backlog_s(self):
         return self._backlog
@@ -172,3 +174,41 @@ def test_a_saturated_server_still_admits_one_request_a_step_before_the_queue_tim
     sch.waiting.extend([FakeHandle(submitted_at=9.0), FakeHandle(submitted_at=9.5)])
     assert sch.admission_budget(10.0, per(0.01), step_s=0.05) == 0  # waited 1 s of 4
     assert sch.admission_budget(11.5, per(0.01), step_s=0.05) == 1  # waited 2.5 s: one a step
+
+
+class DryTrack:
+    """A text track that has vectors for frames < `have` (then the stream waits for text)."""
+
+    def __init__(self, have):
+        self.have = have
+
+    def is_dry(self, num_frames):
+        return num_frames >= self.have
+
+
+def test_contexts_without_text_neither_block_the_queue_nor_time_out():
+    sch = make(max_streams=2, max_queue_wait_s=1.0)
+    waiting, ready = FakeHandle(submitted_at=0.0), FakeHandle(submitted_at=0.5)
+    waiting.ready = False
+    sch.waiting.extend([waiting, ready])
+    c, too_long, _ = sch.expired(now=0.9)
+    assert not c and not too_long
+    plan = sch.plan(0.9, per(0.01), step_s=0.01)
+    assert [h for h, _ in plan.admit] == [ready] and list(sch.waiting) == [waiting]
+    assert sch.expired(now=60.0)[1] == []  # no first token yet: the idle timeout applies, not this
+    assert sch.wait_timeout(60.0) == 0.05  # ...so the loop keeps looking
+
+
+def test_a_stream_whose_text_ran_dry_holds_its_slot_but_is_not_stepped():
+    sch = make(max_streams=2, margin_s=0.0)
+    dry = running(sch, now=10.0, lead_s=-5.0)  # its player ran dry while its text did
+    dry.handle.track = DryTrack(have=0)
+    live = running(sch, now=10.0, lead_s=1.0)
+    live.handle.track = DryTrack(have=10**6)
+    assert sch.runnable() == [live] and dry.slot in sch.active and not sch.free_slots
+    sch.release(live.slot)
+    sch.waiting.append(FakeHandle(submitted_at=10.0))
+    # the dry stream's lead does not hold back admissions (no prefill work could help it)
+    assert sch.admission_budget(10.0, per(0.01), step_s=0.01) == 1
+    dry.handle.track.have = 10**6
+    assert sch.runnable() == [dry]

@@ -11,6 +11,7 @@ import numpy as np
 
 from .audio import chunk_samples
 from .pb.tts.v1 import tts_pb2, tts_pb2_grpc
+from .text_stream import TextStream
 
 
 def build_request(text: str, *, voice: str = "", language: str = "", sample_rate_hz: int = 0,
@@ -103,6 +104,10 @@ class TTSClient:
         samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         return SynthesisResult(samples, rate or request.sample_rate_hz or 24000, summary, ttfc,
                                time.perf_counter() - t0, times)
+
+    def text_stream(self, timeout: float | None = None) -> TextStream:
+        """A StreamSynthesize call: contexts whose text is sent as it is produced."""
+        return TextStream(self.stub, timeout=timeout, metadata=self.metadata)
 
     async def list_voices(self, timeout: float = 10.0) -> tts_pb2.ListVoicesResponse:
         return await self.stub.ListVoices(tts_pb2.ListVoicesRequest(), timeout=timeout,

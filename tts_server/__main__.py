@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="audio a client's player buffers before playing (default %(default)g): new "
                         "requests are admitted only as fast as every running stream keeps that "
                         "much ahead; lower it for players with a smaller jitter buffer")
+    p.add_argument("--idle-text-timeout-s", type=float, default=d.idle_text_timeout_s,
+                   help="end a StreamSynthesize context that got no text and no end for this long")
     p.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s,
                    help="end a stream whose client has read nothing for this long")
     p.add_argument("--watchdog-s", type=float, default=d.watchdog_s,
@@ -123,6 +125,7 @@ def parse_args(argv=None) -> ServerConfig:
         max_queue_wait_s=a.max_queue_wait_s, max_buffer_s=a.max_buffer_s,
         player_preroll_ms=a.player_preroll_ms,
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
+        idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port,
         inject_fault=a.inject_fault)
 

@@ -37,11 +37,27 @@ class StreamFailure(RuntimeError):
     """The engine failed one stream (e.g. non-finite logits); the others carry on."""
 
 
+class Unsupported(RuntimeError):
+    """The loaded engine or model cannot serve this kind of request."""
+
+
+class IdleText(RuntimeError):
+    """A StreamSynthesize context got no text and no `end` for --idle-text-timeout-s."""
+
+
 class FinishReason(enum.Enum):
     EOS = "eos"
     MAX_LENGTH = "max_length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    IDLE_TIMEOUT = "idle_timeout"
+
+
+def default_max_duration_s(text: str) -> float:
+    """Runaway guard when the request sets none: about 3x a slow speaking rate.
+    CJK characters (one syllable each) count 0.3 s, other characters 0.1 s, plus 2 s."""
+    wide = sum(1 for ch in text if ord(ch) >= 0x2E80)
+    return 2.0 + 0.3 * wide + 0.1 * (len(text) - wide)
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,33 @@ class SynthesisRequest:
     max_frames: int  # runaway guard: at most this many 80 ms frames
     output_sample_rate: int
     reference: ReferenceAudio | None = None
+    # StreamSynthesize: `text` is empty and arrives through StreamHandle.push_text; the prompt
+    # uses the streaming-text layout and the stream waits whenever its text track runs dry
+    incremental: bool = False
+    max_frames_from_text: bool = False  # incremental: cap max_frames by the final text's length
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    """StreamSynthesize input for one context: a "text" delta, a "flush" (value: its id) or "end"."""
+
+    kind: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    """A word whose first token entered the talker at `sample_offset` (output rate) of the audio."""
+
+    word: str
+    sample_offset: int
+
+
+@dataclass(frozen=True)
+class FlushAck:
+    """All text before flush `flush_id` has entered the talker."""
+
+    flush_id: str
 
 
 @dataclass

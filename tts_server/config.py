@@ -27,6 +27,7 @@ class ServerConfig:
     # audio a client's player buffers before it starts playing: admissions are scheduled so that
     # no running stream's player runs dry with this much pre-roll (what the bench's underruns assume)
     player_preroll_ms: float = 200.0
+    idle_text_timeout_s: float = 10.0  # a StreamSynthesize context with no text and no end this long ends
     stall_timeout_s: float = 30.0  # a client that reads nothing for this long is cut off
     watchdog_s: float = 30.0  # an engine step or prefill running longer is a hang: exit non-zero
     max_request_bytes: int = 64 * 1024 * 1024  # a 30 s reference WAV at 48 kHz stereo float fits

@@ -48,6 +48,7 @@ def check_numbers(c: ServerConfig) -> None:
         _at_least(flag, value, low)
     for flag, value in (("--max-queue-wait-s", c.max_queue_wait_s),
                         ("--max-buffer-s", c.max_buffer_s), ("--stall-timeout-s", c.stall_timeout_s),
+                        ("--idle-text-timeout-s", c.idle_text_timeout_s),
                         ("--max-duration-s", c.max_duration_s)):
         if not value > 0:  # also NaN
             raise StartupError(f"{flag} must be a positive number of seconds, got {value:g}")

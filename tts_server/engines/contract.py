@@ -14,6 +14,9 @@ Semantics of a decode for a slot (identical to qwen-tts generate):
   3. one talker step at the stream's next position -> codec_head logits -> the next code 0,
      sampled with repetition penalty over the code-0 history, EOS masked for the first
      `min_new_tokens` samples, ids in [vocab-1024, vocab) except EOS suppressed.
+The text track may grow while the stream runs (`extend_text`, StreamSynthesize): the serving loop
+steps a slot only while its next text vector is there (or its track is closed), and `eos_from`
+keeps EOS out of the slot's draws until the track is closed and all its text has entered.
 The frame's 16 codes are returned with `next_is_eos`: when True the stream has ended after
 this frame. Admissions run before the decodes of the same plan, so a slot admitted in a plan
 may also be decoded in it (its first frame then comes out of the same call).
@@ -33,8 +36,15 @@ import numpy as np
 from ..api import SamplingConfig
 from ..model.prompt import Prompt
 
-__all__ = ["Admission", "DecodeEngine", "FrameResult", "Prompt", "SamplingConfig", "StepOutput",
-           "StepPlan", "decode_until_eos", "run_parts"]
+__all__ = ["Admission", "DecodeEngine", "FrameResult", "OPEN_TRACK", "Prompt", "SamplingConfig",
+           "StepOutput", "StepPlan", "decode_until_eos", "eos_gate", "run_parts"]
+
+OPEN_TRACK = 2**31 - 1  # eos_from of a stream whose text is still arriving: no EOS yet
+
+
+def eos_gate(num_sampled: int, eos_from: int) -> int:
+    """The draw count the min-new-tokens EOS mask sees: -1 (EOS masked) before draw `eos_from`."""
+    return num_sampled if num_sampled >= eos_from else -1
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,10 @@ class Admission:
     prompt: Prompt
     sampling: SamplingConfig
     request_id: str = ""
+    # draws are numbered from 0 (prefill); EOS is masked in draws before this one (besides the
+    # min_new_tokens rule). A text track of m text vectors then EOS: m, so that EOS can follow
+    # the talker step that took the last text vector; OPEN_TRACK while text may still come.
+    eos_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,11 @@ class DecodeEngine(Protocol):
         """Forget `slot`'s stream; the slot may be admitted again."""
         ...
 
+    def extend_text(self, slot: int, vectors, eos_from: int | None = None) -> None:
+        """Append text-track vectors [n, H] to `slot`'s pending text; with `eos_from`, replace
+        its EOS gate (see Admission). Optional: engines without it serve no StreamSynthesize."""
+        ...
+
 
 def run_parts(engine, plan: StepPlan, groups: list[list[int]]) -> StepOutput:
     """`run` for engines with per-slot `prefill(slot, prompt, sampling)` and batched
@@ -97,7 +116,10 @@ def run_parts(engine, plan: StepPlan, groups: list[list[int]]) -> StepOutput:
     t0 = time.perf_counter()
     for adm in plan.admit:
         try:
-            engine.prefill(adm.slot, adm.prompt, adm.sampling)
+            if adm.eos_from:  # engines without open text tracks take no eos_from
+                engine.prefill(adm.slot, adm.prompt, adm.sampling, eos_from=adm.eos_from)
+            else:
+                engine.prefill(adm.slot, adm.prompt, adm.sampling)
         except (ValueError, RuntimeError) as e:
             if "CUDA" in str(e) or "megakernel" in str(e):
                 raise

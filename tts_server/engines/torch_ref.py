@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..model.lm import KVCache, lm_forward
 from ..model.sampler import draw, repetition_penalty_, talker_mask_
 from ..model.weights import DecodeWeights
-from .contract import FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan, run_parts
+from .contract import FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan, eos_gate, run_parts
 
 
 @dataclass
@@ -33,6 +33,7 @@ class _SlotState:
     past_hidden: torch.Tensor | None = None  # [H] talker hidden that produced code0
     num_sampled: int = 0  # code-0 samples drawn
     text_step: int = 0  # index into trailing
+    eos_from: int = 0  # EOS masked in draws before this one (contract.Admission)
 
 
 class TorchEngine:
@@ -60,7 +61,14 @@ class TorchEngine:
         return run_parts(self, plan, [[s] for s in slots] if self.batch_invariant else [slots])
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+    def extend_text(self, slot: int, vectors: torch.Tensor, eos_from: int | None = None) -> None:
+        st = self.slots[slot]
+        st.trailing = torch.cat((st.trailing, vectors.to(self.device, self.dtype)))
+        if eos_from is not None:
+            st.eos_from = eos_from
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt: Prompt, sampling: SamplingConfig, eos_from: int = 0) -> None:
         if not 0 <= slot < self.max_streams:
             raise ValueError(f"slot {slot} out of range")
         length = prompt.embeds.shape[0]
@@ -70,7 +78,8 @@ class TorchEngine:
         st = _SlotState(sampling=sampling, generator=gen,
                         trailing=prompt.trailing.to(self.device, self.dtype),
                         pad_embed=prompt.pad_embed.to(self.device, self.dtype),
-                        seen=torch.zeros(self.w.ids.vocab_size, dtype=torch.bool, device=self.device))
+                        seen=torch.zeros(self.w.ids.vocab_size, dtype=torch.bool, device=self.device),
+                        eos_from=eos_from)
         x = prompt.embeds.to(self.device, self.dtype)[None]
         positions = torch.arange(length, device=self.device)[None]
         slots = torch.tensor([slot], device=self.device)
@@ -87,7 +96,8 @@ class TorchEngine:
         ids, s = self.w.ids, st.sampling
         logits = logits.float().clone()
         repetition_penalty_(logits, st.seen, s.repetition_penalty)
-        talker_mask_(logits, st.num_sampled, ids.eos, ids.suppress_start, ids.min_new_tokens)
+        talker_mask_(logits, eos_gate(st.num_sampled, st.eos_from), ids.eos, ids.suppress_start,
+                     ids.min_new_tokens)
         code = draw(logits, s.do_sample, s.temperature, s.top_k, s.top_p, st.generator)
         st.num_sampled += 1
         st.seen[code] = True

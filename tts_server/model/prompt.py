@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Text-track vectors are projected in blocks of this many rows aligned to their track index, so a
+# vector's value does not depend on how the text arrived (a GEMM's rows depend on its row count).
+TRACK_BLOCK = 16
+
 
 @dataclass
 class Prompt:
@@ -76,6 +80,26 @@ class PromptBuilder:
             return self.text_table[ids.to(self.text_table.device)]
         return self.talker.text_projection(self.talker.get_text_embeddings()(ids))
 
+    def text_track(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """P(ids) for text-track entries start..start+n-1 -> [n, H]; each computed inside its
+        TRACK_BLOCK-aligned block (the other rows padded), so the whole track and the same track
+        built piece by piece hold bitwise the same vectors."""
+        n, blocks, spans = len(ids), [], []
+        for b0 in range(start - start % TRACK_BLOCK, start + n, TRACK_BLOCK):
+            block = [self.cfg.tts_pad_token_id] * TRACK_BLOCK
+            lo, hi = max(b0, start), min(b0 + TRACK_BLOCK, start + n)
+            block[lo - b0:hi - b0] = ids[lo - start:hi - start]
+            blocks.append(block)
+            spans.append((lo - b0, hi - b0))
+        if not blocks:
+            return self._fixed("text", (self.cfg.tts_pad_token_id,))[0, :0]
+        t = torch.tensor(blocks, dtype=torch.long).to(self.device)  # one copy, no sync
+        return torch.cat([self._text(t[i:i + 1])[0, a:b] for i, (a, b) in enumerate(spans)])
+
+    def eos_vector(self) -> torch.Tensor:
+        """The tts_eos text-track vector [1, H] that follows the text."""
+        return self._fixed("text", (self.cfg.tts_eos_token_id,))[0]
+
     def _fixed(self, kind: str, ids: tuple[int, ...]) -> torch.Tensor:
         """A cached `_text` ("text") or codec-embedding ("codec") of fixed ids -> [1, n, H]."""
         key = (kind, ids)
@@ -112,6 +136,7 @@ class PromptBuilder:
         if clone is not None and self.is_copy:
             raise ValueError("voice clones are built on the model's device")
         role = self._fixed("text", tuple(input_ids[0, :3].tolist()))
+        track_ids = input_ids[0, 4:-5].tolist()  # while on the CPU: no device sync
         input_ids = input_ids.to(dev)
         bos, eos, pad = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
                                              self.cfg.tts_pad_token_id)).chunk(3, dim=1)  # 3 x [1, 1, H]
@@ -142,7 +167,7 @@ class PromptBuilder:
             trailing = pad
         else:
             embeds = torch.cat((embeds, self._text(input_ids[:, 3:4]) + codec[:, -1:]), dim=1)
-            trailing = torch.cat((self._text(input_ids[:, 4:-5]), eos), dim=1)
+            trailing = torch.cat((self.text_track(track_ids)[None], eos), dim=1)
         return Prompt(embeds=embeds[0], trailing=trailing[0], pad_embed=pad[0, 0])
 
     def _icl(self, text_ids, clone: VoiceClone, pad, eos, non_streaming: bool):

@@ -10,6 +10,7 @@ next delta, `flush` (commit everything now: a hard boundary) or `end`.
 
 from __future__ import annotations
 
+import contextlib
 import unicodedata
 
 ROLE_PREFIX = "<|im_start|>assistant\n"  # the 3 role tokens that precede the text
@@ -24,8 +25,9 @@ class TextDeltas:
     `ids[i]` ends at character `ends[i]` of `text` (the received text, leading whitespace
     dropped); a token committed once never changes. Not thread-safe: one owner."""
 
-    def __init__(self, tokenizer, max_chars: int | None = None):
+    def __init__(self, tokenizer, max_chars: int | None = None, lock=None):
         self._bt = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a `tokenizers.Tokenizer`
+        self._lock = lock or contextlib.nullcontext()  # the tokenizer's, when others share it
         self._specials = tuple(t.content for t in self._bt.get_added_tokens_decoder().values()
                                if len(t.content) > 1)
         self.max_chars = max_chars
@@ -80,7 +82,8 @@ class TextDeltas:
         if not seg:
             return [], [], []
         prefix = ROLE_PREFIX if self._first else ""
-        enc = self._bt.encode(prefix + seg + (SUFFIX if final else ""), add_special_tokens=False)
+        with self._lock:
+            enc = self._bt.encode(prefix + seg + (SUFFIX if final else ""), add_special_tokens=False)
         lo = ROLE_TOKENS if self._first else 0
         hi = len(enc.ids) - (SUFFIX_TOKENS if final else 0)
         shift = self._base - len(prefix)

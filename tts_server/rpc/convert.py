@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import re
@@ -19,7 +20,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from tts_client.pb.tts.v1 import tts_pb2
 
 from ..api import (AudioChunk, FinishReason, InvalidRequest, ModelInfo, ReferenceAudio,
-                   SamplingConfig, StreamEnd, SynthesisRequest)
+                   SamplingConfig, StreamEnd, SynthesisRequest, default_max_duration_s)
 from ..config import ServerConfig
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
@@ -89,13 +90,6 @@ def _check_text(text: str, field: str = "text") -> None:
         cat = unicodedata.category(ch)
         if cat == "Cc" or cat == "Cs":
             raise InvalidRequest(field, f"contains control character U+{ord(ch):04X} at index {i}")
-
-
-def default_max_duration_s(text: str) -> float:
-    """Runaway guard when the request sets none: about 3x a slow speaking rate.
-    CJK characters (one syllable each) count 0.3 s, other characters 0.1 s, plus 2 s."""
-    wide = sum(1 for ch in text if ord(ch) >= 0x2E80)
-    return 2.0 + 0.3 * wide + 0.1 * (len(text) - wide)
 
 
 def _language(value: str, info: ModelInfo) -> str:
@@ -242,3 +236,64 @@ def summary_message(end: StreamEnd, request_id: str, rate: int, ttfc_ms: float, 
         num_frames=end.num_frames, audio_seconds=audio_s, time_to_first_chunk_ms=ttfc_ms,
         wall_ms=wall_ms, real_time_factor=(wall_ms / 1000.0 / audio_s) if audio_s > 0 else 0.0,
         request_id=request_id, num_chunks=num_chunks))
+
+
+# ---- StreamSynthesize -------------------------------------------------------------------------
+CONTEXT_ID_RE = REQUEST_ID_RE
+check_text = _check_text
+
+
+def parse_stream_request(data: bytes) -> tts_pb2.StreamSynthesizeRequest | MalformedRequest:
+    """Request deserializer for StreamSynthesize that never raises."""
+    try:
+        return tts_pb2.StreamSynthesizeRequest.FromString(data)
+    except DecodeError:
+        field = _bad_utf8_field(data, tts_pb2.StreamSynthesizeRequest.DESCRIPTOR)
+        if field:
+            return MalformedRequest(field, "is not valid UTF-8")
+        return MalformedRequest("request", "is not a valid tts.v1.StreamSynthesizeRequest message")
+
+
+def to_context_request(msg: tts_pb2.ContextConfig, context_id: str, info: ModelInfo,
+                       cfg: ServerConfig) -> SynthesisRequest:
+    """Validate a context's config (SynthesizeRequest's checks, fields named `config.*`)."""
+    if msg.HasField("reference") and msg.reference.transcript.strip():
+        raise InvalidRequest("config.reference.transcript", "in-context cloning needs the whole text "
+                             "before synthesis; leave the transcript empty (speaker-embedding cloning)")
+    one_shot = tts_pb2.SynthesizeRequest(
+        text="-", voice=msg.voice, language=msg.language, encoding=msg.encoding,
+        sample_rate_hz=msg.sample_rate_hz, max_duration_s=msg.max_duration_s,
+        request_id=msg.request_id or context_id)
+    if msg.HasField("sampling"):
+        one_shot.sampling.CopyFrom(msg.sampling)
+    if msg.HasField("reference"):
+        one_shot.reference.CopyFrom(msg.reference)
+    try:
+        req = to_request(one_shot, info, cfg)
+    except InvalidRequest as e:
+        raise InvalidRequest(f"config.{e.field}", str(e).split(": ", 1)[1]) from None
+    max_s = msg.max_duration_s or cfg.max_duration_s
+    return dataclasses.replace(req, text="", incremental=True, max_frames_from_text=not msg.max_duration_s,
+                               max_frames=max(1, math.floor(max_s * info.frame_rate + 1e-3)))
+
+
+def stream_chunk_message(context_id: str, chunk: AudioChunk, rate: int, encoding: int):
+    audio = chunk_message(chunk, rate, encoding).audio
+    return tts_pb2.StreamSynthesizeResponse(context_id=context_id, audio=audio)
+
+
+def done_message(context_id: str, end: StreamEnd | None, rate: int, ttfc_ms: float, wall_ms: float,
+                 num_chunks: int, error: tuple[int, str] | None = None):
+    """A context's last message; `error` (a google.rpc.Code value, message) for a failed one."""
+    reasons = {**FINISH_REASONS, FinishReason.ERROR: tts_pb2.FINISH_REASON_ERROR,
+               FinishReason.IDLE_TIMEOUT: tts_pb2.FINISH_REASON_IDLE_TIMEOUT}
+    frames, samples = (end.num_frames, end.num_samples) if end is not None else (0, 0)
+    reason = end.finish_reason if end is not None else FinishReason.ERROR
+    if error is not None and reason is not FinishReason.IDLE_TIMEOUT:
+        reason = FinishReason.ERROR
+    audio_s = samples / rate
+    return tts_pb2.StreamSynthesizeResponse(context_id=context_id, done=tts_pb2.ContextDone(
+        finish_reason=reasons[reason], num_frames=frames, audio_seconds=audio_s,
+        time_to_first_chunk_ms=ttfc_ms, wall_ms=wall_ms,
+        real_time_factor=(wall_ms / 1000.0 / audio_s) if audio_s > 0 else 0.0, num_chunks=num_chunks,
+        error_code=error[0] if error else 0, error_message=error[1] if error else ""))

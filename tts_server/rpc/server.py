@@ -26,13 +26,16 @@ EXIT_ENGINE_FAILURE = 70  # EX_SOFTWARE: the engine hung or faulted; restart the
 
 
 def add_servicer(servicer: TextToSpeechServicer, server) -> None:
-    """As the generated add_TextToSpeechServiceServicer_to_server, but Synthesize's request
-    deserializer never raises: bytes that are not a SynthesizeRequest (invalid UTF-8 in a
+    """As the generated add_TextToSpeechServiceServicer_to_server, but the request
+    deserializers of Synthesize and StreamSynthesize never raise: bytes that are not a SynthesizeRequest (invalid UTF-8 in a
     string field, say) reach the handler, which answers INVALID_ARGUMENT naming the field."""
     handlers = {
         "Synthesize": grpc.unary_stream_rpc_method_handler(
             servicer.Synthesize, request_deserializer=convert.parse_synthesize_request,
             response_serializer=tts_pb2.SynthesizeResponse.SerializeToString),
+        "StreamSynthesize": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamSynthesize, request_deserializer=convert.parse_stream_request,
+            response_serializer=tts_pb2.StreamSynthesizeResponse.SerializeToString),
         "ListVoices": grpc.unary_unary_rpc_method_handler(
             servicer.ListVoices, request_deserializer=tts_pb2.ListVoicesRequest.FromString,
             response_serializer=tts_pb2.ListVoicesResponse.SerializeToString),

@@ -19,7 +19,7 @@ from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Mode
                    ShuttingDown)
 from ..config import ServerConfig
 from ..logs import request_id_var
-from . import convert
+from . import convert, stream_session
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 log.info("request %s cancelled by the client after %d chunks", req.request_id,
                          num_chunks, extra={"chunks": num_chunks, "code": "CANCELLED"})
             raise
+
+    async def StreamSynthesize(self, request_iterator, context):
+        """Incremental text in (contexts fed by an LLM's token stream), audio out."""
+        try:
+            await stream_session.StreamSession(self, context).run(request_iterator)
+        except stream_session.Abort as e:
+            self.metrics.requests.labels(code=e.code.name).inc()
+            await context.abort(e.code, e.details)
 
     async def ListVoices(self, request, context):
         info = self.info

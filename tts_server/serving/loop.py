@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Overloaded,
-                   ShuttingDown, StreamEnd, StreamFailure, SynthesisRequest)
+                   ShuttingDown, StreamEnd, StreamFailure, SynthesisRequest, Unsupported)
 from ..codec.pcm import StreamResampler
 from ..config import ServerConfig
 from ..engines.contract import Admission, StepPlan
@@ -32,6 +32,7 @@ from ..metrics import Metrics
 from .prepare import RequestPreparer
 from .scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
 from .streams import Stream, StreamHandle
+from .text_feed import TextFeeder
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Worker:
             max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s,
             preroll_s=config.player_preroll_ms / 1e3))
         self.watchdog_s = config.watchdog_s
+        self.texts = TextFeeder(self.preparer, engine, config.idle_text_timeout_s, config.max_text_chars,
+                                codec.samples_per_frame, codec.sample_rate, self.frame_s)
         # the cost model of a step's admissions, and a moving average of a step without them
         self.prefill_cost = PrefillCost()
         self.step_cost = StepCost()
@@ -131,14 +134,18 @@ class Worker:
         self._thread.join(timeout)
 
     def submit(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop) -> StreamHandle:
+        if request.incremental and not self.texts.supported:
+            raise Unsupported(f"the {self.engine.name} engine does not take incremental text; "
+                              "use Synthesize, or --engine torch/batched")
         handle = StreamHandle(request, loop, self._wake)
-        # tokenized (and, where it can be, assembled on the host) here, in the caller's thread:
-        # the engine thread's time is the server's capacity
-        handle.text_ids = self.preparer.text_ids(request.text)
-        try:
-            handle.prepared = self.preparer.prepare_on_host(request, handle.text_ids)
-        except Exception:  # noqa: BLE001 - the engine thread builds it again and reports why
-            log.debug("request %s: host prompt assembly failed", request.request_id, exc_info=True)
+        if not request.incremental:  # (a StreamSynthesize context's text comes later)
+            # tokenized (and, where it can be, assembled on the host) here, in the caller's
+            # thread: the engine thread's time is the server's capacity
+            handle.text_ids = self.preparer.text_ids(request.text)
+            try:
+                handle.prepared = self.preparer.prepare_on_host(request, handle.text_ids)
+            except Exception:  # noqa: BLE001 - the engine thread builds it again and reports why
+                log.debug("request %s: host prompt assembly failed", request.request_id, exc_info=True)
         with self._cond:
             if self.failure is not None:
                 raise EngineFailure(f"the decode engine failed ({self.failure}); restarting")
@@ -215,7 +222,7 @@ class Worker:
 
     def _has_work(self) -> bool:
         sch = self.scheduler
-        return bool(self._incoming or self._kicked or (sch.waiting and sch.free_slots) or sch.runnable())
+        return bool(self._incoming or self._kicked or (sch.free_slots and sch.ready()) or sch.runnable())
 
     def _loop(self) -> None:
         sch = self.scheduler
@@ -230,6 +237,7 @@ class Worker:
                     return
                 sch.waiting.extend(self._incoming)
                 self._incoming.clear()
+            self._feed_text()
             self._reap()
             plan = sch.plan(time.monotonic(), self.prefill_cost, self.step_cost)
             if (plan.admit or plan.step) and self.failure is None:
@@ -246,6 +254,32 @@ class Worker:
 
     def _finish(self, stream: Stream, reason: FinishReason, error=None) -> None:
         self._end(stream.handle, stream.slot, reason, stream.num_frames, stream.num_samples, error)
+
+    def _feed_text(self) -> None:
+        """StreamSynthesize contexts: client text into their tracks, new tokens into the engine;
+        contexts with bad text or idle too long end (only they)."""
+        sch, now = self.scheduler, time.monotonic()
+        by_handle = {s.handle: s for s in self._active.values()}
+        for handle, reason, error in self.texts.drain(list(sch.waiting) + list(by_handle), now):
+            rid = handle.request.request_id
+            log.info("request %s: %s", rid, error, extra={"request_id": rid})
+            if handle in by_handle:
+                self._finish(by_handle.pop(handle), reason, error)
+            else:
+                sch.waiting.remove(handle)
+                self._end(handle, None, reason, error=error)
+        for handle in sch.waiting:
+            self.texts.waiting_acks(handle)
+        for handle, stream in by_handle.items():
+            if handle.track is None or handle.cancelled:
+                continue
+            try:
+                self.texts.feed(stream, now)
+            except Exception as e:  # noqa: BLE001 - this context only, unless the device broke
+                if self._fault(e, "a text-track update"):
+                    return
+                log.exception("request %s: text-track update failed", handle.request.request_id)
+                self._finish(stream, FinishReason.ERROR, StreamFailure(str(e)))
 
     def _reap(self) -> None:
         """Drop cancelled streams, and queued requests that waited too long for a slot."""
@@ -290,7 +324,11 @@ class Worker:
             return None
         self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
-            prepared = handle.prepared or self.preparer.prepare(req, handle.text_ids)
+            eos_from = 0
+            if req.incremental:
+                prepared, eos_from = self.texts.prompt(handle)
+            else:
+                prepared = handle.prepared or self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
             if room < 1:
                 raise InvalidRequest("text", "too long for the model's context")
@@ -310,7 +348,9 @@ class Worker:
                         resample=StreamResampler(self.codec.sample_rate, req.output_sample_rate))
         stream.timings["queue_ms"] = (now - handle.submitted_at) * 1e3  # submitted -> this step
         self.scheduler.add(stream)
-        return Admission(slot, prepared.prompt, req.sampling, req.request_id)
+        if req.incremental:
+            self.texts.admitted(stream)
+        return Admission(slot, prepared.prompt, req.sampling, req.request_id, eos_from)
 
     def _step(self, plan) -> None:
         t0 = time.monotonic()
@@ -386,6 +426,8 @@ class Worker:
         for (stream, result), audio in zip(good, pcm):
             stream.num_frames += 1
             done = result.next_is_eos or stream.num_frames >= stream.max_frames
+            if stream.handle.track is not None:
+                self.texts.after_frame(stream)
             self._add_audio(stream, audio, last=done)
             if done:
                 reason = FinishReason.EOS if result.next_is_eos else FinishReason.MAX_LENGTH
@@ -399,7 +441,7 @@ class Worker:
             stream.pending.append(samples)
         stream.pending_frames += 1
         now = time.monotonic()
-        if not stream.pending or not (last or self.scheduler.chunk_due(stream, now)):
+        if not stream.pending or not (last or stream.text_dry() or self.scheduler.chunk_due(stream, now)):
             return
         samples = stream.take_audio()
         num_frames, stream.pending_frames = stream.pending_frames, 0

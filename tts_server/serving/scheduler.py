@@ -4,6 +4,10 @@ active streams step, when a stream's audio goes out as a chunk.
 Every active stream whose client keeps up advances one frame per step (the engine batches them);
 admissions are budgeted against the running streams' playback deadlines, so that the prefill work
 added to a step never makes a running stream's player run dry.
+
+StreamSynthesize contexts wait for text: one is admitted once its first token is there (`ready`),
+and an active one whose text track has run dry holds its slot but is not stepped (no frames, no
+GPU work) until more text or its end arrives.
 """
 
 from __future__ import annotations
@@ -49,11 +53,10 @@ class Scheduler:
     def expired(self, now: float) -> tuple[list[StreamHandle], list[StreamHandle], list[Stream]]:
         """Remove and return (cancelled waiting, waited too long, cancelled active) streams."""
         cancelled = [h for h in self.waiting if h.cancelled]
-        for h in cancelled:
+        too_long = [h for h in self.waiting
+                    if h.ready and not h.cancelled and now - h.submitted_at > self.cfg.max_queue_wait_s]
+        for h in cancelled + too_long:
             self.waiting.remove(h)
-        too_long = []
-        while self.waiting and now - self.waiting[0].submitted_at > self.cfg.max_queue_wait_s:
-            too_long.append(self.waiting.popleft())
         gone = [s for s in self.active.values() if s.handle.cancelled]
         return cancelled, too_long, gone
 
@@ -70,13 +73,18 @@ class Scheduler:
             self.free_slots.append(slot)
 
     # ---- one step -------------------------------------------------------------------------
+    def ready(self) -> list[StreamHandle]:
+        """Waiting requests that can be admitted now (a StreamSynthesize context needs text)."""
+        return [h for h in self.waiting if h.ready]
+
     def runnable(self) -> list[Stream]:
-        """Active streams whose client keeps up (the others pause until it reads)."""
+        """Active streams whose client keeps up (the others pause until it reads) and whose text
+        track has its next vector (the others wait for text)."""
         out = []
         for stream in self.active.values():
             h = stream.handle
             h.paused = h.backlog_s() > self.cfg.max_buffer_s
-            if not h.paused:
+            if not h.paused and not stream.text_dry():
                 out.append(stream)
         return out
 
@@ -88,10 +96,12 @@ class Scheduler:
         `preroll_s`) must still have audio left when the step ends. At least one admission when
         no running stream is at risk, or when the oldest request has waited half of
         `max_queue_wait_s`, so that a free slot never lets a request time out in the queue."""
-        room = min(len(self.waiting), len(self.free_slots), self.cfg.max_admit_per_step)
+        ready = self.ready()
+        room = min(len(ready), len(self.free_slots), self.cfg.max_admit_per_step)
         if room == 0:
             return 0
-        running = [s for s in self.active.values() if not s.handle.paused]
+        # a stream waiting for text is not stepped: no cost, and no prefill can help its player
+        running = [s for s in self.active.values() if not s.handle.paused and not s.text_dry()]
         lead = min((s.lead_s(now, self.cfg.frame_s) for s in running), default=math.inf)
         spare = lead + self.cfg.preroll_s - self.cfg.margin_s + 1e-9  # rounding
         if math.isinf(spare):
@@ -101,7 +111,7 @@ class Scheduler:
         if spare < cost(1):
             # a server that cannot protect its running streams still serves its queue: one
             # admission a step once the oldest request has waited half its allowed time
-            starving = now - self.waiting[0].submitted_at > self.cfg.max_queue_wait_s / 2
+            starving = now - ready[0].submitted_at > self.cfg.max_queue_wait_s / 2
             return 1 if starving else 0
         lo, hi = 1, room  # the largest n with cost(n) <= spare (cost grows with n)
         while lo < hi:
@@ -111,9 +121,10 @@ class Scheduler:
 
     def plan(self, now: float, prefill_cost, step_s) -> Plan:
         """Admissions (popped from the queue, each with a free slot) and the streams to step."""
-        admit = []
-        for _ in range(self.admission_budget(now, prefill_cost, step_s)):
-            admit.append((self.waiting.popleft(), self.take_slot()))
+        n = self.admission_budget(now, prefill_cost, step_s)
+        admit = [(h, self.take_slot()) for h in (self.ready()[:n] if n else ())]
+        for h, _ in admit:
+            self.waiting.remove(h)
         return Plan(admit=admit, step=self.runnable())
 
     # ---- chunking -------------------------------------------------------------------------
@@ -131,10 +142,13 @@ class Scheduler:
     def wait_timeout(self, now: float) -> float | None:
         """How long the loop may sleep with nothing runnable (None: until woken)."""
         timeouts = []
-        if self.waiting:
-            oldest = self.waiting[0].submitted_at
+        ready = self.ready()
+        if ready:
+            oldest = ready[0].submitted_at
             timeouts.append(max(0.0, oldest + self.cfg.max_queue_wait_s - now) + 1e-3)
-        if self.active:  # paused streams: look again soon even if no chunk is acknowledged
+        if self.active or len(ready) < len(self.waiting):
+            # paused streams (look again soon even if no chunk is acknowledged); contexts waiting
+            # for text (idle timeouts)
             timeouts.append(0.05)
         return min(timeouts) if timeouts else None
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..api import AudioChunk, StreamEnd, SynthesisRequest
+from ..api import AudioChunk, FlushAck, StreamEnd, SynthesisRequest, TextEvent, WordTiming
 
 
 class StreamHandle:
-    """What the gRPC handler holds: an async iterator of `AudioChunk`s ending in a `StreamEnd`.
-    `cancel()` (idempotent, any thread) makes the engine drop the stream at its next step."""
+    """What the gRPC handler holds: an async iterator of `AudioChunk`s ending in a `StreamEnd`
+    (with `WordTiming`s and `FlushAck`s between for StreamSynthesize contexts, whose text comes
+    in through `push_text`). `cancel()` (idempotent, any thread) makes the engine drop the stream
+    at its next step."""
 
     def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop, wake):
         self.request = request
@@ -32,6 +35,20 @@ class StreamHandle:
         self.sent_samples = 0
         self.paused = False
         self.ended = False
+        # StreamSynthesize: client text events (any thread -> engine thread), and the engine
+        # thread's serving.text_track.TextTrack
+        self.text_events: collections.deque[TextEvent] = collections.deque()
+        self.track = None
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: any one-shot request; a context once its first token is there."""
+        return not self.request.incremental or (self.track is not None and self.track.ready)
+
+    def push_text(self, event: TextEvent) -> None:
+        """Handler side: a text delta, flush or end for this context."""
+        self.text_events.append(event)
+        self._wake()
 
     def backlog_s(self) -> float:
         return (self.posted_samples - self.sent_samples) / self.request.output_sample_rate
@@ -51,14 +68,14 @@ class StreamHandle:
             self._cancelled.set()
             self._wake()
 
-    def post(self, event: AudioChunk | StreamEnd) -> None:
+    def post(self, event: AudioChunk | StreamEnd | WordTiming | FlushAck) -> None:
         """Engine thread -> event loop. Drops the event if the loop has closed, and anything
         after the stream's end (a stream ended by the watchdog while its step was hung)."""
         if self.ended:
             return
         if isinstance(event, StreamEnd):
             self.ended = True
-        else:
+        elif isinstance(event, AudioChunk):
             self.posted_samples += event.samples.shape[0]
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
@@ -98,6 +115,11 @@ class Stream:
         if self.first_chunk_at is None:
             return float("inf")
         return self.frames_emitted * frame_s - (now - self.first_chunk_at)
+
+    def text_dry(self) -> bool:
+        """A StreamSynthesize context whose engine text track has no vector for the next frame."""
+        track = self.handle.track
+        return track is not None and track.is_dry(self.num_frames)
 
     def take_audio(self) -> np.ndarray:
         samples = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]

@@ -63,6 +63,9 @@ class FaultInjectingEngine:
         self._steps.pop(slot, None)
         self.inner.release(slot)
 
+    def extend_text(self, slot: int, vectors, eos_from: int | None = None) -> None:
+        self.inner.extend_text(slot, vectors, eos_from)
+
     def _due(self, slots: Sequence[int]) -> dict[int, Fault]:
         due = {}
         for slot in slots:

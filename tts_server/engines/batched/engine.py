@@ -83,6 +83,7 @@ class BatchedEngine:
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
+        self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
         self.graphs = StepGraphs(self.frame, self.sizes, self.state.scratch) if use_graphs else None
         self.capture_s = self.graphs.capture_s if self.graphs else 0.0
@@ -159,8 +160,15 @@ class BatchedEngine:
         out.prefill_s, out.decode_s = t1 - t0, time.perf_counter() - t1
         return out
 
+    def extend_text(self, slot: int, vectors: torch.Tensor, eos_from: int | None = None) -> None:
+        """Append text-track vectors [n, H] to an admitted slot (StreamSynthesize)."""
+        start = self.n_trailing[slot]
+        self.state.extend_text(slot, start, vectors, eos_from)
+        self.n_trailing[slot] = start + vectors.shape[0]
+
     def release(self, slot: int) -> None:
         self.positions.pop(slot, None)
+        self.n_trailing.pop(slot, None)
         if 0 <= slot < self.max_streams:
             self.kv.release(slot)
 
@@ -208,7 +216,8 @@ class BatchedEngine:
             hidden = (self.row_graphs.run(n, x, lens, blocks) if n is not None
                       else prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
         for a, h, n in zip(admissions, hidden, lens):
-            self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h)
+            self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h, a.eos_from)
+            self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
             self.positions[a.slot] = n
         return self._first_draws([a.slot for a in admissions], hidden)
 
@@ -257,7 +266,8 @@ class BatchedEngine:
         else:
             blocks = torch.tensor(self.kv.blocks(slot), dtype=torch.long).to(self.device)
             hidden = prefill(self.p.talker, x, self.kv.k, self.kv.v, blocks)
-        self.state.admit(slot, adm.sampling, length, prompt.trailing, prompt.pad_embed, hidden)
+        self.state.admit(slot, adm.sampling, length, prompt.trailing, prompt.pad_embed, hidden, adm.eos_from)
+        self.n_trailing[slot] = prompt.trailing.shape[0]
         if not self._first_draws([slot], hidden[None])[0]:
             raise ValueError("non-finite talker logits after prefill")
         self.positions[slot] = length

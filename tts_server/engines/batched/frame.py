@@ -13,7 +13,7 @@ from ...model.lm import rope_cos_sin
 from . import glue, ops
 from .kv_pool import PagedKV
 from .params import FrameParams, StackParams
-from .state import (CODE0, DO_SAMPLE, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENALTY, POS, SUB_DO_SAMPLE,
+from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENALTY, POS, SUB_DO_SAMPLE,
                     SUB_TEMPERATURE, SUB_TOP_K, SUB_TOP_P, TEMPERATURE, TEXT_STEP, TOP_K, TOP_P, SlotState)
 
 # out[b] = 16 codes of the frame, the next code 0, an error bitmask (bit k < 15: code-predictor
@@ -144,7 +144,7 @@ class FrameStep:
         p, s = self.p, self.s
         ids = p.ids
         b = rows.shape[0]
-        ints, floats, seed = s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [9, B], [5, B], [B]
+        ints, floats, seed = s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [10, B], [5, B], [B]
         pos, code0, n_sampled, text_step = ints[POS], ints[CODE0], ints[N_SAMPLED], ints[TEXT_STEP]
         counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
         e0 = p.codec_embedding[code0.long()].float()  # [B, H]
@@ -158,7 +158,8 @@ class FrameStep:
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
             self.dump[:b, ids.num_code_groups - 1, :logits.shape[1]] = logits
-        ops.talker_process_(logits, s.seen[rows], floats[PENALTY], n_sampled, ids.eos, ids.suppress_start,
+        gate = torch.where(n_sampled >= ints[EOS_FROM], n_sampled, -1)  # contract.eos_gate
+        ops.talker_process_(logits, s.seen[rows], floats[PENALTY], gate, ids.eos, ids.suppress_start,
                             ids.min_new_tokens)
         nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
                                         floats[TOP_P], seed, counter, 0)

@@ -11,8 +11,8 @@ import torch
 from ...api import SamplingConfig
 
 # int32 fields, rows of `ints`
-POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, DO_SAMPLE, TOP_K, SUB_DO_SAMPLE, SUB_TOP_K = range(9)
-NUM_INTS = 9
+POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, DO_SAMPLE, TOP_K, SUB_DO_SAMPLE, SUB_TOP_K, EOS_FROM = range(10)
+NUM_INTS = 10
 NUM_STEP_INTS = 4  # POS..TEXT_STEP: what a frame advances
 # float32 fields, rows of `floats`
 TEMPERATURE, TOP_P, PENALTY, SUB_TEMPERATURE, SUB_TOP_P = range(5)
@@ -42,7 +42,7 @@ class SlotState:
                     + vocab)
 
     def admit(self, slot: int, sampling: SamplingConfig, length: int, trailing: torch.Tensor,
-              pad_embed: torch.Tensor, past_hidden: torch.Tensor) -> None:
+              pad_embed: torch.Tensor, past_hidden: torch.Tensor, eos_from: int = 0) -> None:
         """Fill `slot` for a stream whose prefill covered `length` positions (code 0 not yet drawn)."""
         n_tr = trailing.shape[0]
         if n_tr > self.max_trailing:
@@ -51,7 +51,7 @@ class SlotState:
         s = sampling
         self.ints[:, slot] = torch.tensor(
             [length, 0, 0, 0, n_tr, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample),
-             int(s.subtalker_top_k)], dtype=torch.int32).to(dev, non_blocking=True)
+             int(s.subtalker_top_k), eos_from], dtype=torch.int32).to(dev, non_blocking=True)
         self.floats[:, slot] = torch.tensor(
             [s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p],
             dtype=torch.float32).to(dev, non_blocking=True)
@@ -61,3 +61,13 @@ class SlotState:
             self.trailing[slot, :n_tr] = trailing.to(dev, self.trailing.dtype)
         self.pad_embed[slot] = pad_embed.to(dev, self.pad_embed.dtype)
         self.seen[slot].zero_()
+
+    def extend_text(self, slot: int, start: int, vectors: torch.Tensor, eos_from: int | None) -> None:
+        """Write text-track vectors [n, H] at `start` of `slot`'s track (StreamSynthesize)."""
+        n = start + vectors.shape[0]
+        if n > self.max_trailing:
+            raise ValueError(f"{n} pending text vectors exceed {self.max_trailing}")
+        self.trailing[slot, start:n] = vectors.to(self.trailing.device, self.trailing.dtype)
+        self.ints[N_TRAILING, slot] = n
+        if eos_from is not None:
+            self.ints[EOS_FROM, slot] = eos_from

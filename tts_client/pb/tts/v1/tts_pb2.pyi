@@ -19,6 +19,8 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_MAX_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_IDLE_TIMEOUT: _ClassVar[FinishReason]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_PCM_S16LE: AudioEncoding
 AUDIO_ENCODING_FLOAT32_LE: AudioEncoding
@@ -26,6 +28,8 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_MAX_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_IDLE_TIMEOUT: FinishReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "greedy", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
@@ -142,6 +146,112 @@ class SynthesizeResponse(_message.Message):
     audio: AudioChunk
     summary: SynthesisSummary
     def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., summary: _Optional[_Union[SynthesisSummary, _Mapping]] = ...) -> None: ...
+
+class StreamSynthesizeRequest(_message.Message):
+    __slots__ = ("context_id", "config", "text", "flush", "end", "cancel")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    config: ContextConfig
+    text: str
+    flush: Flush
+    end: End
+    cancel: Cancel
+    def __init__(self, context_id: _Optional[str] = ..., config: _Optional[_Union[ContextConfig, _Mapping]] = ..., text: _Optional[str] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class ContextConfig(_message.Message):
+    __slots__ = ("voice", "language", "encoding", "sample_rate_hz", "sampling", "max_duration_s", "reference", "request_id")
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    voice: str
+    language: str
+    encoding: AudioEncoding
+    sample_rate_hz: int
+    sampling: SamplingParams
+    max_duration_s: float
+    reference: VoiceCloneReference
+    request_id: str
+    def __init__(self, voice: _Optional[str] = ..., language: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_duration_s: _Optional[float] = ..., reference: _Optional[_Union[VoiceCloneReference, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Flush(_message.Message):
+    __slots__ = ("flush_id",)
+    FLUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    flush_id: str
+    def __init__(self, flush_id: _Optional[str] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamSynthesizeResponse(_message.Message):
+    __slots__ = ("context_id", "audio", "words", "flush_ack", "done")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_ACK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    audio: AudioChunk
+    words: WordTimings
+    flush_ack: FlushAck
+    done: ContextDone
+    def __init__(self, context_id: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., words: _Optional[_Union[WordTimings, _Mapping]] = ..., flush_ack: _Optional[_Union[FlushAck, _Mapping]] = ..., done: _Optional[_Union[ContextDone, _Mapping]] = ...) -> None: ...
+
+class WordTiming(_message.Message):
+    __slots__ = ("word", "sample_offset")
+    WORD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    word: str
+    sample_offset: int
+    def __init__(self, word: _Optional[str] = ..., sample_offset: _Optional[int] = ...) -> None: ...
+
+class WordTimings(_message.Message):
+    __slots__ = ("words",)
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    words: _containers.RepeatedCompositeFieldContainer[WordTiming]
+    def __init__(self, words: _Optional[_Iterable[_Union[WordTiming, _Mapping]]] = ...) -> None: ...
+
+class FlushAck(_message.Message):
+    __slots__ = ("flush_id",)
+    FLUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    flush_id: str
+    def __init__(self, flush_id: _Optional[str] = ...) -> None: ...
+
+class ContextDone(_message.Message):
+    __slots__ = ("finish_reason", "num_frames", "audio_seconds", "time_to_first_chunk_ms", "wall_ms", "real_time_factor", "num_chunks", "error_code", "error_message")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    WALL_MS_FIELD_NUMBER: _ClassVar[int]
+    REAL_TIME_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    num_frames: int
+    audio_seconds: float
+    time_to_first_chunk_ms: float
+    wall_ms: float
+    real_time_factor: float
+    num_chunks: int
+    error_code: int
+    error_message: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_chunk_ms: _Optional[float] = ..., wall_ms: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., num_chunks: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ListVoicesRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,11 @@ class TextToSpeechServiceStub:
                 request_serializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeRequest.SerializeToString,
                 response_deserializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
                 _registered_method=True)
+        self.StreamSynthesize = channel.stream_stream(
+                '/tts.v1.TextToSpeechService/StreamSynthesize',
+                request_serializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeRequest.SerializeToString,
+                response_deserializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeResponse.FromString,
+                _registered_method=True)
         self.ListVoices = channel.unary_unary(
                 '/tts.v1.TextToSpeechService/ListVoices',
                 request_serializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.ListVoicesRequest.SerializeToString,
@@ -60,6 +65,19 @@ class TextToSpeechServiceServicer:
         """Synthesizes `text` and streams audio chunks, then a final summary message.
         Errors: INVALID_ARGUMENT (the message names the field), RESOURCE_EXHAUSTED
         (too many concurrent streams), UNAVAILABLE (shutting down), INTERNAL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamSynthesize(self, request_iterator, context):
+        """Incremental text in, audio out. Each context starts with `config`, then any number of
+        `text` deltas and `flush`es, then `end` (or `cancel`); its responses are audio, word
+        timings, flush acknowledgements and one `done`. Contexts may follow one another on one call
+        and several may be open at once (a barge-in opens the next while cancelling the last).
+        A bad message for a context ends only that context: its `done` carries INVALID_ARGUMENT
+        naming the field. A message without a context_id or content ends the call with
+        INVALID_ARGUMENT. Closing the request stream cancels the contexts that have not ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +104,11 @@ def add_TextToSpeechServiceServicer_to_server(servicer, server):
                     servicer.Synthesize,
                     request_deserializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeRequest.FromString,
                     response_serializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeResponse.SerializeToString,
+            ),
+            'StreamSynthesize': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamSynthesize,
+                    request_deserializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeRequest.FromString,
+                    response_serializer=tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeResponse.SerializeToString,
             ),
             'ListVoices': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVoices,
@@ -126,6 +149,33 @@ class TextToSpeechService:
             '/tts.v1.TextToSpeechService/Synthesize',
             tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeRequest.SerializeToString,
             tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamSynthesize(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tts.v1.TextToSpeechService/StreamSynthesize',
+            tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeRequest.SerializeToString,
+            tts__client_dot_pb_dot_tts_dot_v1_dot_tts__pb2.StreamSynthesizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
