@@ -1,5 +1,6 @@
-"""QwenTTSService: a Pipecat TTS service that streams Qwen3-TTS audio from the gRPC server,
-one `Synthesize` call per sentence, through the generated grpc.aio stub of `tts_client`."""
+"""QwenTTSService: a Pipecat TTS service that streams Qwen3-TTS audio from the gRPC server through
+the generated grpc.aio stub of `tts_client`: one `Synthesize` call per sentence, or (token mode)
+the LLM's text as it comes over one `StreamSynthesize` call, with word timings."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 import grpc
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame
+from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
-from pipecat.services.tts_service import TTSService
+from pipecat.services.tts_service import TextAggregationMode, TTSService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.types import NOT_GIVEN, NotGiven
 
 from tts_client.client import TTSClient, build_request
+from tts_client.pb.tts.v1 import tts_pb2
+from tts_client.text_stream import context_config
+
+from .token_stream import TokenStream, status_code
 
 Code = grpc.StatusCode
 # Worth another attempt when no audio has arrived yet (a retry after audio would repeat it).
@@ -66,6 +71,11 @@ class QwenTTSService(TTSService):
     cancels the running RPC, which stops the server's work on it. gRPC errors become
     non-fatal `ErrorFrame`s; UNAVAILABLE and RESOURCE_EXHAUSTED are retried with backoff
     while no audio has arrived.
+
+    Token mode (`text_streaming=True`): no sentence aggregation; every LLM token goes to the
+    server at once over one StreamSynthesize call (one server context per turn, ended by the
+    turn's end), so the audio starts before the LLM's reply does. An interruption cancels the
+    context on the server. The server's word timings become `TTSTextFrame`s timed to playback.
     """
 
     Settings = QwenTTSSettings
@@ -80,7 +90,8 @@ class QwenTTSService(TTSService):
                  language: Language | str | None = None, settings: Settings | None = None,
                  tls: bool = False, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), timeout_s: float | None = 120.0,
-                 max_retries: int = 2, retry_backoff_s: float = 0.25, **kwargs):
+                 max_retries: int = 2, retry_backoff_s: float = 0.25, text_streaming: bool = False,
+                 **kwargs):
         """Configure the service; nothing connects before `setup()`.
 
         Args:
@@ -92,7 +103,9 @@ class QwenTTSService(TTSService):
             metadata: sent with every call, e.g. `(("authorization", "Bearer <token>"),)`.
             timeout_s: deadline of one sentence's stream (None: no deadline).
             max_retries, retry_backoff_s: retries of a retryable failure before any audio,
-                waiting retry_backoff_s, then twice that, and so on.
+                waiting retry_backoff_s, then twice that, and so on (sentence mode).
+            text_streaming: token mode over StreamSynthesize (see the class docstring); its
+                call has no deadline unless timeout_s is given explicitly per turn.
             **kwargs: passed to `TTSService` (sample_rate, stop_frame_timeout_s, name, ...).
         """
         defaults = self.Settings(model=None, voice=voice, language=_language_value(language),
@@ -105,7 +118,12 @@ class QwenTTSService(TTSService):
         # Every failure here is reported as an error already; counting the silent sentences
         # it leaves would also write the service off for good after a brief server outage.
         kwargs.setdefault("max_consecutive_zero_audio_contexts", 0)
+        if text_streaming:  # tokens as they come; word timings make the TTSTextFrames
+            kwargs.setdefault("text_aggregation_mode", TextAggregationMode.TOKEN)
+            kwargs.setdefault("push_text_frames", False)
         super().__init__(push_start_frame=True, push_stop_frames=True, settings=defaults, **kwargs)
+        self._tokens = (TokenStream(self._on_stream_message, self._on_stream_failure, None)
+                        if text_streaming else None)
         self._address = address
         self._credentials = credentials or (grpc.ssl_channel_credentials() if tls else None)
         self._metadata = tuple(metadata)
@@ -148,6 +166,8 @@ class QwenTTSService(TTSService):
     async def _close(self) -> None:
         """Idempotent teardown: cancel the running call, close the channel."""
         self._cancel_call()
+        if self._tokens is not None:
+            await self._tokens.close()
         client, self._client = self._client, None
         if client is not None:
             await client.close()
@@ -208,6 +228,60 @@ class QwenTTSService(TTSService):
                              sample_rate_hz=self.sample_rate, seed=s.seed, greedy=bool(s.greedy),
                              max_duration_s=s.max_duration_s or 0.0, request_id=request_id,
                              **sampling)
+
+    # ---- token mode ---------------------------------------------------------------------
+    def _context_config(self, context_id: str):
+        s = self._settings
+        self._num_requests += 1
+        sampling = {name: getattr(s, name) for name in
+                    ("temperature", "top_k", "top_p", "repetition_penalty")
+                    if getattr(s, name) is not None}
+        return context_config(voice=s.voice or "", language=s.language or "",
+                              sample_rate_hz=self.sample_rate, seed=s.seed, greedy=bool(s.greedy),
+                              max_duration_s=s.max_duration_s or 0.0,
+                              request_id=f"{context_id[:8]}.{self._num_requests}", **sampling)
+
+    async def _on_stream_message(self, msg) -> None:
+        """One StreamSynthesize response, routed to its Pipecat audio context."""
+        cid, kind = msg.context_id, msg.WhichOneof("content")
+        if kind == "done":
+            self._tokens.done(cid)
+        if not self.audio_context_available(cid):
+            return  # interrupted: its audio is not played
+        if kind == "audio":
+            await self.append_to_audio_context(cid, TTSAudioRawFrame(
+                audio=msg.audio.audio, sample_rate=msg.audio.sample_rate_hz, num_channels=1,
+                context_id=cid))
+        elif kind == "words":
+            rate = self.sample_rate
+            await self.add_word_timestamps([(w.word, w.sample_offset / rate) for w in msg.words.words], cid)
+        elif kind == "done":
+            done = msg.done
+            if done.error_code and done.finish_reason != tts_pb2.FINISH_REASON_CANCELLED:
+                code = status_code(done.error_code)
+                if code == Code.INVALID_ARGUMENT:  # text: this turn only; a setting: every turn
+                    category = (ErrorCategory.APPLICATION if done.error_message.startswith("text")
+                                else ErrorCategory.INVALID_REQUEST)
+                else:
+                    category = ERROR_CATEGORIES.get(code, ErrorCategory.SERVER)
+                self._reported_contexts.add(cid)
+                await self.push_error(f"{self}: context {cid} failed: {code.name if code else done.error_code}: "
+                                      f"{done.error_message}", category=category)
+            await self.append_to_audio_context(cid, TTSStoppedFrame(context_id=cid))
+            await self.remove_audio_context(cid)
+
+    async def _on_stream_failure(self, error: Exception, context_ids: list[str]) -> None:
+        """The StreamSynthesize call broke: its open contexts end with an error (the next turn
+        opens a new call)."""
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+        detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else repr(error)
+        for cid in context_ids:
+            if self.audio_context_available(cid):
+                self._reported_contexts.add(cid)
+                await self.push_error(f"{self}: stream failed ({code.name if code else 'error'}): {detail}",
+                                      exception=error)
+                await self.append_to_audio_context(cid, TTSStoppedFrame(context_id=cid))
+                await self.remove_audio_context(cid)
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
         """Yields audio frames as the server streams them; errors are pushed as ErrorFrames."""

@@ -28,14 +28,16 @@ class TextDeltas:
     def __init__(self, tokenizer, max_chars: int | None = None, lock=None):
         self._bt = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a `tokenizers.Tokenizer`
         self._lock = lock or contextlib.nullcontext()  # the tokenizer's, when others share it
-        self._specials = tuple(t.content for t in self._bt.get_added_tokens_decoder().values()
-                               if len(t.content) > 1)
+        specials = [t.content for t in self._bt.get_added_tokens_decoder().values()]
+        self._prefixes = {sp[:k] for sp in specials for k in range(1, len(sp))}  # proper prefixes
+        self._max_prefix = max(map(len, self._prefixes), default=0)
         self.max_chars = max_chars
         self.text = ""
         self.ids: list[int] = []
         self.ends: list[int] = []
         self.ended = False
-        self._base = 0  # start of the current segment in `text` (after the last flush)
+        self._base = 0  # start of the current segment in `text` (a flush, or a restart point)
+        self._starts: list[int] = []  # start offsets of the last encoding's tokens
         self._seg_done = 0  # tokens of the current segment already committed
         self._first = True  # the first segment is tokenized after ROLE_PREFIX, as Synthesize does
 
@@ -50,7 +52,11 @@ class TextDeltas:
         if self.max_chars is not None and len(self.text.rstrip()) > self.max_chars:
             raise ValueError(f"{len(self.text.rstrip())} characters exceeds the limit of {self.max_chars}")
         ids, ends, words = self._encode(final=False)
-        return self._commit(ids, ends, self._stable(ids, ends, words))
+        n = self._stable(ids, ends, words)
+        out = self._commit(ids, ends, n)
+        if out and n < len(ids) and self._starts[n] == ends[n - 1]:
+            self._restart(ends[n - 1])
+        return out
 
     def flush(self) -> list[int]:
         """Commit the held-back tail now (the text so far ends a segment; trailing whitespace
@@ -92,6 +98,7 @@ class TextDeltas:
             last = last if w is None else w
             words.append(last)
         ends = [min(max(e + shift, self._base), len(self.text)) for _, e in enc.offsets[lo:hi]]
+        self._starts = [b + shift for b, _ in enc.offsets[lo:hi]]
         return list(enc.ids[lo:hi]), ends, words
 
     def _stable(self, ids: list[int], ends: list[int], words: list[int]) -> int:
@@ -105,11 +112,11 @@ class TextDeltas:
             i -= 1
         if i < cut:
             cut = max(i - 1, 0)
-        for special in self._specials:  # a special token being typed ("<|im_" ... "end|>") ends the
-            for n in range(min(len(special) - 1, len(seg)), 0, -1):  # text before it once complete
-                if seg.endswith(special[:n]):  # hold back the whitespace and word before it too
-                    cut = min(cut, max(len(seg[:len(seg) - n].rstrip()) - 1, 0))
-                    break
+        for n in range(min(self._max_prefix, len(seg)), 0, -1):  # a special token being typed
+            if seg[-n:] in self._prefixes:  # ("<|im_" ... "end|>") ends the text before it once
+                # complete: hold back the whitespace and the word before it too
+                cut = min(cut, max(len(seg[:len(seg) - n].rstrip()) - 1, 0))
+                break
         cut += self._base
         held = words[-1]  # the last pre-token can always grow
         for w, e in zip(words, ends):
@@ -120,6 +127,13 @@ class TextDeltas:
         while n < len(ids) and words[n] < held:
             n += 1
         return n
+
+    def _restart(self, c: int) -> None:
+        """Tokenize from text[c:] on (c ends a committed pre-token, so the regex split, BPE and
+        the special tokens after it are as in the whole text; not before a combining mark, which
+        NFC might compose across c): each delta then costs its tail, not the whole text again."""
+        if self._base < c < len(self.text) and not unicodedata.combining(self.text[c]):
+            self._base, self._seg_done, self._first = c, 0, False
 
     def _commit(self, ids: list[int], ends: list[int], n: int) -> list[int]:
         done = self._seg_done

@@ -203,11 +203,11 @@ class StreamSession:
             if error is None and end.finish_reason in (FinishReason.ERROR, FinishReason.IDLE_TIMEOUT):
                 error = error_of(end.error)
             wall_ms = (time.monotonic() - (c.first_text_at or time.monotonic())) * 1e3
-            await self._write_done(c.cid, end, error, ttfc_ms, wall_ms, num_chunks, rate)
             self.metrics.audio_seconds.inc(end.num_samples / rate)
             log.info("context %s done: %s, %d frames, ttfc %.1f ms%s", c.cid, end.finish_reason.value,
                      end.num_frames, ttfc_ms, f" ({error[1]})" if error else "",
                      extra={"request_id": c.req.request_id, "finish_reason": end.finish_reason.value})
+            await self._write_done(c.cid, end, error, ttfc_ms, wall_ms, num_chunks, rate)
         except asyncio.CancelledError:
             c.handle.cancel()
         except Exception:  # noqa: BLE001 - a bug here must not leave the context running
