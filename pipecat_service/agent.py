@@ -99,7 +99,9 @@ def build_services(cfg: AgentConfig):
         api_key=cfg.llm_api_key, base_url=cfg.llm_base_url,
         settings=module.OpenAILLMService.Settings(model=cfg.llm_model,
                                                   system_instruction=SYSTEM_PROMPT))
-    tts = QwenTTSService(address=cfg.tts_address, voice=cfg.tts_voice, language=cfg.tts_language)
+    # token mode: the LLM's tokens go to the server as they come (no sentence aggregation)
+    tts = QwenTTSService(address=cfg.tts_address, voice=cfg.tts_voice, language=cfg.tts_language,
+                         text_streaming=True)
     return stt, llm, tts
 
 

@@ -182,7 +182,14 @@ class QwenTTSService(TTSService):
         # this also covers a generator that was suspended at a yield when that happened.
         self._cancel_call(context_id)
         self._forget(context_id)
+        if self._tokens is not None:
+            await self._tokens.cancel(context_id)
         await super().on_audio_context_interrupted(context_id)
+
+    async def flush_audio(self, context_id: str | None = None):
+        """Token mode: the turn's text is complete, so its server context gets `end`."""
+        if self._tokens is not None:
+            await self._tokens.end(context_id or self.get_active_audio_context_id())
 
     async def _record_context_audio_outcome(self, context_id: str, received_audio: bool):
         # Pipecat 1.14 reports every context that completes without audio as an error of its
@@ -284,11 +291,26 @@ class QwenTTSService(TTSService):
                 await self.remove_audio_context(cid)
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
-        """Yields audio frames as the server streams them; errors are pushed as ErrorFrames."""
+        """Yields audio frames as the server streams them; errors are pushed as ErrorFrames.
+        Token mode: sends the text and yields None (the audio arrives on the receive task)."""
         self._asked_contexts.add(context_id)
         if self._client is None:
             await self._report(context_id, ErrorFrame(
                 error=f"{self}: no channel to {self._address} (setup() not run)"))
+            return
+        if self._tokens is not None:
+            try:
+                await self._tokens.send_text(self._client, context_id, text,
+                                             lambda: self._context_config(context_id))
+                await self.start_tts_usage_metrics(text)
+            except (TypeError, ValueError) as e:
+                self._reported_contexts.add(context_id)
+                await self.push_error(f"{self}: bad settings: {e}", exception=e,
+                                      category=ErrorCategory.INVALID_REQUEST)
+            except grpc.aio.AioRpcError as e:
+                await self._report(context_id, ErrorFrame(
+                    error=f"{self}: stream failed: {e.code().name}: {e.details()}", exception=e))
+            yield None
             return
         self._num_requests += 1
         request_id = f"{context_id[:8]}.{self._num_requests}"

@@ -14,7 +14,8 @@ def _imported_after(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["tts_client.client", "tts_client.cli", "tts_client.audio"])
+@pytest.mark.parametrize("module", ["tts_client.client", "tts_client.cli", "tts_client.audio",
+                                    "tts_client.text_stream", "tts_client.text_bench"])
 def test_client_imports_neither_server_nor_torch(module):
     mods = _imported_after(f"import {module}")
     assert not {m for m in mods if m.split(".")[0] in ("tts_server", "torch", "qwen_tts")}

@@ -242,3 +242,14 @@ async def test_message_without_content_ends_the_call(tiny_server):
             async for _ in call:
                 pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "content" in e.value.details()
+
+
+async def test_text_bench_reports_both_latencies(tiny_server):
+    """tts_client.text_bench (the H100 evidence script) end to end at a small scale."""
+    from tts_client.text_bench import run
+
+    report = await run(tiny_server, [1, 2], 0.01, "ryan", 1.0)
+    for n in (1, 2):
+        level = report["levels"][n]
+        assert level["first_audio_ms"]["n"] == n and level["end_to_last_audio_ms"]["n"] == n
+        assert 0 < level["first_audio_ms"]["p50"] <= level["first_audio_ms"]["max"]
