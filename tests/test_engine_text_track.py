@@ -109,10 +109,14 @@ def test_eos_only_after_close_and_all_text(weights, prompt, name):
     assert len(gated) >= m, len(gated)
 
 
-def test_prompt_text_track_is_the_same_whole_or_in_pieces(tiny_custom):
-    """PromptBuilder.text_track: vectors projected in aligned blocks, so the track built piece
-    by piece (as StreamSynthesize does) is bitwise the one-shot prompt's."""
-    b = PromptBuilder(tiny_custom.model)
+@pytest.mark.parametrize("table", [False, True], ids=["projected", "vocabulary-table"])
+def test_prompt_text_track_is_the_same_whole_or_in_pieces(tiny_custom, table):
+    """PromptBuilder.text_track: vectors projected in aligned blocks (or gathered from the
+    vocabulary table), so the track built piece by piece (as StreamSynthesize does) is bitwise
+    the one-shot prompt's."""
+    from tts_server.model.prompt import project_vocabulary
+
+    b = PromptBuilder(tiny_custom.model, project_vocabulary(tiny_custom.model) if table else None)
     ids = tiny_custom._tokenize_texts([tiny_custom._build_assistant_text(TEXT * 3)])[0]
     whole = b.build(ids, "english", "ryan", non_streaming=False).trailing[:-1]
     text = ids[0, 4:-5].tolist()

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Text-track vectors are projected in blocks of this many rows aligned to their track index, so a
-# vector's value does not depend on how the text arrived (a GEMM's rows depend on its row count).
+# Without a vocabulary table, text-track vectors are projected in blocks of this many rows aligned
+# to their track index, so a vector's value does not depend on how the text arrived (a GEMM's rows
+# depend on its row count).
 TRACK_BLOCK = 16
 
 
@@ -84,6 +85,9 @@ class PromptBuilder:
         """P(ids) for text-track entries start..start+n-1 -> [n, H]; each computed inside its
         TRACK_BLOCK-aligned block (the other rows padded), so the whole track and the same track
         built piece by piece hold bitwise the same vectors."""
+        if self.text_table is not None:  # rows of the vocabulary table: invariant already
+            t = torch.tensor([ids], dtype=torch.long)
+            return self._text(t)[0]
         n, blocks, spans = len(ids), [], []
         for b0 in range(start - start % TRACK_BLOCK, start + n, TRACK_BLOCK):
             block = [self.cfg.tts_pad_token_id] * TRACK_BLOCK
