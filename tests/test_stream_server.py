@@ -126,12 +126,18 @@ async def test_pieces_equal_one_shot_synthesize(base_server, reference_wav, text
         np.testing.assert_array_equal(got.audio, whole.samples, err_msg=f"{k} pieces")
 
 
-async def test_a_pause_mid_sentence_neither_ends_nor_changes_the_audio(tiny_server):
+@pytest.mark.parametrize("where", ["mid-sentence", "after-the-first-word"])
+async def test_a_pause_neither_ends_nor_changes_the_audio(tiny_server, where):
+    """A 2 s pause mid-sentence; or a pause right after the first word, so that the context is
+    admitted with one token and must wait before its first frame."""
     text = "A pause in the middle of this sentence must not end the stream early."
     cfg = dict(max_duration_s=3.0, **GREEDY)
     want = await _speak(tiny_server, [text], **cfg)
-    pieces = _splits(text, random.Random(5), 6)
-    got = await _speak(tiny_server, pieces, pause={3: 2.0}, **cfg)
+    if where == "mid-sentence":
+        pieces, pause = _splits(text, random.Random(5), 6), {3: 2.0}
+    else:
+        pieces, pause = ["A ", text[2:]], {1: 1.0}
+    got = await _speak(tiny_server, pieces, pause=pause, **cfg)
     assert got.done.finish_reason == want.done.finish_reason
     np.testing.assert_array_equal(got.audio, want.audio)
 

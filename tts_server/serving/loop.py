@@ -369,9 +369,11 @@ class Worker:
             self.step_cost.observe(num_streams, dt - self._admit_s)
 
     def _run_step(self, streams: list[Stream], admissions: list[Admission], t0: float) -> None:
-        admitted = [self._active[a.slot] for a in admissions]
-        slots = tuple(s.slot for s in streams) + tuple(a.slot for a in admissions)
-        if not slots:
+        # admitted streams make their first frame in the same step, unless (StreamSynthesize) the
+        # prompt holds only the first token: then that frame waits for the next text vector
+        admitted = [self._active[a.slot] for a in admissions if not self._active[a.slot].text_dry()]
+        slots = tuple(s.slot for s in streams) + tuple(s.slot for s in admitted)
+        if not slots and not admissions:
             return
         t_run = time.monotonic()
         try:
@@ -380,7 +382,7 @@ class Worker:
             if self._fault(e, "a decode step"):
                 return
             log.exception("decode step failed for %d streams", len(slots))
-            for slot in slots:
+            for slot in dict.fromkeys(slots + tuple(a.slot for a in admissions)):
                 self._finish(self._active[slot], FinishReason.ERROR, StreamFailure(str(e)))
             return
         if self.failure is not None:  # the watchdog gave up on this step meanwhile
