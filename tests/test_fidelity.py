@@ -126,23 +126,3 @@ def test_batched_steps_equal_single_stream_steps(tiny_custom):
     for got, want in ((together[3], alone[0]), (together[0], alone[1])):
         n = min(len(want), len(got))
         np.testing.assert_array_equal(np.stack(got)[:n], want[:n])
-
-
-@pytest.mark.parametrize("non_streaming", [True, False], ids=["non-streaming-text", "streaming-text"])
-def test_prompt_built_off_the_models_device_is_the_same(tiny_custom, non_streaming):
-    """GPU servers assemble prompts on the host at submit, from copies of the tables; the prompt
-    must be the one the model's device builds. ("cpu:0" is another device to the builder, so this
-    runs the copy path without a GPU.)"""
-    table = project_vocabulary(tiny_custom.model)
-    on_model = PromptBuilder(tiny_custom.model, table)
-    on_host = PromptBuilder(tiny_custom.model, table, device="cpu:0")
-    assert on_host.is_copy and not on_model.is_copy
-    for text, language, speaker in ((TEXT, "english", "ryan"), ("你好，世界。", "chinese", "eric"),
-                                    ("Short.", "auto", "aiden")):
-        ids = _ids(tiny_custom, text)
-        a = on_model.build(ids, language, speaker, non_streaming=non_streaming)
-        b = on_host.build(ids, language, speaker, non_streaming=non_streaming)
-        for x, y in ((a.embeds, b.embeds), (a.trailing, b.trailing), (a.pad_embed, b.pad_embed)):
-            assert torch.equal(x, y.to(x.device))
-    with pytest.raises(ValueError, match="voice clones"):
-        on_host.build(ids, "english", clone=VoiceClone(speaker_embedding=torch.zeros(8)))

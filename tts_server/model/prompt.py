@@ -53,24 +53,14 @@ def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
 
 class PromptBuilder:
     """Builds `Prompt`s from token ids with the model's own embedding tables (or, when given,
-    a `project_vocabulary` table for the text rows).
+    a `project_vocabulary` table for the text rows)."""
 
-    device: where the prompts are built (default: the model's). A builder on another device (the
-    host, for a GPU model) copies the vocabulary table and the codec embedding there, so that a
-    prompt costs the model's device nothing; it builds prompts without voice clones only."""
-
-    def __init__(self, model, text_table: torch.Tensor | None = None, device=None):
+    def __init__(self, model, text_table: torch.Tensor | None = None):
         self.model = model  # qwen-tts Qwen3TTSForConditionalGeneration
+        self.text_table = text_table  # [V, H] or None
         self.talker = model.talker
         self.cfg = model.config
         self.tcfg = model.config.talker_config
-        self.device = torch.device(device) if device is not None else self.talker.device
-        self.is_copy = self.device != self.talker.device
-        if self.is_copy and text_table is None:
-            raise ValueError("a builder off the model's device needs the vocabulary table")
-        self.text_table = text_table.to(self.device) if text_table is not None else None  # [V, H]
-        self._codec_table = (self.talker.get_input_embeddings().weight.detach().to(self.device)
-                             if self.is_copy else None)  # [codec vocab, H]
         # embeddings of the fixed id sequences every prompt uses (specials, role, codec prefixes,
         # speakers): computed once, so a prompt costs little beyond its own text
         self._cache: dict[tuple, torch.Tensor] = {}
@@ -108,15 +98,10 @@ class PromptBuilder:
         """A cached `_text` ("text") or codec-embedding ("codec") of fixed ids -> [1, n, H]."""
         key = (kind, ids)
         if key not in self._cache:
-            t = torch.tensor([ids], device=self.device, dtype=torch.long)
-            self._cache[key] = self._text(t) if kind == "text" else self._codec_rows(t)
+            t = torch.tensor([ids], device=self.talker.device, dtype=torch.long)
+            self._cache[key] = (self._text(t) if kind == "text"
+                                else self.talker.get_input_embeddings()(t))
         return self._cache[key]
-
-    def _codec_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """codec ids [1, n] -> [1, n, H] (the talker's codec embedding, or its copy)."""
-        if self._codec_table is not None:
-            return torch.nn.functional.embedding(ids, self._codec_table)
-        return self.talker.get_input_embeddings()(ids)
 
     def _codec(self, ids: list[int]) -> torch.Tensor:
         """codec ids -> [1, n, H]."""
@@ -136,9 +121,7 @@ class PromptBuilder:
               clone: VoiceClone | None = None, non_streaming: bool = False) -> Prompt:
         """input_ids [1, T]: "<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"."""
         c = self.tcfg
-        dev = self.device
-        if clone is not None and self.is_copy:
-            raise ValueError("voice clones are built on the model's device")
+        dev = self.talker.device
         role = self._fixed("text", tuple(input_ids[0, :3].tolist()))
         track_ids = input_ids[0, 4:-5].tolist()  # while on the CPU: no device sync
         input_ids = input_ids.to(dev)

@@ -139,13 +139,8 @@ class Worker:
                               "use Synthesize, or --engine torch/batched")
         handle = StreamHandle(request, loop, self._wake)
         if not request.incremental:  # (a StreamSynthesize context's text comes later)
-            # tokenized (and, where it can be, assembled on the host) here, in the caller's
-            # thread: the engine thread's time is the server's capacity
+            # tokenized here, in the caller's thread: the engine thread's time is the server's capacity
             handle.text_ids = self.preparer.text_ids(request.text)
-            try:
-                handle.prepared = self.preparer.prepare_on_host(request, handle.text_ids)
-            except Exception:  # noqa: BLE001 - the engine thread builds it again and reports why
-                log.debug("request %s: host prompt assembly failed", request.request_id, exc_info=True)
         with self._cond:
             if self.failure is not None:
                 raise EngineFailure(f"the decode engine failed ({self.failure}); restarting")
@@ -328,7 +323,7 @@ class Worker:
             if req.incremental:
                 prepared, eos_from = self.texts.prompt(handle)
             else:
-                prepared = handle.prepared or self.preparer.prepare(req, handle.text_ids)
+                prepared = self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
             if room < 1:
                 raise InvalidRequest("text", "too long for the model's context")

@@ -1,11 +1,9 @@
 """Turn a `SynthesisRequest` into engine inputs: tokenize, clone the voice, build the prefill.
 
-Tokenizing (`text_ids`) is CPU work without torch; on a GPU server (which keeps a host copy of the
-vocabulary table) a prompt without a voice clone is assembled on the host too (`prepare_on_host`).
-Both happen when a request is submitted, off the engine thread, whose time is the server's
-capacity. Voice clones run their encoders on the engine thread; their prompts (speaker embedding,
-reference codes, tokenized transcript) are cached by a hash of the reference's content, so a
-repeated reference costs no encoder work."""
+Tokenizing is CPU work without torch (`text_ids`, done when a request is submitted, off the engine
+thread); the rest runs on the engine thread. Voice-clone prompts (speaker embedding, reference
+codes, tokenized transcript) are cached by a hash of the reference's content, so a repeated
+reference costs no encoder work."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ class Prepared:
 
 class RequestPreparer:
     """`prepare` runs on the engine thread (it calls the model's embedding tables and encoders);
-    `text_ids` and `prepare_on_host` (CPU tensors only) in the submitting thread."""
+    `text_ids` on any thread."""
 
     def __init__(self, loaded: LoadedModel, max_cached_voices: int = 64):
         self.tts = loaded.tts
@@ -37,8 +35,6 @@ class RequestPreparer:
         self._voices: collections.OrderedDict[str, VoiceClone] = collections.OrderedDict()
         self.voice_cache_hits = 0
         self.builder = PromptBuilder(loaded.model, loaded.text_table)
-        self.host_builder = (PromptBuilder(loaded.model, loaded.text_table, device="cpu")
-                             if loaded.text_table is not None and loaded.device.type != "cpu" else None)
         # qwen-tts wrapper defaults: CustomVoice/VoiceDesign put all text in the prefill,
         # voice cloning streams the text in alongside the codec frames.
         self.non_streaming = loaded.model_type != "base"
@@ -54,16 +50,6 @@ class RequestPreparer:
     def _ids(self, text: str) -> torch.Tensor:
         with self._tokenizer_lock:
             return torch.tensor([self._tokenizer(text)["input_ids"]], dtype=torch.long)  # [1, T] on the CPU
-
-    @torch.inference_mode()
-    def prepare_on_host(self, req: SynthesisRequest, text_ids: list[int]) -> Prepared | None:
-        """The request's prompt as CPU tensors, or None where the engine thread must build it
-        (a voice clone, or no host copy of the tables: a CPU server)."""
-        if self.host_builder is None or req.reference is not None:
-            return None
-        ids = torch.tensor([text_ids], dtype=torch.long)
-        return Prepared(self.host_builder.build(ids, req.language, req.voice,
-                                                non_streaming=self.non_streaming), None)
 
     @torch.inference_mode()
     def prepare(self, req: SynthesisRequest, text_ids: list[int] | None = None) -> Prepared:

@@ -22,7 +22,6 @@ class StreamHandle:
     def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop, wake):
         self.request = request
         self.text_ids: list[int] | None = None  # the prompt's token ids, once tokenized
-        self.prepared = None  # serving.prepare.Prepared when built at submit (on the host)
         self.submitted_at = time.monotonic()
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -200,10 +200,7 @@ class BatchedEngine:
         decode step's batch-invariant ops), then each slot's first code-0 draw. -> finite per slot."""
         dev = self.device
         lens = [a.prompt.embeds.shape[0] for a in admissions]
-        embeds = [a.prompt.embeds for a in admissions]  # host tensors (built at submit) or, for
-        if len({e.device for e in embeds}) > 1:          # voice clones, device ones
-            embeds = [e.to(dev) for e in embeds]
-        x = torch.cat(embeds).to(dev, torch.float32)  # one copy for the host-built prompts
+        x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
         slots = torch.repeat_interleave(torch.tensor([a.slot for a in admissions]), torch.tensor(lens))
         pos = torch.cat([torch.arange(n) for n in lens])
         last = torch.tensor(np.cumsum(lens) - 1)
