@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=9464,
                    help="Prometheus /metrics on --host:PORT (0: any free port, -1: off)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP speech API (POST /v1/audio/speech) on --host:PORT, "
+                        "same engine, limits, auth and TLS as gRPC (0: any free port, -1: off)")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text, or one JSON object per line on stderr (nothing else is written)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
@@ -126,7 +129,7 @@ def parse_args(argv=None) -> ServerConfig:
         player_preroll_ms=a.player_preroll_ms,
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
-        max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port,
+        max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
         inject_fault=a.inject_fault)
 
 

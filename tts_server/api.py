@@ -99,6 +99,7 @@ class SynthesisRequest:
     # uses the streaming-text layout and the stream waits whenever its text track runs dry
     incremental: bool = False
     max_frames_from_text: bool = False  # incremental: cap max_frames by the final text's length
+    non_streaming: bool | None = None  # qwen-tts's non_streaming_mode; None: the model's default
 
 
 @dataclass(frozen=True)

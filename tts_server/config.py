@@ -32,6 +32,7 @@ class ServerConfig:
     watchdog_s: float = 30.0  # an engine step or prefill running longer is a hang: exit non-zero
     max_request_bytes: int = 64 * 1024 * 1024  # a 30 s reference WAV at 48 kHz stereo float fits
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0: any free port)
+    http_port: int | None = None  # OpenAI-compatible HTTP API on host:port (0: any free; None/-1: off)
     default_voice: str | None = None  # CustomVoice speaker when a request names none
     seed: int | None = None  # base seed for requests without one (None: random)
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key enables TLS

@@ -1,4 +1,5 @@
-"""The grpc.aio server: the TTS service, health, reflection, graceful shutdown."""
+"""The grpc.aio server: the TTS service, health, reflection, graceful shutdown; and beside it,
+in the same event loop and on the same worker, the OpenAI-compatible HTTP API (`--http-port`)."""
 
 from __future__ import annotations
 
@@ -82,9 +83,29 @@ class TTSServer:
         self.failure = None  # the EngineFailure that ended serving, if any
         self._failed = asyncio.Event()
         self.metrics_port: int | None = None
+        self.http = None
+        self.http_port: int | None = None
+        if config.http_port is not None and config.http_port >= 0:
+            from ..http.server import HTTPServer
+
+            self.http = HTTPServer(worker, info, config, ready=lambda: self.is_ready,
+                                   accepting=self.accepting)
+
+    def accepting(self) -> bool:
+        """New speech requests are taken: not past the drain delay, the engine not failed."""
+        return (not self.servicer.draining and self.failure is None
+                and self.worker.failure is None)
 
     async def start(self) -> None:
         await self.server.start()
+        if self.http is not None:
+            try:
+                self.http_port = await self.http.start(self.config.http_port)
+            except OSError as e:
+                await self.server.stop(None)
+                raise StartupError(f"--http-port {self.config.http_port}: cannot listen on "
+                                   f"{self.config.host} ({e.strerror or e}); choose another port "
+                                   "or -1 to turn the HTTP API off") from None
         loop = asyncio.get_running_loop()
         self.worker.add_fatal_listener(
             lambda failure: loop.call_soon_threadsafe(self._on_engine_failure, failure))
@@ -137,8 +158,9 @@ class TTSServer:
             await asyncio.sleep(delay)
         grace = self.config.grace_period_s if grace is None else grace
         deadline = time.monotonic() + grace
-        self.servicer.draining = True
-        while self.servicer.num_in_flight and time.monotonic() < deadline:
+        self.servicer.draining = True  # also HTTP's: new speech requests get 503
+        while ((self.servicer.num_in_flight or self.worker.num_outstanding)
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         # A finished call's last audio and status may still sit in the connection (flow control:
         # a client, or a proxy in front of one, that reads at playback pace); closing now would
@@ -151,6 +173,8 @@ class TTSServer:
         # calls still running past the grace period are cancelled; a call that has just ended
         # gets a moment to write its last message
         await self.server.stop(max(deadline - time.monotonic(), min(grace, 0.5)))
+        if self.http is not None:
+            await self.http.stop()
         self.worker.metrics.close()
         if self.owns_worker and self.failure is None:
             await asyncio.to_thread(self.worker.stop, 10.0)

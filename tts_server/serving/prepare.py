@@ -58,8 +58,9 @@ class RequestPreparer:
             text_ids = self.text_ids(req.text)
         ids = torch.tensor([text_ids], dtype=torch.long)  # [1, T] on the CPU: no device sync
         clone = self._voice(req.reference) if req.reference is not None else None
+        non_streaming = self.non_streaming if req.non_streaming is None else req.non_streaming
         prompt = self.builder.build(ids, req.language, req.voice, clone=clone,
-                                    non_streaming=self.non_streaming)
+                                    non_streaming=non_streaming)
         return Prepared(prompt, clone.ref_codes if clone is not None else None)
 
     def _voice(self, ref: ReferenceAudio) -> VoiceClone:
