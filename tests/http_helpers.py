@@ -30,8 +30,8 @@ async def start_server(tiny_custom, started: list, **overrides):
     loaded = LoadedModel(MODEL, tiny_custom, True, torch.device("cpu"), torch.float32)
     app = await asyncio.to_thread(build_app, cfg, loaded)
     server = TTSServer(app.worker, app.info, cfg, owns_worker=False)
+    started.append((app, server))  # stopped at teardown even if it fails to start
     await server.start()
-    started.append((app, server))
     scheme = "https" if cfg.tls_cert else "http"
     return f"{scheme}://127.0.0.1:{server.http_port}", f"127.0.0.1:{server.port}", app, server
 

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import socket
 import time
 
 from aiohttp import web
@@ -25,6 +26,8 @@ from . import speech_request
 from .errors import APIError, from_exception, invalid
 
 log = logging.getLogger(__name__)
+
+SEND_BUFFER_BYTES = 128 * 1024  # per connection (Linux doubles it): 2.7 s of 48 kHz PCM16
 
 
 class _Cut(Exception):
@@ -48,7 +51,7 @@ class SpeechHandler:
         except _Cut as e:
             code = str(e)
             raise asyncio.CancelledError() from None  # the connection is gone: nothing to send
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         finally:
@@ -103,6 +106,11 @@ class _Stream:
         try:
             if not self.speech.stream:
                 return await self._whole(encoder, first, events)
+            sock = self.request.transport.get_extra_info("socket") if self.request.transport else None
+            if sock is not None:
+                # a bounded kernel send buffer: a client that stops reading blocks our writes
+                # within seconds of audio (HTTP/2 flow control does this for gRPC)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             self.response = web.StreamResponse(headers=self._headers())
             self.response.enable_chunked_encoding()
             await self.response.prepare(self.request)
@@ -167,7 +175,7 @@ class _Stream:
         stall = self.handler.config.stall_timeout_s
         try:
             await asyncio.wait_for(self.response.write(data), stall)
-        except ConnectionResetError:
+        except ConnectionError:  # the client hung up while this write waited
             raise _Cut("CANCELLED") from None
         except asyncio.TimeoutError:
             log.warning("request %s: client read nothing for %.0f s; ending the stream",
