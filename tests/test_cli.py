@@ -21,17 +21,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tts_server", "--model", "synthetic-tiny",
-                                 "--port", str(port), "--grace-period-s", "20"],
+                                 "--port", str(port), "--http-port", str(http_port),
+                                 "--grace-period-s", "20"],
                                 stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while "serving tts.v1.TextToSpeechService" not in log.read_text():
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.5)
+    proc.http_base = f"http://127.0.0.1:{http_port}/v1"
     yield proc, f"127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.kill()
@@ -57,6 +59,18 @@ def test_client_say_writes_a_playable_wav(server_process, tmp_path):
     assert np.abs(samples).max() > 0.01
     info = soundfile.info(wav)
     assert info.format == "WAV" and info.subtype == "PCM_16" and info.channels == 1
+
+
+def test_openai_sdk_script_streams_a_wav(server_process, tmp_path):
+    proc, _, _ = server_process
+    wav = tmp_path / "sdk.wav"
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "openai_sdk_speech.py")
+    err = subprocess.run([sys.executable, script, "Hello there.", "-o", str(wav), "--model",
+                          "synthetic-tiny", "--base-url", proc.http_base, "--seed", "3"],
+                         capture_output=True, text=True, timeout=120, check=True).stderr
+    assert "first bytes after" in err and "24000 Hz wav" in err
+    samples, rate = soundfile.read(wav)  # streamed WAV: the header's length fields are unknown
+    assert rate == 24000 and samples.shape[0] % 1920 == 0 and samples.shape[0] > 0
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_cleanly(server_process):

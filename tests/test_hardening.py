@@ -395,7 +395,7 @@ def test_hung_step_flips_health_and_exits_nonzero(tmp_path):
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tts_server", "--model", "synthetic-tiny", "--port", str(port),
-             "--metrics-port", "-1", "--watchdog-s", "1.5", "--log-format", "json",
+             "--metrics-port", "-1", "--http-port", "-1", "--watchdog-s", "1.5", "--log-format", "json",
              "--inject-fault", "hang:hang-1@3"], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180

@@ -24,3 +24,8 @@ def test_client_imports_neither_server_nor_torch(module):
 def test_rpc_layer_is_torch_free():
     mods = _imported_after("import tts_server.rpc.server, tts_server.rpc.convert")
     assert "torch" not in mods and "qwen_tts" not in mods
+
+
+def test_http_layer_is_torch_free():
+    mods = _imported_after("import tts_server.http.server, tts_server.audio_formats")
+    assert "torch" not in mods and "qwen_tts" not in mods

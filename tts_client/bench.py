@@ -64,9 +64,11 @@ class ServerProcess:
         # max_streams 0: the server's default (what fits on a GPU)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()  # the OpenAI-compatible HTTP API, on its own free port
         exe = os.path.join(os.path.dirname(sys.executable), "tts-server")
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tts_server"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--model", model, "--engine", engine,
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port),
+                "--model", model, "--engine", engine,
                 "--max-queue", str(max_queue), *extra_args]
         if max_streams:
             cmd += ["--max-streams", str(max_streams)]
