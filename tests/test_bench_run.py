@@ -91,3 +91,29 @@ def test_self_started_server_with_baseline(tmp_path, monkeypatch):
     (cmp,) = result["comparisons"]
     assert cmp["concurrency"] == 1 and cmp["num_requests"] == 1 and cmp["ttfc_p50_ratio"] > 0
     assert "vs qwen-tts c=1" in result["summary"]
+
+
+async def test_grpc_and_http_in_the_same_run(tiny_custom, tmp_path, capsys):
+    from http_helpers import start_server, stop_servers
+
+    started = []
+    base, address, _, _ = await start_server(tiny_custom, started)
+    out = tmp_path / "both.json"
+    argv = ["--address", address, "--http-url", base, "--transport", "both", "--concurrency", "2",
+            "--rps", "3", "--requests", "3", "--warmup", "1", "--max-duration", "0.48",
+            "--json", str(out), "--no-progress"]
+    try:
+        assert await asyncio.to_thread(bench.main, argv) == 0
+    finally:
+        await stop_servers(started)
+    result = json.loads(out.read_text())
+    records = result["records"]
+    by = {s: sorted((r for r in records if r["system"] == s), key=lambda r: r["index"])
+          for s in ("grpc", "http", "grpc-rps", "http-rps")}
+    assert all(len(v) == 3 and all(r["status"] == "OK" for r in v) for v in by.values())
+    # the same requests (texts, seeds, caps) give the same audio through either door
+    assert [r["audio_s"] for r in by["http"]] == [r["audio_s"] for r in by["grpc"]]
+    for r in by["http"] + by["http-rps"]:
+        assert 0 < r["ttfc_ms"] <= r["wall_ms"] and r["num_frames"] <= 6
+    assert set(result["capacity"]) == {"grpc", "grpc-rps", "http", "http-rps"}
+    assert "http c=" in result["summary"] and "http rps=" in result["summary"]

@@ -212,6 +212,7 @@ async def run_grpc(address: str, items, a, server: ServerProcess | None):
     frame_rate = info.frame_rate_hz or 12.5
     levels = [int(x) for x in a.concurrency.split(",") if x]
     rates = [float(x) for x in (a.rps or "").split(",") if x]
+    transports = ("grpc", "http") if a.transport == "both" else (a.transport,)
     if levels and max(levels) > info.max_concurrent_streams:
         print(f"note: the server allows {info.max_concurrent_streams} concurrent streams; requests "
               "beyond that are rejected (RESOURCE_EXHAUSTED) and counted as errors", file=sys.stderr)
@@ -219,13 +220,34 @@ async def run_grpc(address: str, items, a, server: ServerProcess | None):
         await run_level(address, items[:a.warmup], 1, a, voice, frame_rate,
                         Progress(min(a.warmup, len(items)), "warm-up", a.progress))
     records = []
-    for level in levels:
-        records += await run_level(address, items, level, a, voice, frame_rate,
-                                   Progress(len(items), f"grpc c={level}", a.progress))
-    for rps in rates:
-        records += await run_rate(address, items, rps, a, voice, frame_rate,
-                                  Progress(len(items), f"grpc {rps:g}/s", a.progress))
+    if "grpc" in transports:
+        for level in levels:
+            records += await run_level(address, items, level, a, voice, frame_rate,
+                                       Progress(len(items), f"grpc c={level}", a.progress))
+        for rps in rates:
+            records += await run_rate(address, items, rps, a, voice, frame_rate,
+                                      Progress(len(items), f"grpc {rps:g}/s", a.progress))
+    if "http" in transports:
+        records += await _run_http(a, items, levels, rates, voice, frame_rate, server)
     return info, voice, records
+
+
+async def _run_http(a, items, levels, rates, voice, frame_rate, server) -> list:
+    """The same sweeps through the OpenAI-compatible HTTP API of the same server."""
+    from . import bench_http
+
+    base = a.http_url or (f"http://127.0.0.1:{server.http_port}" if server else
+                          f"http://{a.address.rsplit(':', 1)[0]}:8000")
+    async with bench_http._session(1) as session:
+        model = await bench_http.served_model(session, base)
+    records = []
+    for level in levels:
+        records += await bench_http.run_level(base, model, items, level, a, voice, frame_rate,
+                                              Progress(len(items), f"http c={level}", a.progress))
+    for rps in rates:
+        records += await bench_http.run_rate(base, model, items, rps, a, voice, frame_rate,
+                                             Progress(len(items), f"http {rps:g}/s", a.progress))
+    return records
 
 
 def run_baseline(items, a, info, voice: str) -> list[RequestRecord]:
@@ -276,7 +298,8 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     ok = [r for r in records if r.status == "OK"]
     capped = sum(r.finish_reason == "max_length" for r in ok)
     notes = [f"method: closed loop, c clients on separate channels; open loop (grpc-rps), Poisson "
-             f"arrivals at R requests/s over {a.channels} channels; {len(items)} requests per level (same "
+             f"arrivals at R requests/s over {a.channels} channels (http: the same through the "
+             f"OpenAI-compatible API, streamed PCM, one connection per stream); {len(items)} requests per level (same "
              f"texts and seeds at every level), {a.warmup} warm-up; TTFC = client send -> first audio "
              f"bytes; RTF = client wall / audio s; underrun = a player started {a.preroll_ms:.0f} ms after "
              "the first chunk (@0ms: at the first chunk) runs dry; capacity = the largest level with "
@@ -293,16 +316,17 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
                      "the audio is noise, only the speed is real")
     label = (f"{time.strftime('%Y-%m-%d')} {info.model} {info.engine}/{info.device}/{info.dtype} "
              f"cap {a.max_duration:g}s")
-    caps = {system: capacity(levels, system) for system in ("grpc", "grpc-rps")
+    caps = {system: capacity(levels, system) for system in ("grpc", "grpc-rps", "http", "http-rps")
             if any(x["system"] == system for x in levels)}
     line = summary_line(label, levels, comparisons)
     if caps:
         line += " | capacity (zero underruns at {:.0f} ms pre-roll): ".format(a.preroll_ms) + ", ".join(
-            f"{'c' if k == 'grpc' else 'rps'}={v if v is not None else 'none'}" for k, v in caps.items())
+            f"{k.split('-')[0]} {'rps' if k.endswith('-rps') else 'c'}={v if v is not None else 'none'}"
+            for k, v in caps.items())
     print(format_table(levels))
     for x in levels:
         if x.get("first_audio_queue_ms_p50") is not None:
-            key = "rps" if x["system"] == "grpc-rps" else "c"
+            key = "rps" if x["system"].endswith("-rps") else "c"
             parts = ("queue", "prepare", "prefill", "first_frame", "first_decode", "write")
             print(f"first audio p50 at {key}={x['concurrency']:g} (server ms): " + ", ".join(
                 f"{p} {x[f'first_audio_{p}_ms_p50']:.1f}" for p in parts
@@ -332,12 +356,12 @@ def plot(result: dict, path: str) -> None:
     except ImportError:
         print(f"note: matplotlib is not installed; no plot written to {path}", file=sys.stderr)
         return
-    panels = [("concurrent streams", ("grpc", "qwen-tts"))]
-    if any(x["system"] == "grpc-rps" for x in result["levels"]):
-        panels.append(("requests per second (open loop)", ("grpc-rps",)))
+    panels = [("concurrent streams", ("grpc", "http", "qwen-tts"))]
+    if any(x["system"].endswith("-rps") for x in result["levels"]):
+        panels.append(("requests per second (open loop)", ("grpc-rps", "http-rps")))
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 4.2 * len(panels)), squeeze=False)
     for (xlabel, systems), (ax1, ax2) in zip(panels, axes):
-        for system, marker in zip(systems, "os"):
+        for system, marker in zip(systems, "o^s"):
             rows = [x for x in result["levels"] if x["system"] == system and x["num_ok"]]
             cs = [x["concurrency"] for x in rows]
             for q, style in (("p50", "-"), ("p95", "--")):
@@ -374,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed-loop levels, comma-separated, e.g. 1,4,16,64 ('' for none)")
     p.add_argument("--rps", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 5,10,20")
     p.add_argument("--channels", type=int, default=64, help="gRPC channels of the open-loop generator")
+    p.add_argument("--transport", choices=["grpc", "http", "both"], default="grpc",
+                   help="gRPC Synthesize, the OpenAI-compatible HTTP API (streamed PCM), or both in "
+                        "the same run against the same server")
+    p.add_argument("--http-url", help="the HTTP API of a running server (default: --address's "
+                                      "host, port 8000)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="builtin",
                    help="built-in texts: builtin (ten languages, short to paragraph) or english "
                         "(24 voice-agent replies of 5-40 words)")

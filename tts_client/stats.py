@@ -41,7 +41,7 @@ def underruns(arrivals_s, durations_s, preroll_s: float = 0.0) -> tuple[int, flo
 class RequestRecord:
     """One request of one system at one concurrency level (times in ms unless named _s)."""
 
-    system: str  # "grpc" (closed loop), "grpc-rps" (open loop) or "qwen-tts"
+    system: str  # "grpc" / "http" (closed loop), "grpc-rps" / "http-rps" (open loop) or "qwen-tts"
     concurrency: float  # concurrent clients, or requests per second for "grpc-rps"
     index: int  # position in the workload schedule (same text and seed at every level)
     text_id: str
@@ -190,7 +190,7 @@ def summary_line(label: str, levels: list[dict], comparisons: list[dict]) -> str
     parts = [label]
     for a in levels:
         rate = None if a["underrun_rate"] is None else 100 * a["underrun_rate"]
-        key = "rps" if a["system"] == "grpc-rps" else "c"
+        key = "rps" if a["system"].endswith("-rps") else "c"
         parts.append(f"{a['system']} {key}={a['concurrency']:g}: TTFC p50 {_fmt(a['ttfc_ms_p50'])} ms "
                      f"p95 {_fmt(a['ttfc_ms_p95'])} ms, RTF p50 {_fmt(a['rtf_p50'], '.3f')}, "
                      f"{_fmt(a['audio_s_per_s'], '.2f')}x RT agg, underruns {_fmt(rate)}%"
