@@ -74,7 +74,7 @@ async def test_openai_sdk_errors_carry_the_field(served):
     with pytest.raises(openai.BadRequestError) as e:
         await client.audio.speech.create(model=MODEL, voice="nobody", input="Hi.")
     assert e.value.status_code == 400 and e.value.param == "voice"
-    assert "unknown voice 'nobody'" in e.value.message
+    assert 'unknown voice "nobody"' in e.value.message
     await client.close()
 
 

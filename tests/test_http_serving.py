@@ -50,7 +50,9 @@ def certificate(tmp_path_factory):
 
 
 def _active(app) -> float:
-    return app.worker.metrics.registry.get_sample_value("tts_active_streams")
+    """tts_active_streams over every engine (the gauge has a device label)."""
+    return sum(s.value for family in app.worker.metrics.registry.collect()
+               if family.name == "tts_active_streams" for s in family.samples)
 
 
 async def test_bearer_token_and_tls(make_server, certificate):

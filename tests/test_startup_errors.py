@@ -18,7 +18,8 @@ def _has_cuda() -> bool:
 
 
 def _start(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tts_server", "--metrics-port", "-1", *args],
+    return subprocess.run([sys.executable, "-m", "tts_server", "--metrics-port", "-1",
+                           "--http-port", "-1", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -96,6 +97,17 @@ def test_port_in_use():
         port = taken.getsockname()[1]
         res = _start("--model", "synthetic-tiny", "--port", str(port))
     _assert_one_line(res, f"--port {port}: already in use on 127.0.0.1")
+
+
+def test_http_port_in_use_or_the_grpc_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = _start("--model", "synthetic-tiny", "--port", "0", "--http-port", str(port))
+    _assert_one_line(res, f"--http-port {port}: already in use on 127.0.0.1")
+    res = _start("--model", "synthetic-tiny", "--port", "50999", "--http-port", "50999")
+    _assert_one_line(res, "--http-port 50999 is also --port")
 
 
 @pytest.mark.skipif("_has_cuda()", reason="this machine has CUDA; the error is for machines without")

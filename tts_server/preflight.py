@@ -29,6 +29,11 @@ def check(config: ServerConfig) -> None:
     check_device(config.engine, config.device, config.dtype)
     check_devices(config)
     check_port(config.host, config.port)
+    if config.http_port is not None and config.http_port > 0:
+        if config.http_port == config.port:
+            raise StartupError(f"--http-port {config.http_port} is also --port; give the HTTP API "
+                               "its own port (or -1 to turn it off)")
+        check_port(config.host, config.http_port, "--http-port")
 
 
 def _at_least(flag: str, value, low, what: str = "") -> None:
@@ -171,8 +176,8 @@ def check_devices(config: ServerConfig) -> None:
         raise StartupError("--engine megakernel serves one GPU; use --engine batched with --devices")
 
 
-def check_port(host: str, port: int) -> None:
-    """The gRPC port is free on `host` (grpc itself would only say 'Failed to bind')."""
+def check_port(host: str, port: int, flag: str = "--port") -> None:
+    """The gRPC (or HTTP) port is free on `host` (grpc itself would only say 'Failed to bind')."""
     if port == 0:
         return
     try:
@@ -187,11 +192,11 @@ def check_port(host: str, port: int) -> None:
                 s.bind(address)
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise StartupError(f"--port {port}: already in use on {host} (another "
-                                       f"tts-server?); pick a free one or --port 0") from None
+                    raise StartupError(f"{flag} {port}: already in use on {host} (another "
+                                       f"tts-server?); pick a free one or {flag} 0") from None
                 if e.errno == errno.EADDRNOTAVAIL:
                     raise StartupError(f"--host {host}: not an address of this machine") from None
                 if e.errno == errno.EACCES:
-                    raise StartupError(f"--port {port}: permission denied (ports below 1024 need "
+                    raise StartupError(f"{flag} {port}: permission denied (ports below 1024 need "
                                        f"privileges)") from None
-                raise StartupError(f"--host {host} --port {port}: cannot listen ({e.strerror})") from None
+                raise StartupError(f"--host {host} {flag} {port}: cannot listen ({e.strerror})") from None
