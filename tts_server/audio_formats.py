@@ -7,6 +7,7 @@ header goes out with the first audio), `finish()` flushes the encoder and the mu
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,10 +72,13 @@ class _Sink:
 class AudioEncoder:
     """Streams one utterance in `fmt` at `sample_rate`. With `whole=True` the output goes to a
     seekable buffer instead and `finish()` returns the complete file (WAV and FLAC headers then
-    carry the real length)."""
+    carry the real length). Thread-safe: a call may run in a worker thread while the stream's
+    handler, cancelled, closes the encoder (close waits for it)."""
 
     def __init__(self, fmt: AudioFormat, sample_rate: int, whole: bool = False):
         self.format, self.sample_rate, self.whole = fmt, sample_rate, whole
+        self._lock = threading.Lock()
+        self._closed = False
         self._pcm = bytearray() if fmt.container is None and whole else None
         if fmt.container is None:
             return
@@ -91,7 +95,6 @@ class AudioEncoder:
         self._stream = self._out.add_stream(fmt.codec, rate=sample_rate, options=codec_options)
         self._stream.layout = "mono"
         self._av = av
-        self._closed = False
 
     def encode(self, samples: np.ndarray) -> bytes:
         """samples [n] float32 in [-1, 1] -> the bytes ready to send (may be empty)."""
@@ -101,6 +104,12 @@ class AudioEncoder:
                 self._pcm += data
                 return b""
             return data
+        with self._lock:
+            if self._closed:
+                return b""
+            return self._encode(samples)
+
+    def _encode(self, samples: np.ndarray) -> bytes:
         if self.format.is_s16:
             frame = self._av.AudioFrame.from_ndarray(s16(samples)[None, :], format="s16",
                                                      layout="mono")
@@ -117,19 +126,20 @@ class AudioEncoder:
         """Flush the encoder; the remaining bytes (with `whole`: the whole file)."""
         if self.format.container is None:
             return bytes(self._pcm) if self._pcm is not None else b""
-        self._close()
-        return self._sink.getvalue() if self.whole else self._sink.take()
-
-    def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for packet in self._stream.encode(None):
-            self._out.mux(packet)
-        self._out.close()
+        with self._lock:
+            if self._closed:
+                return b""
+            self._closed = True
+            for packet in self._stream.encode(None):
+                self._out.mux(packet)
+            self._out.close()
+            return self._sink.getvalue() if self.whole else self._sink.take()
 
     def close(self) -> None:
         """Release FFmpeg's state without producing output (a stream that ended early)."""
-        if self.format.container is not None and not self._closed:
-            self._closed = True
-            self._out.close()
+        if self.format.container is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._out.close()

@@ -21,6 +21,7 @@ from tts_client.pb.tts.v1 import tts_pb2
 
 from ..api import (AudioChunk, FinishReason, InvalidRequest, ModelInfo, ReferenceAudio,
                    SamplingConfig, StreamEnd, SynthesisRequest, default_max_duration_s)
+from ..audio_formats import FORMATS, AudioEncoder
 from ..config import ServerConfig
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
@@ -34,6 +35,13 @@ LANGUAGE_TAGS = {
 FINISH_REASONS = {FinishReason.EOS: tts_pb2.FINISH_REASON_EOS,
                   FinishReason.MAX_LENGTH: tts_pb2.FINISH_REASON_MAX_LENGTH,
                   FinishReason.CANCELLED: tts_pb2.FINISH_REASON_CANCELLED}
+
+
+# encodings that go through a stream encoder (audio_formats), as the HTTP API's formats of that name
+ENCODED = {tts_pb2.AUDIO_ENCODING_MULAW: FORMATS["mulaw"], tts_pb2.AUDIO_ENCODING_ALAW: FORMATS["alaw"],
+           tts_pb2.AUDIO_ENCODING_OGG_OPUS: FORMATS["opus"]}
+ENCODINGS = (tts_pb2.AUDIO_ENCODING_UNSPECIFIED, tts_pb2.AUDIO_ENCODING_PCM_S16LE,
+             tts_pb2.AUDIO_ENCODING_FLOAT32_LE, *ENCODED)
 
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
@@ -192,13 +200,16 @@ def to_request(msg: tts_pb2.SynthesizeRequest, info: ModelInfo, cfg: ServerConfi
             raise InvalidRequest("voice", f'unknown voice "{msg.voice}"; available: '
                                           f"{', '.join(info.voices)}")
     language = _language(msg.language, info)
-    if msg.encoding not in (tts_pb2.AUDIO_ENCODING_UNSPECIFIED, tts_pb2.AUDIO_ENCODING_PCM_S16LE,
-                            tts_pb2.AUDIO_ENCODING_FLOAT32_LE):
+    if msg.encoding not in ENCODINGS:
         raise InvalidRequest("encoding", f"unsupported encoding {msg.encoding}")
-    rate = msg.sample_rate_hz or info.sample_rate
+    fmt = ENCODED.get(msg.encoding)
+    rate = msg.sample_rate_hz or (fmt and fmt.default_rate) or info.sample_rate
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise InvalidRequest("sample_rate_hz", f"{msg.sample_rate_hz} Hz is outside "
                                                f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} (0 = native)")
+    if fmt is not None and fmt.rates is not None and rate not in fmt.rates:
+        raise InvalidRequest("sample_rate_hz", f"{fmt.name} takes {', '.join(map(str, fmt.rates))} "
+                                               f"Hz, got {rate}")
     max_s = msg.max_duration_s
     if not math.isfinite(max_s) or max_s < 0 or max_s > cfg.max_duration_s:
         raise InvalidRequest("max_duration_s", f"must be in [0, {cfg.max_duration_s}] (0 = from the "
@@ -215,9 +226,19 @@ def encoding_of(msg: tts_pb2.SynthesizeRequest) -> int:
     return msg.encoding or tts_pb2.AUDIO_ENCODING_PCM_S16LE
 
 
-def chunk_message(chunk: AudioChunk, rate: int, encoding: int) -> tts_pb2.SynthesizeResponse:
+def encoder_for(encoding: int, rate: int) -> AudioEncoder | None:
+    """The stream encoder of a G.711 or Opus request (None: PCM, converted per chunk)."""
+    fmt = ENCODED.get(encoding)
+    return AudioEncoder(fmt, rate) if fmt is not None else None
+
+
+def chunk_message(chunk: AudioChunk, rate: int, encoding: int,
+                  data: bytes | None = None) -> tts_pb2.SynthesizeResponse:
+    """`data`: the chunk already encoded (encoder_for); else PCM from its samples."""
     samples = np.clip(chunk.samples, -1.0, 1.0)  # the proto promises [-1, 1] for FLOAT32 too
-    if encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
+    if data is not None:
+        pass
+    elif encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
         data = samples.astype("<f4").tobytes()
     else:
         data = (samples * 32767.0).round().astype("<i2").tobytes()
@@ -257,6 +278,9 @@ def parse_stream_request(data: bytes) -> tts_pb2.StreamSynthesizeRequest | Malfo
 def to_context_request(msg: tts_pb2.ContextConfig, context_id: str, info: ModelInfo,
                        cfg: ServerConfig) -> SynthesisRequest:
     """Validate a context's config (SynthesizeRequest's checks, fields named `config.*`)."""
+    if msg.encoding == tts_pb2.AUDIO_ENCODING_OGG_OPUS:
+        raise InvalidRequest("config.encoding", "OGG_OPUS is one file per call: use Synthesize; "
+                             "a context streams PCM_S16LE, FLOAT32_LE, MULAW or ALAW")
     if msg.HasField("reference") and msg.reference.transcript.strip():
         raise InvalidRequest("config.reference.transcript", "in-context cloning needs the whole text "
                              "before synthesis; leave the transcript empty (speaker-embedding cloning)")
@@ -278,7 +302,11 @@ def to_context_request(msg: tts_pb2.ContextConfig, context_id: str, info: ModelI
 
 
 def stream_chunk_message(context_id: str, chunk: AudioChunk, rate: int, encoding: int):
-    audio = chunk_message(chunk, rate, encoding).audio
+    data = None
+    if encoding in ENCODED:  # G.711 (Opus is refused for contexts): each sample on its own
+        encoder = encoder_for(encoding, rate)
+        data = encoder.encode(chunk.samples) + encoder.finish()
+    audio = chunk_message(chunk, rate, encoding, data).audio
     return tts_pb2.StreamSynthesizeResponse(context_id=context_id, audio=audio)
 
 

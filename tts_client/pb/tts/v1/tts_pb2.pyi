@@ -12,6 +12,9 @@ class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_ENCODING_UNSPECIFIED: _ClassVar[AudioEncoding]
     AUDIO_ENCODING_PCM_S16LE: _ClassVar[AudioEncoding]
     AUDIO_ENCODING_FLOAT32_LE: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_MULAW: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_ALAW: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_OGG_OPUS: _ClassVar[AudioEncoding]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +27,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_PCM_S16LE: AudioEncoding
 AUDIO_ENCODING_FLOAT32_LE: AudioEncoding
+AUDIO_ENCODING_MULAW: AudioEncoding
+AUDIO_ENCODING_ALAW: AudioEncoding
+AUDIO_ENCODING_OGG_OPUS: AudioEncoding
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_MAX_LENGTH: FinishReason
