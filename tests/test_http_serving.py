@@ -198,6 +198,19 @@ async def test_stream_failing_midway_is_cut_not_ended(make_server):
     await wait_idle(app.worker)
 
 
+async def test_body_over_max_request_bytes_is_413(make_server):
+    base, _, app, _ = await make_server(max_request_bytes=4096)
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        r = await client.post(SPEECH, json=LONG | {"ref_audio": "A" * 8192})
+        assert r.status_code == 413
+        error = r.json()["error"]
+        assert error["code"] == "request_too_large" and error["param"] == "body"
+        ok = await client.post(SPEECH, json=LONG | {"max_duration_s": 0.4})
+        assert ok.status_code == 200
+    assert app.worker.metrics.registry.get_sample_value(
+        "tts_requests_total", {"code": "RESOURCE_EXHAUSTED"}) == 1
+
+
 async def test_http_port_in_use_fails_start_up_with_one_line(make_server):
     from tts_server.memory_plan import StartupError
 

@@ -44,7 +44,7 @@ class SpeechHandler:
         code = "OK"
         try:
             return await self._speech(request)
-        except APIError as e:
+        except (APIError, web.HTTPException) as e:  # the latter: 413 from aiohttp's body limit
             code = {400: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 413: "RESOURCE_EXHAUSTED",
                     503: "UNAVAILABLE"}.get(e.status, "INTERNAL")
             raise
