@@ -22,7 +22,9 @@ $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton
 echo "tree: ${COMMIT:-unknown (pass COMMIT=$(git rev-parse --short HEAD))}" | tee -a "$OUT/env.txt"
 
 t0=$(date +%s)
-$PY -m tts_server --port "$PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
+HTTP_PORT=${HTTP_PORT:-8077}
+TRANSPORT=${TRANSPORT:-both}  # grpc | http | both (the OpenAI-compatible API beside gRPC, same run)
+$PY -m tts_server --port "$PORT" --http-port "$HTTP_PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 $PY - "$PORT" "$SERVER" <<'EOF' || { echo "server did not start"; tail -30 "$OUT/server.log"; exit 1; }
@@ -47,7 +49,8 @@ EOF
 echo "server SERVING after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 grep -E "memory plan|batched engine|codec" "$OUT/server.log" | tee -a "$OUT/env.txt"
 
-bench() { timeout "${BENCH_TIMEOUT:-200}" $PY -m tts_client.bench --address "127.0.0.1:$PORT" --no-progress "$@"; }
+bench() { timeout "${BENCH_TIMEOUT:-200}" $PY -m tts_client.bench --address "127.0.0.1:$PORT" \
+  --http-url "http://127.0.0.1:$HTTP_PORT" --transport "$TRANSPORT" --no-progress "$@"; }
 {
   echo "== c=1 =="
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
@@ -57,5 +60,5 @@ bench() { timeout "${BENCH_TIMEOUT:-200}" $PY -m tts_client.bench --address "127
   echo "== open loop $RPS rps =="
   bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
     --max-duration 20 --json "$OUT/rps.json"
-} 2>&1 | tee "$OUT/bench.log" | grep -E "^(==|system|----|grpc|first audio|summary|error)"
+} 2>&1 | tee "$OUT/bench.log" | grep -E "^(==|system|----|grpc|http|first audio|summary|error)"
 tail -5 "$OUT/server.log"
