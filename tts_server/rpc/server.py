@@ -86,8 +86,12 @@ class TTSServer:
         self.http = None
         self.http_port: int | None = None
         if config.http_port is not None and config.http_port >= 0:
-            from ..http.server import HTTPServer
-
+            try:
+                from ..http.server import HTTPServer
+            except ImportError as e:
+                raise StartupError(f"--http-port {config.http_port}: the HTTP API needs {e.name} "
+                                   "(pip install -e '.[server]'), or --http-port -1 to run "
+                                   "without it") from None
             self.http = HTTPServer(worker, info, config, ready=lambda: self.is_ready,
                                    accepting=self.accepting)
 
