@@ -29,7 +29,19 @@ def check(config: ServerConfig) -> None:
     check_device(config.engine, config.device, config.dtype)
     check_devices(config)
     check_port(config.host, config.port)
-    if config.http_port is not None and config.http_port > 0:
+    if config.http_port is not None and config.http_port >= 0:
+        check_http(config)
+
+
+def check_http(config: ServerConfig) -> None:
+    """The HTTP API's libraries are installed and its port is free (and not --port)."""
+    import importlib.util
+
+    for module in ("aiohttp", "av"):
+        if importlib.util.find_spec(module) is None:
+            raise StartupError(f"--http-port {config.http_port}: the HTTP API needs {module} "
+                               "(pip install -e '.[server]'), or --http-port -1 to run without it")
+    if config.http_port > 0:
         if config.http_port == config.port:
             raise StartupError(f"--http-port {config.http_port} is also --port; give the HTTP API "
                                "its own port (or -1 to turn it off)")
