@@ -67,6 +67,7 @@ def test_deployment_matches_the_server():
     c, a = _container(), _args()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["grpc"] == a.port and ports["metrics"] == a.metrics_port
+    assert ports["http"] == a.http_port  # the OpenAI-compatible speech API
     assert c["readinessProbe"]["grpc"] == {"port": a.port, "service": SERVICE_NAME}
     assert c["livenessProbe"]["grpc"]["port"] == c["startupProbe"]["grpc"]["port"] == a.port
     assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"]
