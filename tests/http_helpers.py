@@ -15,9 +15,9 @@ MODEL = "synthetic-tiny"
 SAMPLES_PER_FRAME = 1920  # at the model's 24 kHz
 
 
-async def start_server(tiny_custom, started: list, **overrides):
-    """A TTSServer with its own worker and the HTTP API on a free port; returns
-    (http base URL, gRPC address, app, server)."""
+async def start_server(tts_model, started: list, name: str = MODEL, **overrides):
+    """A TTSServer for the qwen-tts model `tts_model` (named `name`) with its own worker and the
+    HTTP API on a free port; returns (http base URL, gRPC address, app, server)."""
     import torch
 
     from tts_server.app import build_app
@@ -25,9 +25,9 @@ async def start_server(tiny_custom, started: list, **overrides):
     from tts_server.model.loader import LoadedModel
     from tts_server.rpc.server import TTSServer
 
-    cfg = ServerConfig(**(dict(model=MODEL, engine="torch", port=0, http_port=0, max_streams=2)
+    cfg = ServerConfig(**(dict(model=name, engine="torch", port=0, http_port=0, max_streams=2)
                           | overrides))
-    loaded = LoadedModel(MODEL, tiny_custom, True, torch.device("cpu"), torch.float32)
+    loaded = LoadedModel(name, tts_model, True, torch.device("cpu"), torch.float32)
     app = await asyncio.to_thread(build_app, cfg, loaded)
     server = TTSServer(app.worker, app.info, cfg, owns_worker=False)
     started.append((app, server))  # stopped at teardown even if it fails to start

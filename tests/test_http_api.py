@@ -225,3 +225,36 @@ async def test_pipecat_openai_tts_service_speaks(served):
     total = sum(len(f.audio) for f in audio)
     assert 0 < total <= 40 * SAMPLES_PER_FRAME * 2 and total % 2 == 0
     assert await wait_idle(app.worker) < 10 and time.monotonic() - t0 < 120
+
+
+async def test_non_streaming_mode_switches_the_text_mode(served):
+    base, _ = served
+    default = await _post(base, SAME | {"response_format": "pcm"})
+    explicit = await _post(base, SAME | {"response_format": "pcm", "non_streaming_mode": True})
+    streamed = await _post(base, SAME | {"response_format": "pcm", "non_streaming_mode": False})
+    # CustomVoice's default is qwen-tts's: the whole text in the prompt
+    assert default.content == explicit.content != streamed.content
+    assert len(streamed.content) == len(default.content) == FRAMES * SAMPLES_PER_FRAME * 2
+
+
+async def test_base_model_clones_from_ref_audio(tiny_base, reference_audio):
+    started = []
+    base, _, _, _ = await start_server(tiny_base, started, name="synthetic-tiny-base")
+    wav, rate = reference_audio
+    buf = io.BytesIO()
+    soundfile.write(buf, wav, rate, format="WAV")
+    ref = base64.b64encode(buf.getvalue()).decode()
+    body = {"model": "synthetic-tiny-base", "input": "Clone me.", "response_format": "pcm",
+            "seed": 2, "max_duration_s": 0.8}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            x_vector = await client.post(SPEECH, json=body | {"ref_audio": ref, "voice": "alloy"})
+            in_context = await client.post(SPEECH, json=body | {
+                "ref_audio": f"data:audio/wav;base64,{ref}", "ref_text": "Some reference words."})
+            missing = await client.post(SPEECH, json=body)
+    finally:
+        await stop_servers(started)
+    assert x_vector.status_code == in_context.status_code == 200, in_context.text
+    assert len(x_vector.content) == len(in_context.content) == 10 * SAMPLES_PER_FRAME * 2
+    assert x_vector.content != in_context.content  # the transcript joins the prompt
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "ref_audio"
