@@ -121,6 +121,16 @@ def test_cuda_asked_for_without_cuda(args, expected):
     _assert_one_line(_start(*args), expected)
 
 
+def test_json_log_format_reports_a_usage_error_as_one_json_line():
+    res = _start("--log-format", "json", "--max-streams", "many")
+    assert res.returncode == 2
+    (line,) = res.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "CRITICAL"
+    assert "argument --max-streams: invalid int value: 'many'" in record["message"]
+    assert not res.stdout
+
+
 def test_json_log_format_reports_it_as_one_json_line(files):
     res = _start("--log-format", "json", "--model", str(files / "missing"))
     assert res.returncode == 2

@@ -7,6 +7,7 @@ import asyncio
 import faulthandler
 import logging
 import os
+import sys
 
 from tts_client.helpfmt import ArgumentParser
 
@@ -18,9 +19,28 @@ from .logs import quiet_imports, setup_logging
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class _ServerParser(ArgumentParser):
+    """One-line usage errors; with --log-format json among the arguments, a JSON log record (so
+    that stderr carries JSON lines only, as for every other start-up mistake)."""
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str):
+        argv = getattr(self, "_argv", [])
+        wants_json = "--log-format=json" in argv or any(
+            a == "--log-format" and b == "json" for a, b in zip(argv, argv[1:]))
+        if wants_json:
+            setup_logging("INFO", "json")
+            logging.getLogger("tts_server").critical("cannot start: %s (see %s --help)", message, self.prog)
+            self.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
-    p = ArgumentParser(prog="tts-server", description=__doc__)
+    p = _ServerParser(prog="tts-server", description=__doc__)
     p.add_argument("--host", default=d.host,
                    help="listen address (0.0.0.0 or :: for every interface)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
