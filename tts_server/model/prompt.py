@@ -87,7 +87,7 @@ class PromptBuilder:
             spans.append((lo - b0, hi - b0))
         if not blocks:
             return self._fixed("text", (self.cfg.tts_pad_token_id,))[0, :0]
-        t = torch.tensor(blocks, dtype=torch.long).to(self.device)  # one copy, no sync
+        t = torch.tensor(blocks, dtype=torch.long).to(self.talker.device)  # one copy, no sync
         return torch.cat([self._text(t[i:i + 1])[0, a:b] for i, (a, b) in enumerate(spans)])
 
     def eos_vector(self) -> torch.Tensor:
