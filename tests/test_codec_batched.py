@@ -83,6 +83,23 @@ def test_priming_with_reference_codes(dec):
     assert err < TOL
 
 
+def test_snapshot_restores_a_primed_slot_bitwise(dec):
+    """A slot restored from another slot's snapshot (taken after priming with reference frames)
+    continues with exactly the bytes the primed slot gives, and priming does change them."""
+    ref, new = _codes(40, seed=23), _codes(12, seed=24)
+    bd = BatchedCodecDecoder(dec, 3)
+    bd.reset(0, ref_codes=ref)
+    snap = bd.snapshot(0)
+    primed = _run(bd, 0, new)
+    bd.step([2], new[:1])  # stale state the restore must overwrite
+    bd.restore(2, snap)
+    assert bd.num_frames(2) == 40
+    assert np.array_equal(_run(bd, 2, new), primed)
+    bd.reset(1)
+    assert not np.array_equal(_run(bd, 1, new), primed)
+    assert sum(t.numel() * t.element_size() for t in snap) == bd.slot_state_bytes
+
+
 def test_reset_gives_fresh_bytes(dec):
     a = _codes(30, seed=60)
     bd = BatchedCodecDecoder(dec, 2)

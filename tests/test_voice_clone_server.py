@@ -90,3 +90,20 @@ async def test_too_short_reference_rejected(base_server):
         await _say(base_server, reference_audio=_wav_bytes(np.zeros(2400, np.float32), 24000))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "0.10 s" in err.value.details()
+
+
+async def test_repeated_icl_reference_restores_the_primed_codec_state(base_app, base_server,
+                                                                       reference_audio):
+    """The codec state primed with a reference's frames is kept per voice: the same reference
+    again restores it (no priming steps on the engine thread) and gives the same audio."""
+    wav, rate = reference_audio
+    ref = dict(reference_audio=_wav_bytes(wav, rate), reference_text="This is the reference transcript.")
+    worker = base_app.worker
+    first = await _say(base_server, **ref)
+    hits = worker.primed_voice_hits
+    second = await _say(base_server, **ref)
+    assert worker.primed_voice_hits == hits + 1
+    np.testing.assert_array_equal(first.samples, second.samples)
+    await _say(base_server, reference_audio=_wav_bytes(wav[::-1].copy(), rate),
+               reference_text="This is the reference transcript.")
+    assert worker.primed_voice_hits == hits + 1  # another voice is primed, not restored

@@ -134,6 +134,23 @@ class BatchedCodecDecoder:
                 for i in range(ref.shape[0]):
                     self._run([slot], ref[i : i + 1])
 
+    def snapshot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of `slot`'s decoder state (e.g. after priming it with a voice's reference
+        frames), for `restore`; slot_state_bytes of device memory."""
+        self._check_slots([slot])
+        with torch.inference_mode():
+            return [t[slot].clone() for t in self._kc + self._vc + self._hist + [self._nf]]
+
+    def restore(self, slot: int, state: list[torch.Tensor]) -> None:
+        """Admission from a `snapshot`: the slot continues exactly as the snapshot's slot did."""
+        self._check_slots([slot])
+        with torch.inference_mode():
+            torch._foreach_copy_([t[slot] for t in self._kc + self._vc + self._hist + [self._nf]], state)
+
+    @property
+    def slot_state_bytes(self) -> int:
+        return self.state_bytes // (self.max_slots + 1)
+
     def step(self, slots: Sequence[int], codes) -> np.ndarray:
         """codes [B, 16] int64 (numpy or torch, any device) -> float32 numpy [B, 1920]; row i is
         the next frame of slot slots[i] (each slot at most once), clamped to [-1, 1]."""

@@ -23,6 +23,7 @@ from ..model.prompt import Prompt, PromptBuilder, VoiceClone
 class Prepared:
     prompt: Prompt
     ref_codes: torch.Tensor | None  # [R, 16]: primes the codec state (ICL), audio discarded
+    voice_key: str | None = None  # the reference's content hash (voice clones)
 
 
 class RequestPreparer:
@@ -57,22 +58,22 @@ class RequestPreparer:
         if text_ids is None:
             text_ids = self.text_ids(req.text)
         ids = torch.tensor([text_ids], dtype=torch.long)  # [1, T] on the CPU: no device sync
-        clone = self._voice(req.reference) if req.reference is not None else None
+        key, clone = self._voice(req.reference) if req.reference is not None else (None, None)
         non_streaming = self.non_streaming if req.non_streaming is None else req.non_streaming
         prompt = self.builder.build(ids, req.language, req.voice, clone=clone,
                                     non_streaming=non_streaming)
-        return Prepared(prompt, clone.ref_codes if clone is not None else None)
+        return Prepared(prompt, clone.ref_codes if clone is not None else None, key)
 
-    def _voice(self, ref: ReferenceAudio) -> VoiceClone:
-        """The reference's voice-clone prompt, from the cache when the same audio and transcript
-        came before (least recently used entries go first)."""
+    def _voice(self, ref: ReferenceAudio) -> tuple[str, VoiceClone]:
+        """The reference's content hash and voice-clone prompt, from the cache when the same
+        audio and transcript came before (least recently used entries go first)."""
         h = hashlib.sha256(ref.samples.tobytes())
         h.update(f"|{ref.sample_rate}|{ref.samples.dtype}|".encode() + ref.transcript.encode())
         key = h.hexdigest()
         if key in self._voices:
             self._voices.move_to_end(key)
             self.voice_cache_hits += 1
-            return self._voices[key]
+            return key, self._voices[key]
         icl = bool(ref.transcript)
         item = self.tts.create_voice_clone_prompt(
             ref_audio=(ref.samples, ref.sample_rate), ref_text=ref.transcript or None,
@@ -84,4 +85,4 @@ class RequestPreparer:
         self._voices[key] = clone
         if len(self._voices) > self.max_cached_voices:
             self._voices.popitem(last=False)
-        return clone
+        return key, clone

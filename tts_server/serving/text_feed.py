@@ -69,7 +69,7 @@ class TextFeeder:
     def prompt(self, handle: StreamHandle) -> tuple[Prepared, int]:
         """The prefill of a ready context from the tokens it has so far -> (prepared, eos_from)."""
         req, track = handle.request, handle.track
-        clone = self.preparer._voice(req.reference) if req.reference is not None else None
+        clone = self.preparer._voice(req.reference)[1] if req.reference is not None else None
         if clone is not None and clone.ref_codes is not None:
             raise InvalidRequest("config.reference.transcript", "in-context cloning is not "
                                  "available for incremental text; leave the transcript empty")
