@@ -57,3 +57,31 @@ async def test_opus_rate_outside_its_set_is_invalid(tiny_server):
                                                  sample_rate_hz=22050))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sample_rate_hz: opus takes")
+
+
+async def test_stream_synthesize_contexts_speak_g711_and_refuse_opus(tiny_server):
+    from tts_client.text_stream import ContextResult
+
+    async def speak(encoding, sample_rate_hz=0):
+        async with TTSClient(tiny_server) as client:
+            call = client.text_stream(timeout=120)
+            await call.open("c", voice="ryan", language="english", greedy=True, seed=3,
+                            max_duration_s=0.8, encoding=encoding, sample_rate_hz=sample_rate_hz)
+            await call.text("c", "Telephony, streamed in.")
+            await call.end("c")
+            result = ContextResult()
+            async for msg in call:
+                result.add(msg)
+                if result.done is not None:
+                    break
+            await call.close()
+            return result
+
+    mulaw = await speak(tts_pb2.AUDIO_ENCODING_MULAW)
+    pcm = await speak(tts_pb2.AUDIO_ENCODING_PCM_S16LE, 8000)
+    assert mulaw.done.error_code == 0 and mulaw.sample_rate == 8000
+    assert mulaw.audio.shape == pcm.audio.shape and mulaw.audio.shape[0] == mulaw.done.num_frames * 640
+    assert np.abs(mulaw.audio - pcm.audio).max() <= 0.035
+    opus = await speak(tts_pb2.AUDIO_ENCODING_OGG_OPUS)
+    assert opus.done.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert opus.done.error_message.startswith("config.encoding: OGG_OPUS")
