@@ -1,5 +1,6 @@
-"""Batch-invariant skinny GEMMs (linear, fused SwiGLU) and RMSNorm in Triton. Tile configs depend on
-(N, K) only, never on M; fp32 activations go through two bf16 tensor-core dots (hi + lo parts)."""
+"""Batch-invariant skinny GEMMs (linear, fused SwiGLU) and RMSNorm in Triton. Each row's reduction
+order depends on (N, K) only, never on M (the tile may); fp32 activations go through two bf16
+tensor-core dots (hi + lo parts)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4, 1 << 30, 2)}
 # The 0.6B shapes on an H100: BLOCK_K / chunk / terms from the ops sweep
 # (benchmarks/results/batched_ops_h100_run2.json, gemm_sweep), then per M bucket the fastest
-# (BLOCK_M, BLOCK_N, warps, stages) of scripts/gpu_gemm_tiles.py (largest M first applies above).
+# (BLOCK_M, BLOCK_N, warps, stages) of scripts/gpu_gemm_tiles.py.
 TUNED: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): (64, 64, 128, 4, 3, 1024, 2),   # q|k|v
     ("linear", 1024, 2048): (64, 64, 64, 4, 3, 512, 2),     # o_proj (split-K 4)
