@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from .client import TTSClient, build_request
 from .helpfmt import ArgumentParser
 from .pb.tts.v1 import tts_pb2
 from .stats import RequestRecord, capacity, format_table, summarize, summary_line
-from .workloads import WORKLOADS, load_text_file, schedule
+from .workloads import WORKLOADS, load_text_file, open_loop, poisson_arrivals, schedule
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = b"\x08\x01"  # HealthCheckResponse{status: SERVING} in protobuf wire format
@@ -173,30 +172,14 @@ async def run_rate(address: str, items, rps: float, a, voice: str, frame_rate: f
     """Open loop: the requests arrive as a Poisson process of `rps` per second (seeded), whatever
     the server's state, spread over `a.channels` channels; each arrival's lag behind its schedule
     is recorded (the load generator's own delay, not the server's)."""
-    rng = random.Random(a.seed + int(rps * 1000))
-    arrivals, t = [], 0.0
-    for _ in items:
-        t += rng.expovariate(rps)
-        arrivals.append(t)
+    arrivals = poisson_arrivals(len(items), rps, a.seed)
     clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
                for _ in range(min(a.channels, len(items)))]
     try:
         await asyncio.gather(*(asyncio.wait_for(c.channel.channel_ready(), 30) for c in clients))
-        t_level, tasks = time.perf_counter(), []
-
-        async def one(i, item):
-            rec = await run_one(clients[i % len(clients)], item, rps, voice, frame_rate, a.timeout,
-                                a.preroll_ms / 1000, t_level, "grpc-rps", arrivals[i])
-            if progress:
-                progress.update(rec.status == "OK")
-            return rec
-
-        for i, item in enumerate(items):
-            delay = t_level + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, item)))
-        return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+        return await open_loop(items, arrivals, lambda i, item, t_start: run_one(
+            clients[i % len(clients)], item, rps, voice, frame_rate, a.timeout,
+            a.preroll_ms / 1000, t_start, "grpc-rps", arrivals[i]), progress)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
 

@@ -5,10 +5,10 @@ same records: TTFC = send -> first body bytes, each body read is one arrival."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 from .stats import RequestRecord
+from .workloads import open_loop, poisson_arrivals
 
 STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 413: "RESOURCE_EXHAUSTED",
           429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
@@ -87,24 +87,8 @@ async def run_level(base_url: str, model: str, items, level: int, a, voice: str,
 async def run_rate(base_url: str, model: str, items, rps: float, a, voice: str,
                    frame_rate: float, progress) -> list[RequestRecord]:
     """Open loop: Poisson arrivals at `rps` (the same seeded schedule as gRPC's open loop)."""
-    rng = random.Random(a.seed + int(rps * 1000))
-    arrivals, t = [], 0.0
-    for _ in items:
-        t += rng.expovariate(rps)
-        arrivals.append(t)
+    arrivals = poisson_arrivals(len(items), rps, a.seed)
     async with _session(0) as session:
-        t_level, tasks = time.perf_counter(), []
-
-        async def one(i, item):
-            rec = await run_one(session, base_url, model, item, rps, voice, frame_rate, a.timeout,
-                                a.preroll_ms / 1000, t_level, "http-rps", arrivals[i])
-            if progress:
-                progress.update(rec.status == "OK")
-            return rec
-
-        for i, item in enumerate(items):
-            delay = t_level + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, item)))
-        return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+        return await open_loop(items, arrivals, lambda i, item, t_start: run_one(
+            session, base_url, model, item, rps, voice, frame_rate, a.timeout,
+            a.preroll_ms / 1000, t_start, "http-rps", arrivals[i]), progress)

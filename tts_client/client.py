@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 
 from .audio import chunk_samples
+from .messages import set_sampling_and_reference
 from .pb.tts.v1 import tts_pb2, tts_pb2_grpc
 from .text_stream import TextStream
 
@@ -23,16 +24,8 @@ def build_request(text: str, *, voice: str = "", language: str = "", sample_rate
     req = tts_pb2.SynthesizeRequest(text=text, voice=voice, language=language, encoding=encoding,
                                     sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s,
                                     request_id=request_id)
-    if seed is not None or greedy or sampling:
-        req.sampling.greedy = greedy
-        if seed is not None:
-            req.sampling.seed = seed
-        for name, value in sampling.items():
-            if value is not None:
-                setattr(req.sampling, name, value)
-    if reference_audio:
-        req.reference.audio = reference_audio
-        req.reference.transcript = reference_text
+    set_sampling_and_reference(req, seed=seed, greedy=greedy, sampling=sampling,
+                               reference_audio=reference_audio, reference_text=reference_text)
     return req
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .audio import chunk_samples
+from .messages import set_sampling_and_reference
 from .pb.tts.v1 import tts_pb2
 
 
@@ -27,15 +28,8 @@ def context_config(*, voice: str = "", language: str = "", sample_rate_hz: int =
     cfg = tts_pb2.ContextConfig(voice=voice, language=language, encoding=encoding,
                                 sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s,
                                 request_id=request_id)
-    if seed is not None or greedy or sampling:
-        cfg.sampling.greedy = greedy
-        if seed is not None:
-            cfg.sampling.seed = seed
-        for name, value in sampling.items():
-            if value is not None:
-                setattr(cfg.sampling, name, value)
-    if reference_audio:
-        cfg.reference.audio = reference_audio
+    set_sampling_and_reference(cfg, seed=seed, greedy=greedy, sampling=sampling,
+                               reference_audio=reference_audio)
     return cfg
 
 

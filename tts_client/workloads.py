@@ -3,8 +3,10 @@ and a seeded request schedule whose per-request audio caps are explicit and shar
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import time
 from dataclasses import dataclass
 
 
@@ -145,3 +147,33 @@ def schedule(utterances, num_requests: int, seed: int, max_duration_s: float,
         frames = cap if fixed else min(cap, max(1, math.ceil(spoken_seconds(u.text) * frame_rate)))
         out.append(BenchRequest(i, u, seed + i, frames))
     return out
+
+
+def poisson_arrivals(num: int, rps: float, seed: int) -> list[float]:
+    """Seconds from the start at which `num` requests arrive as a Poisson process of `rps` per
+    second (seeded by rate: gRPC and HTTP runs at one rate get the same schedule)."""
+    rng = random.Random(seed + int(rps * 1000))
+    arrivals, t = [], 0.0
+    for _ in range(num):
+        t += rng.expovariate(rps)
+        arrivals.append(t)
+    return arrivals
+
+
+async def open_loop(items, arrivals: list[float], run, progress=None) -> list:
+    """Starts `run(i, item, t_start)` for item i at t_start + arrivals[i] whatever is still in
+    flight -> the records (each with .index and .status), in request order."""
+    t_start, tasks = time.perf_counter(), []
+
+    async def one(i, item):
+        rec = await run(i, item, t_start)
+        if progress:
+            progress.update(rec.status == "OK")
+        return rec
+
+    for i, item in enumerate(items):
+        delay = t_start + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, item)))
+    return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
