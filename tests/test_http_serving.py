@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
 import ssl
-import subprocess
 import time
 
 import grpc
@@ -35,18 +33,6 @@ async def make_server(tiny_custom):
 
     yield start
     await stop_servers(started)
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
 
 
 def _active(app) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,18 +14,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tts_client.client import TTSClient, build_request
 
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
 
 
 @pytest.fixture
