@@ -27,25 +27,7 @@ TRANSPORT=${TRANSPORT:-both}  # grpc | http | both (the OpenAI-compatible API be
 $PY -m tts_server --port "$PORT" --http-port "$HTTP_PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
-$PY - "$PORT" "$SERVER" <<'EOF' || { echo "server did not start"; tail -30 "$OUT/server.log"; exit 1; }
-import os, sys, time, grpc
-port, pid = sys.argv[1], int(sys.argv[2])
-deadline = time.time() + 420
-with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-    check = ch.unary_unary("/grpc.health.v1.Health/Check")
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            sys.exit(1)
-        try:
-            if check(b"", timeout=2) == b"\x08\x01":
-                sys.exit(0)
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-sys.exit(1)
-EOF
+$PY scripts/wait_serving.py "$PORT" "$SERVER" 420 || { echo "server did not start"; tail -30 "$OUT/server.log"; exit 1; }
 echo "server SERVING after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 grep -E "memory plan|batched engine|codec" "$OUT/server.log" | tee -a "$OUT/env.txt"
 
