@@ -20,22 +20,9 @@ from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Mode
 from ..config import ServerConfig
 from ..logs import request_id_var
 from . import convert, stream_session
+from .stream_session import WRITE_FAILED, Abort
 
 log = logging.getLogger(__name__)
-
-
-try:  # raised by context.write when the call has already ended on the client's side
-    from grpc._cython.cygrpc import ExecuteBatchError as _WRITE_FAILED
-except ImportError:  # pragma: no cover - other grpcio builds
-    _WRITE_FAILED = ()
-
-
-class _Abort(Exception):
-    """Raised inside a handler to end the call with `code`; Synthesize counts and aborts."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 def _status_of(error: BaseException | None) -> tuple[grpc.StatusCode, str]:
@@ -76,10 +63,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.num_in_flight += 1
         try:
             if self.draining:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                raise Abort(grpc.StatusCode.UNAVAILABLE,
                              "server is draining (shutting down); retry on another replica")
             await self._synthesize(request, context, request_id)
-        except _Abort as e:
+        except Abort as e:
             code = e.code.name
             log.info("request %s ended with %s: %s", request_id, code, e.details,
                      extra={"code": code, "request_id": request_id})
@@ -99,12 +86,12 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     async def _synthesize(self, request, context, request_id: str):
         t0 = time.monotonic()
         if isinstance(request, convert.MalformedRequest):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.field}: {request.message}")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.field}: {request.message}")
         try:
             req = convert.to_request(request, self.info, self.config, request_id)
             handle = self.worker.submit(req, asyncio.get_running_loop())
         except (InvalidRequest, Overloaded, ShuttingDown, EngineFailure) as e:
-            raise _Abort(*_status_of(e)) from None
+            raise Abort(*_status_of(e)) from None
         try:
             await self._stream(req, handle, request, context, t0)
         finally:
@@ -127,7 +114,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             # pauses in the engine once max_buffer_s of audio waits, and ends after `stall`.
             try:
                 await asyncio.wait_for(context.write(message), stall)
-            except _WRITE_FAILED as e:
+            except WRITE_FAILED as e:
                 # the client hung up (or its deadline passed) while this write was in flight:
                 # the same as the CancelledError that would otherwise reach us at the next await
                 log.debug("write failed (client gone: %s): %r", context.cancelled(), e)
@@ -135,7 +122,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             except asyncio.TimeoutError:
                 log.warning("request %s: client read nothing for %.0f s; ending the stream",
                             req.request_id, stall)
-                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"client read no audio for {stall:g} s; stream ended "
                              f"({handle.backlog_s():.1f} s of audio unsent)") from None
 
@@ -165,7 +152,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     continue
                 end = event
             if end.finish_reason is FinishReason.ERROR:
-                raise _Abort(*_status_of(end.error))
+                raise Abort(*_status_of(end.error))
             tail = await encode(encoder.finish) if encoder else b""
             if tail:  # what the encoder held back (Opus: the final Ogg page), no new samples
                 await write(tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(

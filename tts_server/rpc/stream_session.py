@@ -26,13 +26,13 @@ log = logging.getLogger(__name__)
 MAX_OPEN_CONTEXTS = 4  # per call: enough for a barge-in (the next opens while the last cancels)
 
 try:  # raised by context.write when the call has already ended on the client's side
-    from grpc._cython.cygrpc import ExecuteBatchError as _WRITE_FAILED
+    from grpc._cython.cygrpc import ExecuteBatchError as WRITE_FAILED
 except ImportError:  # pragma: no cover - other grpcio builds
-    _WRITE_FAILED = ()
+    WRITE_FAILED = ()
 
 
 class Abort(Exception):
-    """Ends the whole call with `code`."""
+    """Raised inside a handler (Synthesize or StreamSynthesize) to end the whole call with `code`."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -233,7 +233,7 @@ class StreamSession:
         async with self._lock:
             try:
                 await asyncio.wait_for(self.call.write(message), stall)
-            except _WRITE_FAILED:
+            except WRITE_FAILED:
                 raise asyncio.CancelledError() from None  # the client hung up
             except asyncio.TimeoutError:
                 self._stalled = f"client read nothing for {stall:g} s; call ended"
