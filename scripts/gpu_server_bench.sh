@@ -7,7 +7,10 @@
 #      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms);
 #   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
 #      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns.
-# Results: $OUT/{server.log, c1.json, cN.json, rps.json, bench.log, env.txt}; tables print last.
+#   4. (TEXT_BENCH, default 1,16,64; empty: skip) incremental text: that many StreamSynthesize calls
+#      fed a word at a time (tts_client.text_bench).
+# Results: $OUT/{server.log, c1.json, cN.json, rps.json, text.json, steps.jsonl (one line per engine
+# step, TTS_STEP_TRACE), bench.log, env.txt}; tables print last.
 # Wheels the GPU image lacks are carried in .whl/ (scripts/fetch_gpu_wheels.sh).
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -24,7 +27,7 @@ echo "tree: ${COMMIT:-unknown (pass COMMIT=$(git rev-parse --short HEAD))}" | te
 t0=$(date +%s)
 HTTP_PORT=${HTTP_PORT:-8077}
 TRANSPORT=${TRANSPORT:-both}  # grpc | http | both (the OpenAI-compatible API beside gRPC, same run)
-$PY -m tts_server --port "$PORT" --http-port "$HTTP_PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
+TTS_STEP_TRACE="$OUT/steps.jsonl" $PY -m tts_server --port "$PORT" --http-port "$HTTP_PORT" --model synthetic --metrics-port -1 $SERVER_ARGS >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 $PY scripts/wait_serving.py "$PORT" "$SERVER" 420 || { echo "server did not start"; tail -30 "$OUT/server.log"; exit 1; }
@@ -33,14 +36,21 @@ grep -E "memory plan|batched engine|codec" "$OUT/server.log" | tee -a "$OUT/env.
 
 bench() { timeout "${BENCH_TIMEOUT:-200}" $PY -m tts_client.bench --address "127.0.0.1:$PORT" \
   --http-url "http://127.0.0.1:$HTTP_PORT" --transport "$TRANSPORT" --no-progress "$@"; }
+phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up with steps.jsonl
 {
-  echo "== c=1 =="
+  phase c=1
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
-  echo "== c=$STREAMS x ${DURATION}s =="
+  phase "c=$STREAMS x ${DURATION}s"
   bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
     --max-duration "$DURATION" --fixed-duration --json "$OUT/cN.json"
-  echo "== open loop $RPS rps =="
+  phase "open loop $RPS rps"
   bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
     --max-duration 20 --json "$OUT/rps.json"
-} 2>&1 | tee "$OUT/bench.log" | grep -E "^(==|system|----|grpc|http|first audio|summary|error)"
+  if [ -n "${TEXT_BENCH-1,16,64}" ]; then  # StreamSynthesize fed a word at a time (issue 20)
+    phase "incremental text ${TEXT_BENCH-1,16,64}"
+    timeout 300 $PY -m tts_client.text_bench --address "127.0.0.1:$PORT" --concurrency "${TEXT_BENCH-1,16,64}" \
+      --json "$OUT/text.json"
+  fi
+  phase end
+} 2>&1 | tee "$OUT/bench.log" | grep -E "^(==|system|----|grpc|http|first audio|summary|error|streams|text|  )"
 tail -5 "$OUT/server.log"

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -100,6 +102,11 @@ class Worker:
         # codec states primed with a voice clone's reference frames, by the reference's hash
         self._primed: collections.OrderedDict[str, list] = collections.OrderedDict()
         self.primed_voice_hits = 0
+        # diagnostics: TTS_STEP_TRACE=<path> appends one JSON line per step (benchmark scripts)
+        trace = os.environ.get("TTS_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1)  # line-buffered if trace else None
+        self._trace_t0 = time.monotonic() - time.time()  # monotonic -> unix time, for lining up with clients
+        self._trace_rec: dict = {}
 
     # ---- any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -384,6 +391,18 @@ class Worker:
         num_streams = len(plan.step) + len(admissions)
         if num_streams:  # the step's own cost for that many streams, without its admissions
             self.step_cost.observe(num_streams, dt - self._admit_s)
+        if self._trace is not None:
+            self._write_trace(t0, dt, plan, len(admissions))
+
+    def _write_trace(self, t0: float, dt: float, plan, num_admitted: int) -> None:
+        frame_s = self.scheduler.cfg.frame_s
+        leads = [s.lead_s(t0, frame_s) for s in plan.step]
+        leads = [x for x in leads if x != float("inf")]
+        rec = dict(t=round(t0 - self._trace_t0, 4), dt=round(dt, 5), admit=num_admitted, step=len(plan.step),
+                   waiting=len(self.scheduler.waiting), admit_s=round(self._admit_s, 5),
+                   min_lead=round(min(leads), 4) if leads else None, **self._trace_rec)
+        self._trace_rec = {}
+        self._trace.write(json.dumps(rec) + "\n")
 
     def _run_step(self, streams: list[Stream], admissions: list[Admission], t0: float) -> None:
         # admitted streams make their first frame in the same step, unless (StreamSynthesize) the
@@ -437,6 +456,10 @@ class Worker:
                 self._finish(stream, FinishReason.ERROR, StreamFailure(f"codec decode: {e}"))
             return
         t_codec = time.monotonic()
+        if self._trace is not None:
+            self._trace_rec = dict(prepare_s=round(t_run - t0, 5), prefill_s=round(out.prefill_s, 5),
+                                   decode_s=round(out.decode_s, 5), engine_s=round(t_engine - t_run, 5),
+                                   codec_s=round(t_codec - t_engine, 5))
         prepare_s = t_run - t0  # this step's prompt preparation, before the engine call
         for stream in admitted:
             stream.timings.update(prefill_ms=(prepare_s + out.prefill_s) * 1e3, prepare_ms=prepare_s * 1e3,
