@@ -175,10 +175,54 @@ def check_invariance(ops, dev: str, sizes=(1, 3, 17, 64)) -> None:
             assert all(torch.equal(a, b) for a, b in zip(outs[0], o)), name
 
 
+def prefill_attn_case(lens, nh: int, nkv: int, hd: int, block: int, seed: int, dev: str):
+    """Rows of prompts of these lengths (concatenated) over their own scratch blocks, as
+    prefill.rows_plan lays them out -> (q, k, v, table, pos, qrow, qn) on dev."""
+    from tts_server.engines.batched.prefill import rows_plan
+
+    g = _gen(seed)
+    nb = [-(-n // block) for n in lens]
+    blocks = [list(range(sum(nb[:a]), sum(nb[:a + 1]))) for a in range(len(lens))]
+    plan = rows_plan(list(lens), blocks, block)
+    k = torch.zeros(sum(nb), nkv, block, hd)
+    v = torch.zeros(sum(nb), nkv, block, hd)
+    for a, n in enumerate(lens):  # only the prompt's own positions hold K/V (the rest stay 0)
+        for p in range(n):
+            k[blocks[a][p // block], :, p % block] = torch.randn(nkv, hd, generator=g)
+            v[blocks[a][p // block], :, p % block] = torch.randn(nkv, hd, generator=g)
+    q = torch.randn(sum(lens), nh, hd, generator=g)
+    return [t.to(dev) for t in (q, k, v, plan["table"], plan["pos"], plan["qrow"], plan["qn"])]
+
+
+def check_prefill_attention(ops, dev: str) -> float:
+    """Against the reference, and every prompt's rows bitwise the same alone as among others."""
+    lens = (1, 17, 40, 16, 3, 70)
+    case = prefill_attn_case(lens, 4, 2, 32, 16, 7, dev)
+    out = ops.prefill_attention(*case, 0.2)
+    ref = ops_ref.prefill_attention(*[c.cpu() for c in case], 0.2)
+    err = _rel(out, ref)
+    assert err < F32_TOL, err
+    start = 0
+    for a, n in enumerate(lens):
+        alone = prefill_attn_case((n,), 4, 2, 32, 16, 7, dev)
+        # the same prompt's q/k/v as inside the crowd
+        rows = slice(start, start + n)
+        nb = -(-n // 16)
+        first = sum(-(-m // 16) for m in lens[:a])
+        alone[0] = case[0][rows].clone()
+        alone[1] = case[1][first:first + nb].clone()
+        alone[2] = case[2][first:first + nb].clone()
+        got = ops.prefill_attention(*alone, 0.2)
+        assert torch.equal(got, out[rows]), (a, n)
+        start += n
+    return err
+
+
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     from tts_server.engines.batched import ops
 
     res = check_accuracy(ops, dev)
+    res["prefill_attention"] = check_prefill_attention(ops, dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_invariance(ops, dev, sizes)
@@ -281,7 +325,7 @@ def test_triton_kernels_in_interpreter():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert max(errors.values()) < LIN_TOL, errors
+    assert max(errors.values()) < LIN_TOL and "prefill_attention" in errors, errors
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
-ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # prompt rows of a graph-captured prefill
+ROW_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # prompt rows of a graph-captured prefill (steps of <= 1.5x: less padding)
 # the prefill graphs' pool (activations and fp32 attention scratch of the largest bucket): measured
 # on the H100 with the 0.6B shapes, 4.39 GiB for 4096 rows
 ROW_GRAPH_BYTES_PER_ROW = int(1.1 * 2**20)

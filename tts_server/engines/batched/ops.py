@@ -9,6 +9,8 @@ import torch
 
 from . import ops_ref
 
+PREFILL_QB = 16  # prefill_attention: rows per query block (consecutive rows of one prompt)
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     """Triton for CUDA tensors, and for CPU tensors when the Triton interpreter is on."""
@@ -52,6 +54,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if _use_triton(q):
         return _kernels().paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
     return ops_ref.paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                      pos: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a step's prompt rows over their prompts' own fp32 K/V. q [N, NH, HD]
+    fp32; k/v [S, NKV, BLOCK, HD] fp32; table [N, MAX_BLOCKS] int32; pos [N] int32; qrow/qn [Q]
+    int32 query blocks of consecutive rows of one prompt (`prefill.query_blocks`) -> [N, NH, HD]:
+    row r over positions 0..pos[r] of its table; rows in no query block give zeros. A row's bits
+    depend on its own prompt only (the query blocks are the prompt's)."""
+    if _use_triton(q):
+        return _kernels().prefill_attention(q, k, v, table, pos, qrow, qn, scale)
+    return ops_ref.prefill_attention(q, k, v, table, pos, qrow, qn, scale)
 
 
 def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,

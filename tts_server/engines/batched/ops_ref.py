@@ -48,6 +48,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                      pos: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor, scale: float) -> torch.Tensor:
+    """ops.prefill_attention: each row of a query block over positions 0..pos of its table."""
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for r0, n in zip(qrow.tolist(), qn.tolist()):
+        covered[r0:r0 + n] = True
+    covered = covered.to(q.device)
+    return paged_attention(q, k, v, table, torch.where(covered, pos.to(torch.int32) + 1, 0), scale)
+
+
 def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
                     n_sampled: torch.Tensor, eos: int, suppress_start: int,
                     min_new_tokens: int) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model.lm import apply_rope, rope_cos_sin
+from .ops import PREFILL_QB
 from .params import StackParams
 
 
@@ -113,27 +114,49 @@ class PrefillGraphs:
         return self.hidden
 
 
+def query_blocks(lens: list[int], qb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill attention's query blocks: each prompt's rows (prompts concatenated in order) cut
+    into runs of at most qb from the prompt's first row -> (first row [Q] int32, rows [Q] int32).
+    A prompt's blocks depend on its length alone, never on the other prompts."""
+    starts = np.cumsum([0] + list(lens[:-1]))
+    first, count = [], []
+    for s, n in zip(starts, lens):
+        for r in range(0, n, qb):
+            first.append(s + r)
+            count.append(min(qb, n - r))
+    return torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32)
+
+
+def max_query_blocks(rows: int, prompts: int, qb: int) -> int:
+    """An upper bound of len(query_blocks(lens)) for sum(lens) <= rows and len(lens) <= prompts."""
+    return rows // qb + prompts
+
+
 def rows_plan(lens: list[int], blocks: list[list[int]], bs: int) -> dict[str, torch.Tensor]:
     """Host tensors of a batched prefill: each prompt's tokens are rows; prompt a's K/V go to its
     own scratch blocks (numbered in order), which are copied to its slot's blocks `blocks[a]`.
     -> table [N, max blocks] int32 (each row's scratch blocks), pos [N] int32, last [A] long (each
-    prompt's last row), dst [total blocks] long (the pool block of every scratch block)."""
+    prompt's last row), dst [total blocks] long (the pool block of every scratch block), qrow / qn
+    [Q] int32 (the attention's query blocks, `query_blocks`)."""
     nb = [len(b) for b in blocks]
     base = np.cumsum([0] + nb[:-1])
     table = torch.zeros(len(blocks), max(nb), dtype=torch.int32)
     for a, n in enumerate(nb):
         table[a, :n] = torch.arange(base[a], base[a] + n, dtype=torch.int32)
     rows = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lens))
+    qrow, qn = query_blocks(lens, PREFILL_QB)
     return dict(table=table[rows], pos=torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]),
-                last=torch.tensor(np.cumsum(lens) - 1), dst=torch.tensor([b for bl in blocks for b in bl]))
+                last=torch.tensor(np.cumsum(lens) - 1), dst=torch.tensor([b for bl in blocks for b in bl]),
+                qrow=qrow, qn=qn)
 
 
 @torch.inference_mode()
 def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-                      last: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+                      last: torch.Tensor, dst: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor) -> torch.Tensor:
     """The device part of `prefill_rows_fp32_attention` (no host values: CUDA-graph capturable).
     x [N, H] fp32; table [N, B] int32 (scratch blocks of each row); pos [N] int32; last [A] long;
-    dst [S] long: the pool block each of the S scratch blocks is copied to -> [A, H] fp32."""
+    dst [S] long: the pool block each of the S scratch blocks is copied to; qrow / qn [Q] int32: the
+    attention's query blocks (`query_blocks`) -> [A, H] fp32."""
     from . import glue, ops
     from .frame import stack_forward
 
@@ -150,7 +173,7 @@ def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor,
 
     def attend(i, qkv):
         q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, tk, tv, blk, off, nh, nkv, eps)
-        out = ops.paged_attention(q, tk, tv, table, pos + 1, scale)
+        out = ops.prefill_attention(q, tk, tv, table, pos, qrow, qn, scale)
         kv.k[i][dst] = tk.to(kv.k.dtype)
         kv.v[i][dst] = tv.to(kv.v.dtype)
         return out
@@ -169,7 +192,7 @@ def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list
     blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H]."""
     plan = rows_plan(lens, blocks, kv.block_size)
     dev = x.device
-    return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst")))
+    return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst", "qrow", "qn")))
 
 
 class RowPrefillGraphs:
@@ -190,11 +213,14 @@ class RowPrefillGraphs:
                                 table=torch.full((n, -(-n // bs)), nblk - 1, dtype=torch.int32, device=dev),
                                 last=torch.zeros(a, dtype=torch.long, device=dev),
                                 dst=torch.zeros(nblk, dtype=torch.long, device=dev),
+                                qrow=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
+                                qn=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
                                 out=torch.zeros(a, h, device=dev))
 
         def fn(n):
             b = self.bufs[n]
-            b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"]))
+            b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"],
+                                             b["qrow"], b["qn"]))
 
         self.graphs = capture(fn, sizes, dev)  # warm-up: the buffers write only pool block 0
 
@@ -221,9 +247,13 @@ class RowPrefillGraphs:
         pos[:rows] = plan["pos"]
         last = torch.zeros(b["last"].shape[0], dtype=torch.long)
         last[:nprompt] = plan["last"]
+        qrow = torch.zeros(b["qrow"].shape[0], dtype=torch.int32)
+        qn = torch.zeros(b["qn"].shape[0], dtype=torch.int32)  # unused blocks: 0 rows
+        qrow[:plan["qrow"].shape[0]] = plan["qrow"]
+        qn[:plan["qn"].shape[0]] = plan["qn"]
         b["x"][:rows].copy_(x)
         b["x"][rows:].zero_()
-        for k, v in (("table", table), ("pos", pos), ("last", last), ("dst", dst)):
+        for k, v in (("table", table), ("pos", pos), ("last", last), ("dst", dst), ("qrow", qrow), ("qn", qn)):
             b[k].copy_(v)
         self.graphs[n].replay()
         return b["out"][:nprompt]
