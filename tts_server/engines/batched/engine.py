@@ -212,8 +212,10 @@ class BatchedEngine:
             n = self.row_graphs.bucket(lens, blocks) if self.row_graphs is not None else None
             hidden = (self.row_graphs.run(n, x, lens, blocks) if n is not None
                       else prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
-        for a, h, n in zip(admissions, hidden, lens):
-            self.state.admit(a.slot, a.sampling, n, a.prompt.trailing, a.prompt.pad_embed, h, a.eos_from)
+        self.state.admit_many([a.slot for a in admissions], [a.sampling for a in admissions], lens,
+                              [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
+                              hidden, [a.eos_from for a in admissions])
+        for a, n in zip(admissions, lens):
             self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
             self.positions[a.slot] = n
         return self._first_draws([a.slot for a in admissions], hidden)

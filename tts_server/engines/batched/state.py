@@ -44,23 +44,33 @@ class SlotState:
     def admit(self, slot: int, sampling: SamplingConfig, length: int, trailing: torch.Tensor,
               pad_embed: torch.Tensor, past_hidden: torch.Tensor, eos_from: int = 0) -> None:
         """Fill `slot` for a stream whose prefill covered `length` positions (code 0 not yet drawn)."""
-        n_tr = trailing.shape[0]
-        if n_tr > self.max_trailing:
-            raise ValueError(f"{n_tr} pending text vectors exceed {self.max_trailing}")
+        self.admit_many([slot], [sampling], [length], [trailing], [pad_embed], past_hidden[None], [eos_from])
+
+    def admit_many(self, slots: list[int], samplings: list[SamplingConfig], lengths: list[int],
+                   trailings: list[torch.Tensor], pad_embeds: list[torch.Tensor], past_hidden: torch.Tensor,
+                   eos_froms: list[int]) -> None:
+        """`admit` for a step's admissions at once (a handful of copies for all of them, however
+        many): past_hidden [A, H]; the other lists one entry per slot."""
+        n_tr = [t.shape[0] for t in trailings]
+        if max(n_tr) > self.max_trailing:
+            raise ValueError(f"{max(n_tr)} pending text vectors exceed {self.max_trailing}")
         dev = self.ints.device
-        s = sampling
-        self.ints[:, slot] = torch.tensor(
-            [length, 0, 0, 0, n_tr, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample),
-             int(s.subtalker_top_k), eos_from], dtype=torch.int32).to(dev, non_blocking=True)
-        self.floats[:, slot] = torch.tensor(
-            [s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p],
-            dtype=torch.float32).to(dev, non_blocking=True)
-        self.seed[slot] = int(s.seed) & (2**63 - 1)
-        self.past_hidden[slot] = past_hidden
-        if n_tr:
-            self.trailing[slot, :n_tr] = trailing.to(dev, self.trailing.dtype)
-        self.pad_embed[slot] = pad_embed.to(dev, self.pad_embed.dtype)
-        self.seen[slot].zero_()
+        rows = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        self.ints[:, rows] = torch.tensor(
+            [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample), int(s.subtalker_top_k), e]
+             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T.to(dev, non_blocking=True)
+        self.floats[:, rows] = torch.tensor(
+            [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
+             for s in samplings], dtype=torch.float32).T.to(dev, non_blocking=True)
+        self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev)
+        self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
+        if sum(n_tr):
+            which = torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)).to(dev, non_blocking=True)
+            at = torch.cat([torch.arange(t) for t in n_tr]).to(dev, non_blocking=True)
+            vectors = torch.cat([t.to(dev) for t in trailings if t.shape[0]])
+            self.trailing[which, at] = vectors.to(self.trailing.dtype)
+        self.pad_embed[rows] = torch.stack([p.to(dev) for p in pad_embeds]).to(self.pad_embed.dtype)
+        self.seen[rows] = 0
 
     def extend_text(self, slot: int, start: int, vectors: torch.Tensor, eos_from: int | None) -> None:
         """Write text-track vectors [n, H] at `start` of `slot`'s track (StreamSynthesize)."""
