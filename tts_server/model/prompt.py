@@ -4,10 +4,13 @@ Layout (0.6B models): role block P(<|im_start|> assistant \\n); codec prefix
 [think|nothink, think_bos, (lang), think_eos, (speaker), pad, bos] summed with tts_pad.../tts_bos;
 then the text part, in streaming-text or non-streaming mode, or the ICL block for voice clones.
 P(x) = text_projection(text_embedding(x)); C(c) = the talker's codec embedding.
+`build_many` builds a step's prompts together: each row planned on the host, all materialised
+with a few gathers and one addition, bitwise equal to `build` one by one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,31 @@ class VoiceClone:
     speaker_embedding: torch.Tensor  # [H] x-vector
     ref_codes: torch.Tensor | None = None  # [R, 16] reference frames (ICL mode), else None
     ref_ids: torch.Tensor | None = None  # [1, n] tokenized "<|im_start|>assistant\n{ref}<|im_end|>\n"
+
+
+@dataclass
+class PromptItem:
+    """What `build` takes, for `build_many`."""
+
+    input_ids: torch.Tensor  # [1, T] on the CPU
+    language: str = "auto"
+    speaker: str | None = None
+    clone: VoiceClone | None = None
+    non_streaming: bool = False
+
+
+_NO_CODEC, _XVEC = -1, -2  # PlannedRows.codec entries: no codec addend; the clone's x-vector
+
+
+@dataclass
+class PlannedRows:
+    """A prompt as table rows (from `PromptBuilder.plan`): embeds row i = P(text[i]), plus
+    C(codec[i]) when codec[i] >= 0 (the x-vector when _XVEC); trailing rows = P(trailing)."""
+
+    text: list[int]
+    codec: list[int]
+    xvec: torch.Tensor | None  # the clone's x-vector, for the _XVEC row
+    trailing: list[int]
 
 
 def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
@@ -156,6 +184,97 @@ class PromptBuilder:
             embeds = torch.cat((embeds, self._text(input_ids[:, 3:4]) + codec[:, -1:]), dim=1)
             trailing = torch.cat((self.text_track(track_ids)[None], eos), dim=1)
         return Prompt(embeds=embeds[0], trailing=trailing[0], pad_embed=pad[0, 0])
+
+    @torch.inference_mode()
+    def build_many(self, items: Sequence[PromptItem]) -> list[Prompt]:
+        """`build` of every item, bitwise the same, with a handful of device ops for all of them
+        (rows planned on the host, see `plan`); raises what `build` raises for a bad item."""
+        return self.materialise([self.plan(item) for item in items])
+
+    def _plannable(self) -> bool:
+        """Rows can be gathered: a text table on the codec table's device and in its dtype (else
+        `build` would mix dtypes or devices, and only `build` knows how)."""
+        w = self.talker.get_input_embeddings().weight
+        t = self.text_table
+        return t is not None and t.dtype == w.dtype and t.device == w.device
+
+    @torch.inference_mode()
+    def plan(self, item: PromptItem) -> Prompt | PlannedRows:
+        """`build(item)` as host-side row indices for `materialise`; no device work. Layouts
+        without a plan (ICL clones, no text table, ids not on the CPU, an x-vector of the wrong
+        size) come back built, by `build`. Raises what `build` raises for a bad item."""
+        c, cfg = self.tcfg, self.cfg
+        clone = item.clone
+        if (not self._plannable() or item.input_ids.device.type != "cpu"
+                or (clone is not None and (clone.ref_codes is not None
+                                           or clone.speaker_embedding.numel() != self.text_table.shape[1]))):
+            return self.build(item.input_ids, item.language, item.speaker, clone, item.non_streaming)
+        ids = item.input_ids[0].tolist()
+        bos, eos, pad = cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id
+        if clone is not None:
+            speaker = [_XVEC]
+        else:
+            speaker = [c.spk_id[item.speaker.lower()]] if item.speaker else []
+        lang_id = self.language_id(item.language, None if clone is not None else item.speaker)
+        prefix = ([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id] if lang_id is None
+                  else [c.codec_think_id, c.codec_think_bos_id, lang_id, c.codec_think_eos_id])
+        codec = prefix + speaker + [c.codec_pad_id, c.codec_bos_id]
+        # role rows alone, then the head: pad... bos over the codec prefix (as in `build`)
+        text = ids[:3] + [pad] * (len(codec) - 2) + [bos]
+        adds = [_NO_CODEC] * len(ids[:3]) + codec[:-1]
+        if item.non_streaming:
+            body = ids[3:-5] + [eos]
+            text += body + [pad]
+            adds += [c.codec_pad_id] * len(body) + [c.codec_bos_id]
+            trailing = [pad]
+        else:
+            first = ids[3:4]
+            text += first
+            adds += [c.codec_bos_id] * len(first)
+            trailing = ids[4:-5] + [eos]
+        return PlannedRows(text, adds, clone.speaker_embedding if clone is not None else None, trailing)
+
+    @torch.inference_mode()
+    def materialise(self, plans: Sequence[Prompt | PlannedRows]) -> list[Prompt]:
+        """The prompts of `plan`s (built ones pass through): one index copy to the device, a
+        gather of every text row, one of every codec row, the x-vectors placed by index, one
+        addition, and a selection keeping rows without a codec addend as gathered (no `+ 0`).
+        Each prompt's embeds/trailing are views of two step-wide tensors."""
+        rows = [p for p in plans if isinstance(p, PlannedRows)]
+        if not rows:
+            return list(plans)
+        text, adds, trailing, xpos, xvecs = [], [], [], [], []
+        for r in rows:
+            if r.xvec is not None:
+                xpos.append(len(text) + r.codec.index(_XVEC))
+                xvecs.append(r.xvec)
+            text += r.text
+            adds += r.codec
+            trailing += r.trailing
+        n, m = len(text), len(trailing)
+        host = torch.tensor(text + trailing + [max(a, 0) for a in adds]
+                            + [int(a != _NO_CODEC) for a in adds] + xpos, dtype=torch.long)
+        table = self.text_table
+        idx = host.to(table.device)  # the one host -> device copy; no sync back
+        text_idx, trailing_idx, codec_idx, has_codec, xpos_idx = idx.split([n, m, n, n, len(xpos)])
+        t_rows = table[text_idx]  # [n, H]
+        c_rows = self.talker.get_input_embeddings()(codec_idx)  # [n, H]
+        if xvecs:
+            xv = torch.stack([x.reshape(-1).to(table.device) for x in xvecs]).to(table.dtype)
+            c_rows = c_rows.index_copy(0, xpos_idx, xv)
+        embeds = torch.where(has_codec.bool()[:, None], t_rows + c_rows, t_rows)  # text + codec, as `build`
+        trail = table[trailing_idx]  # [m, H], apart: it outlives the prefill
+        pad_embed = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
+                                         self.cfg.tts_pad_token_id))[0, 2]
+        out, e0, t0 = [], 0, 0
+        for p in plans:
+            if isinstance(p, PlannedRows):
+                out.append(Prompt(embeds=embeds.narrow(0, e0, len(p.text)),
+                                  trailing=trail.narrow(0, t0, len(p.trailing)), pad_embed=pad_embed))
+                e0, t0 = e0 + len(p.text), t0 + len(p.trailing)
+            else:
+                out.append(p)
+        return out
 
     def _icl(self, text_ids, clone: VoiceClone, pad, eos, non_streaming: bool):
         """The in-context block: reference text + target text over bos + reference frames."""

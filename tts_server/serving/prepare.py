@@ -1,7 +1,8 @@
 """Turn a `SynthesisRequest` into engine inputs: tokenize, clone the voice, build the prefill.
 
 Tokenizing is CPU work without torch (`text_ids`, done when a request is submitted, off the engine
-thread); the rest runs on the engine thread. Voice-clone prompts (speaker embedding, reference
+thread); the rest runs on the engine thread, one request at a time (`prepare`) or a step's
+admissions together (`prepare_many`: their prompts in a few device ops). Voice-clone prompts (speaker embedding, reference
 codes, tokenized transcript) are cached by a hash of the reference's content, so a repeated
 reference costs no encoder work."""
 
@@ -10,13 +11,14 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..api import ReferenceAudio, SynthesisRequest
 from ..model.loader import LoadedModel
-from ..model.prompt import Prompt, PromptBuilder, VoiceClone
+from ..model.prompt import Prompt, PromptBuilder, PromptItem, VoiceClone
 
 
 @dataclass
@@ -52,17 +54,51 @@ class RequestPreparer:
         with self._tokenizer_lock:
             return torch.tensor([self._tokenizer(text)["input_ids"]], dtype=torch.long)  # [1, T] on the CPU
 
-    @torch.inference_mode()
-    def prepare(self, req: SynthesisRequest, text_ids: list[int] | None = None) -> Prepared:
-        """text_ids: `text_ids(req.text)` when the caller has them already."""
+    def _item(self, req: SynthesisRequest, text_ids: list[int] | None) -> tuple[PromptItem, str | None]:
+        """The builder's input for a request, and its voice key (voice clones)."""
         if text_ids is None:
             text_ids = self.text_ids(req.text)
         ids = torch.tensor([text_ids], dtype=torch.long)  # [1, T] on the CPU: no device sync
         key, clone = self._voice(req.reference) if req.reference is not None else (None, None)
         non_streaming = self.non_streaming if req.non_streaming is None else req.non_streaming
-        prompt = self.builder.build(ids, req.language, req.voice, clone=clone,
-                                    non_streaming=non_streaming)
-        return Prepared(prompt, clone.ref_codes if clone is not None else None, key)
+        return PromptItem(ids, req.language, req.voice, clone, non_streaming), key
+
+    @staticmethod
+    def _prepared(prompt: Prompt, item: PromptItem, key: str | None) -> Prepared:
+        return Prepared(prompt, item.clone.ref_codes if item.clone is not None else None, key)
+
+    @torch.inference_mode()
+    def prepare(self, req: SynthesisRequest, text_ids: list[int] | None = None) -> Prepared:
+        """text_ids: `text_ids(req.text)` when the caller has them already."""
+        item, key = self._item(req, text_ids)
+        prompt = self.builder.build(item.input_ids, item.language, item.speaker, clone=item.clone,
+                                    non_streaming=item.non_streaming)
+        return self._prepared(prompt, item, key)
+
+    @torch.inference_mode()
+    def prepare_many(self, reqs: Sequence[SynthesisRequest],
+                     text_ids_list: Sequence[list[int] | None] | None = None) -> list[Prepared | Exception]:
+        """`prepare` of each request, bitwise the same prompts, built together (`build_many`).
+        A request's own failure (a bad reference, an unknown voice, ...) is its entry, the
+        exception object; the others are prepared. Should the step-wide device work fail, every
+        request planned into it gets that exception."""
+        if text_ids_list is None:
+            text_ids_list = [None] * len(reqs)
+        out: list[Prepared | Exception | None] = [None] * len(reqs)
+        planned = []  # (position, item, voice key, plan)
+        for i, (req, text_ids) in enumerate(zip(reqs, text_ids_list, strict=True)):
+            try:
+                item, key = self._item(req, text_ids)
+                planned.append((i, item, key, self.builder.plan(item)))
+            except Exception as e:  # noqa: BLE001 - this request's own error
+                out[i] = e
+        try:
+            prompts = self.builder.materialise([p for *_, p in planned])
+        except Exception as e:  # noqa: BLE001 - the shared work failed: each planned request's error
+            prompts = [e] * len(planned)
+        for (i, item, key, _), prompt in zip(planned, prompts):
+            out[i] = prompt if isinstance(prompt, Exception) else self._prepared(prompt, item, key)
+        return out
 
     def _voice(self, ref: ReferenceAudio) -> tuple[str, VoiceClone]:
         """The reference's content hash and voice-clone prompt, from the cache when the same
