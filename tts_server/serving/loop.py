@@ -104,7 +104,7 @@ class Worker:
         self.primed_voice_hits = 0
         # diagnostics: TTS_STEP_TRACE=<path> appends one JSON line per step (benchmark scripts)
         trace = os.environ.get("TTS_STEP_TRACE")
-        self._trace = open(trace, "a", buffering=1)  # line-buffered if trace else None
+        self._trace = open(trace, "a", buffering=1) if trace else None  # line-buffered
         self._trace_t0 = time.monotonic() - time.time()  # monotonic -> unix time, for lining up with clients
         self._trace_rec: dict = {}
 
