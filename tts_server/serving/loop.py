@@ -322,20 +322,38 @@ class Worker:
             return True
         return False
 
-    def _prepare(self, handle: StreamHandle, slot: int, now: float) -> Admission | None:
-        """Prompt and codec state for one admission; None (stream ended) when it cannot start."""
+    def _prepare_all(self, admit: list[tuple[StreamHandle, int]], now: float) -> list[Admission]:
+        """The step's admissions: cancelled ones end here; the others' prompts are built together
+        (`prepare_many`: a few device ops for all of them), then each gets its codec state."""
+        live = []
+        for handle, slot in admit:
+            if handle.cancelled:
+                self.scheduler.release(slot)
+                self._end(handle, None, FinishReason.CANCELLED)
+            else:
+                live.append((handle, slot))
+        whole = [h for h, _ in live if not h.request.incremental]
+        try:
+            built = dict(zip(whole, self.preparer.prepare_many([h.request for h in whole],
+                                                               [h.text_ids for h in whole]))) if whole else {}
+        except Exception as e:  # noqa: BLE001 - reported to each of these streams by _prepare
+            built = {h: e for h in whole}
+        out = (self._prepare(h, s, now, built.get(h)) for h, s in live)
+        return [a for a in out if a is not None]
+
+    def _prepare(self, handle: StreamHandle, slot: int, now: float, built=None) -> Admission | None:
+        """Prompt and codec state for one admission; None (stream ended) when it cannot start.
+        built: the request's `prepare_many` result (a Prepared, or the exception it raised)."""
         req = handle.request
-        if handle.cancelled:
-            self.scheduler.release(slot)
-            self._end(handle, None, FinishReason.CANCELLED)
-            return None
         self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
             eos_from = 0
             if req.incremental:
                 prepared, eos_from = self.texts.prompt(handle)
+            elif isinstance(built, Exception):
+                raise built
             else:
-                prepared = self.preparer.prepare(req, handle.text_ids)
+                prepared = built if built is not None else self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
             if room < 1:
                 raise InvalidRequest("text", "too long for the model's context")
@@ -381,7 +399,7 @@ class Worker:
         self._admit_s = 0.0
         self._busy(f"step of {len(plan.step)} streams with {len(plan.admit)} admissions")
         try:
-            admissions = [a for a in (self._prepare(h, s, t0) for h, s in plan.admit) if a is not None]
+            admissions = self._prepare_all(plan.admit, t0)
             if self.failure is None:
                 self._run_step(plan.step, admissions, t0)
         finally:
