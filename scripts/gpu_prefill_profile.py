@@ -47,6 +47,10 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model("synthetic", "cuda")
     engine = create_engine("batched", loaded, ServerConfig(max_streams=args.max_streams))
+    if loaded.text_table is None:  # as the server does on a GPU (app.py): prompts' text rows are gathers
+        from tts_server.model.prompt import project_vocabulary
+
+        loaded.text_table = project_vocabulary(loaded.model)
     prep = RequestPreparer(loaded)
     voice = next(iter(loaded.model.config.talker_config.spk_id or {}), None) if loaded.model_type == "custom_voice" else None
     texts = [u.text for u in ENGLISH] * (1 + args.max_streams // len(ENGLISH))

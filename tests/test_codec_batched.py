@@ -217,3 +217,15 @@ def test_triton_kernels_interpreted_match_whole_sequence():
     errs = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"\ninterpreted Triton path vs whole-sequence: {errs}")
     assert max(errs) < TOL
+
+
+def test_reset_many_gives_fresh_bytes_and_spares_other_slots(dec):
+    a, b = _codes(30, seed=61), _codes(30, seed=62)
+    bd = BatchedCodecDecoder(dec, 4)
+    first = _run(bd, 1, a)
+    _run(bd, 3, a)
+    half = _run(bd, 0, b[:15])
+    bd.reset_many([3, 1, 2])
+    assert bd.num_frames(1) == bd.num_frames(3) == 0 and bd.num_frames(0) == 15
+    assert np.array_equal(_run(bd, 1, a), first) and np.array_equal(_run(bd, 3, a), first)
+    assert np.array_equal(np.concatenate([half, _run(bd, 0, b[15:])]), _run(BatchedCodecDecoder(dec, 1), 0, b))

@@ -134,6 +134,20 @@ class BatchedCodecDecoder:
                 for i in range(ref.shape[0]):
                     self._run([slot], ref[i : i + 1])
 
+    def reset_many(self, slots: Sequence[int]) -> None:
+        """`reset` without reference frames for several slots: one zero fill per state tensor
+        for all of them (one multi-tensor kernel for a single slot)."""
+        slots = [int(s) for s in slots]
+        if len(slots) <= 1:
+            for s in slots:
+                self.reset(s)
+            return
+        self._check_slots(slots)
+        with torch.inference_mode():
+            idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+            for t in self._kc + self._vc + self._hist + [self._nf]:
+                t.index_fill_(0, idx, 0)
+
     def snapshot(self, slot: int) -> list[torch.Tensor]:
         """A copy of `slot`'s decoder state (e.g. after priming it with a voice's reference
         frames), for `restore`; slot_state_bytes of device memory."""

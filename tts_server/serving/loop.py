@@ -336,8 +336,10 @@ class Worker:
         try:
             built = dict(zip(whole, self.preparer.prepare_many([h.request for h in whole],
                                                                [h.text_ids for h in whole]))) if whole else {}
+            # every admitted slot's codec state zeroed at once (a voice clone then primes or restores it)
+            self.codec.reset_many([s for _, s in live])
         except Exception as e:  # noqa: BLE001 - reported to each of these streams by _prepare
-            built = {h: e for h in whole}
+            built = {h: e for h, _ in live}
         out = (self._prepare(h, s, now, built.get(h)) for h, s in live)
         return [a for a in out if a is not None]
 
@@ -348,10 +350,10 @@ class Worker:
         self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
             eos_from = 0
+            if isinstance(built, Exception):
+                raise built
             if req.incremental:
                 prepared, eos_from = self.texts.prompt(handle)
-            elif isinstance(built, Exception):
-                raise built
             else:
                 prepared = built if built is not None else self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
@@ -383,16 +385,17 @@ class Worker:
         which every running stream would wait for); the primed state is kept per voice, so a
         repeated reference restores it instead (bounded: MAX_PRIMED_VOICES least recently used)."""
         key = prepared.voice_key if prepared.ref_codes is not None else None
-        if key is not None and key in self._primed:
+        if key is None:
+            return  # zeroed with the step's other admissions (_prepare_all)
+        if key in self._primed:
             self._primed.move_to_end(key)
             self.codec.restore(slot, self._primed[key])
             self.primed_voice_hits += 1
             return
         self.codec.reset(slot, prepared.ref_codes)
-        if key is not None:
-            self._primed[key] = self.codec.snapshot(slot)
-            if len(self._primed) > MAX_PRIMED_VOICES:
-                self._primed.popitem(last=False)
+        self._primed[key] = self.codec.snapshot(slot)
+        if len(self._primed) > MAX_PRIMED_VOICES:
+            self._primed.popitem(last=False)
 
     def _step(self, plan) -> None:
         t0 = time.monotonic()

@@ -1,13 +1,21 @@
-"""Batch-invariant paged decode attention in Triton: fixed-size position splits per (row, kv head),
-combined in split order. The split size depends on the page size only, never on B or the context."""
+"""Batch-invariant attention in Triton. Decode: paged attention with fixed-size position splits per
+(row, kv head), combined in split order; the split size depends on the page size only, never on B or
+the context. Prefill: causal attention of a step's prompts by query blocks of one prompt."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .ops import PREFILL_QB
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# the prefill attention's dots: fp32 accuracy on tensor cores (3 tf32 products); the interpreter
+# has no tf32, so there exact fp32
+PRECISION: tl.constexpr = tl.constexpr("ieee" if _INTERPRET else "tf32x3")
 
 # (positions per split, num_warps) by KV element size; from the pool's dtype alone, never from B
 # or the context. A split is one tile of whole pages; splits are merged in order. OVERRIDE: sweeps.
@@ -117,15 +125,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qrow_ptr, qn_ptr, out_ptr, scale,
                          MAX_BLOCKS, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                          QB: tl.constexpr, HD: tl.constexpr):
-    # program (query block, kv head): rows qrow..qrow+qn-1 of ONE prompt (they share its block
-    # table), G query heads each; keys walked page by page from position 0 with an online softmax.
-    # A row's bits depend on its prompt alone: the query block, its rows and the pages walked are
-    # the prompt's (a page past a row's position is fully masked and leaves its state unchanged).
+    # program (query block, query head): rows qrow..qrow+qn-1 of ONE prompt (they share its block
+    # table); keys walked page by page from position 0 with an online softmax; the dots on tensor
+    # cores at fp32 accuracy (tf32x3). A row's bits depend on its prompt alone: the query block, its
+    # rows and the pages walked are the prompt's (a page past a row's position is fully masked and
+    # leaves its state unchanged).
     qb = tl.program_id(0)
-    kvh = tl.program_id(1)
+    h = tl.program_id(1)
     nq = tl.load(qn_ptr + qb)
     if nq == 0:
         return
+    kvh = h // G
     r0 = tl.load(qrow_ptr + qb)
     i = tl.arange(0, QB)
     rmask = i < nq
@@ -134,27 +144,25 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qrow_ptr, qn_ptr,
     npages = tl.max(posr, axis=0) // BLOCK + 1
     d = tl.arange(0, HD)
     j = tl.arange(0, BLOCK)
-    for g in tl.static_range(G):
-        h = kvh * G + g
-        q = tl.load(q_ptr + (rows[:, None] * (NKV * G) + h) * HD + d[None, :], mask=rmask[:, None], other=0.0)
-        m = tl.full((QB,), float("-inf"), tl.float32)
-        l = tl.zeros((QB,), tl.float32)
-        acc = tl.zeros((QB, HD), tl.float32)
-        for pg in range(0, npages):
-            page = tl.load(bt_ptr + r0 * MAX_BLOCKS + pg).to(tl.int64)
-            off = ((page * NKV + kvh) * BLOCK + j) * HD
-            k = tl.load(k_ptr + off[:, None] + d[None, :])
-            v = tl.load(v_ptr + off[:, None] + d[None, :])
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [QB, BLOCK]
-            s = tl.where((pg * BLOCK + j)[None, :] <= posr[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m = m_new
-        tl.store(out_ptr + (rows[:, None] * (NKV * G) + h) * HD + d[None, :], acc / l[:, None],
-                 mask=rmask[:, None])
+    q = tl.load(q_ptr + (rows[:, None] * (NKV * G) + h) * HD + d[None, :], mask=rmask[:, None], other=0.0)
+    m = tl.full((QB,), float("-inf"), tl.float32)
+    l = tl.zeros((QB,), tl.float32)
+    acc = tl.zeros((QB, HD), tl.float32)
+    for pg in range(0, npages):
+        page = tl.load(bt_ptr + r0 * MAX_BLOCKS + pg).to(tl.int64)
+        off = ((page * NKV + kvh) * BLOCK + j) * HD
+        k = tl.load(k_ptr + off[:, None] + d[None, :])
+        v = tl.load(v_ptr + off[:, None] + d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [QB, BLOCK]
+        s = tl.where((pg * BLOCK + j)[None, :] <= posr[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+    tl.store(out_ptr + (rows[:, None] * (NKV * G) + h) * HD + d[None, :], acc / l[:, None],
+             mask=rmask[:, None])
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
@@ -163,13 +171,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
     scratch blocks); table [N, MAX_BLOCKS] int32 (each row's prompt's blocks); pos [N] int32 (the
     row's position in its prompt); qrow/qn [Q] int32: query blocks (first row, rows; qn 0: unused),
     each inside one prompt -> [N, NH, HD] fp32: row r attends over positions 0..pos[r]; rows in no
-    query block are zeros. Grid fixed by (Q, NKV)."""
+    query block are zeros. Grid fixed by (Q, NH)."""
     n, nh, hd = q.shape
     nkv, block = k.shape[1], k.shape[2]
     assert q.dtype == k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
     assert hd & (hd - 1) == 0 and block >= 16 and nh % nkv == 0, (hd, block, nh, nkv)
     out = torch.zeros_like(q)
-    _prefill_attn_kernel[(qrow.shape[0], nkv)](q.contiguous(), k, v, table.contiguous(), pos, qrow, qn, out,
+    _prefill_attn_kernel[(qrow.shape[0], nh)](q.contiguous(), k, v, table.contiguous(), pos, qrow, qn, out,
                                                float(scale), table.shape[1], NKV=nkv, G=nh // nkv, BLOCK=block,
                                                QB=PREFILL_QB, HD=hd, num_warps=4)
     return out
