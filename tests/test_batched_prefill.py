@@ -111,3 +111,34 @@ def test_graph_captured_prefill_equals_the_eager_one_bitwise(tiny_custom):
     alone, kv_alone = prefill([0], graphs=True)
     assert torch.equal(graph, eager) and all(torch.equal(kv_graph[s], kv_eager[s]) for s in xs)
     assert torch.equal(alone[0], eager[0]) and torch.equal(kv_alone[0], kv_eager[0])
+
+
+def _store_case(dev: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+    sk, sv = torch.randn(5, 2, 16, 32, generator=g), torch.randn(5, 2, 16, 32, generator=g)
+    kp = torch.zeros(9, 2, 16, 32, dtype=dtype)
+    vp = torch.zeros(9, 2, 16, 32, dtype=dtype)
+    return [t.to(dev) for t in (sk, sv, kp, vp, torch.tensor([3, -1, 7, 0, -1]))]
+
+
+def test_store_blocks_rounds_into_the_pool_and_skips_padding():
+    from tts_server.engines.batched import glue
+
+    for dtype in (torch.bfloat16, torch.float32):
+        sk, sv, kp, vp, dst = _store_case("cpu", dtype)
+        glue.store_blocks(sk, sv, kp, vp, dst)
+        for s, d in ((0, 3), (2, 7), (3, 0)):
+            assert torch.equal(kp[d], sk[s].to(dtype)) and torch.equal(vp[d], sv[s].to(dtype))
+        assert kp[[1, 2, 4, 5, 6, 8]].abs().sum() == 0 and vp[[1, 2, 4, 5, 6, 8]].abs().sum() == 0
+
+
+@pytest.mark.gpu
+def test_store_blocks_kernel_equals_torch_bitwise():
+    from tts_server.engines.batched import glue
+
+    for dtype in (torch.bfloat16, torch.float32):
+        want = _store_case("cpu", dtype)
+        glue.store_blocks(*want)
+        got = _store_case("cuda", dtype)
+        glue.store_blocks(*got)  # the Triton kernel
+        assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3])

@@ -79,3 +79,16 @@ def cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos: int, nh:
                             nh, nkv, eps)
     lens = torch.full((m,), pos + 1, dtype=torch.int32, device=dev)
     return ops.paged_attention(q, k_pool, v_pool, rows.to(torch.int32)[:, None], lens, scale)
+
+
+def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+    """A prefill's fp32 scratch K/V blocks [S, NKV, BS, HD] into the pool's blocks dst [S] long
+    (rounded to the pool's dtype); blocks with dst < 0 are skipped (graph padding)."""
+    if _use_triton(src_k):
+        from .tk_glue import store_blocks as tk
+
+        return tk(src_k, src_v, k_pool, v_pool, dst)
+    keep = dst >= 0
+    k_pool[dst[keep]] = src_k[keep].to(k_pool.dtype)
+    v_pool[dst[keep]] = src_v[keep].to(v_pool.dtype)

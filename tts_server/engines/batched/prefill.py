@@ -155,7 +155,7 @@ def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor,
                       last: torch.Tensor, dst: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor) -> torch.Tensor:
     """The device part of `prefill_rows_fp32_attention` (no host values: CUDA-graph capturable).
     x [N, H] fp32; table [N, B] int32 (scratch blocks of each row); pos [N] int32; last [A] long;
-    dst [S] long: the pool block each of the S scratch blocks is copied to; qrow / qn [Q] int32: the
+    dst [S] long: the pool block each of the S scratch blocks is copied to (< 0: none); qrow / qn [Q] int32: the
     attention's query blocks (`query_blocks`) -> [A, H] fp32."""
     from . import glue, ops
     from .frame import stack_forward
@@ -174,8 +174,7 @@ def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor,
     def attend(i, qkv):
         q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, tk, tv, blk, off, nh, nkv, eps)
         out = ops.prefill_attention(q, tk, tv, table, pos, qrow, qn, scale)
-        kv.k[i][dst] = tk.to(kv.k.dtype)
-        kv.v[i][dst] = tv.to(kv.v.dtype)
+        glue.store_blocks(tk, tv, kv.k[i], kv.v[i], dst)
         return out
 
     return stack_forward(x, sp, attend)[last]
@@ -198,8 +197,8 @@ def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list
 class RowPrefillGraphs:
     """CUDA graphs of `prefill_rows_core` for row-count buckets (one shared memory pool), so a
     step's admissions prefill in one replay instead of ~370 launches from Python. Rows past the
-    step's prompts are padding: position 0 over a padding scratch block that is copied to pool
-    block 0 (the engine's scratch block); real rows never read either. The ops are batch-invariant,
+    step's prompts are padding: position 0 over a padding scratch block that is not stored in the
+    pool (dst -1); real rows never read it. The ops are batch-invariant,
     so a prompt's K/V and hidden state are bitwise those of the eager path, in any bucket."""
 
     def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int):
@@ -212,7 +211,7 @@ class RowPrefillGraphs:
             self.bufs[n] = dict(x=torch.zeros(n, h, device=dev), pos=torch.zeros(n, dtype=torch.int32, device=dev),
                                 table=torch.full((n, -(-n // bs)), nblk - 1, dtype=torch.int32, device=dev),
                                 last=torch.zeros(a, dtype=torch.long, device=dev),
-                                dst=torch.zeros(nblk, dtype=torch.long, device=dev),
+                                dst=torch.full((nblk,), -1, dtype=torch.long, device=dev),
                                 qrow=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
                                 qn=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
                                 out=torch.zeros(a, h, device=dev))
@@ -222,7 +221,7 @@ class RowPrefillGraphs:
             b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"],
                                              b["qrow"], b["qn"]))
 
-        self.graphs = capture(fn, sizes, dev)  # warm-up: the buffers write only pool block 0
+        self.graphs = capture(fn, sizes, dev)  # warm-up: dst all -1, so no pool block is written
 
     def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
         """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
@@ -241,7 +240,7 @@ class RowPrefillGraphs:
         pad = b["dst"].shape[0] - 1
         table = torch.full(tuple(b["table"].shape), pad, dtype=torch.int32)
         table[:rows, :plan["table"].shape[1]] = plan["table"]
-        dst = torch.zeros(b["dst"].shape[0], dtype=torch.long)
+        dst = torch.full((b["dst"].shape[0],), -1, dtype=torch.long)  # padding blocks: not stored
         dst[:nblk] = plan["dst"]
         pos = torch.zeros(n, dtype=torch.int32)
         pos[:rows] = plan["pos"]

@@ -154,3 +154,35 @@ def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, 
     _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
                                 NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2)
     return out
+
+
+@triton.jit
+def _store_blocks_kernel(sk_ptr, sv_ptr, dk_ptr, dv_ptr, dst_ptr, N: tl.constexpr, CHUNK: tl.constexpr,
+                         ROUND: tl.constexpr):
+    # program (scratch block s, chunk c): elements [c*CHUNK, +CHUNK) of block s's K and V, rounded
+    # to the pool's dtype, into pool block dst[s]; dst[s] < 0: unused, nothing written
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    d = tl.load(dst_ptr + s)
+    if d < 0:
+        return
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    k = tl.load(sk_ptr + s * N + offs)
+    v = tl.load(sv_ptr + s * N + offs)
+    if ROUND:  # to a narrower float, rounded to nearest even (as torch's .to)
+        k = k.to(dk_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = v.to(dv_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(dk_ptr + d * N + offs, k)
+    tl.store(dv_ptr + d * N + offs, v)
+
+
+def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+    """src_k/src_v [S, ...] fp32 scratch blocks -> k_pool/v_pool[dst[s]] (pool dtype); dst [S] long,
+    negative: skip. One launch for K and V of every block."""
+    s = src_k.shape[0]
+    n = src_k[0].numel()
+    chunk = 4096 if n % 4096 == 0 else triton.next_power_of_2(n)
+    assert n % chunk == 0 and src_k.is_contiguous() and src_v.is_contiguous() and k_pool.is_contiguous()
+    _store_blocks_kernel[(s, n // chunk)](src_k, src_v, k_pool, v_pool, dst, N=n, CHUNK=chunk,
+                                          ROUND=k_pool.dtype != src_k.dtype, num_warps=4)
