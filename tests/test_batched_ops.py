@@ -218,11 +218,30 @@ def check_prefill_attention(ops, dev: str) -> float:
     return err
 
 
+def check_split_sum_fused(ops, dev: str, shapes=((64, 2048), (48, 3072))) -> None:
+    """add_rms over a split GEMM's partial products (summed inside add_rms) is bitwise add_rms over
+    the GEMM's own summed output, and the partials really are several where K is split."""
+    from tts_server.engines.batched import glue
+
+    for n, k in shapes:
+        for m in (1, 3, 17):
+            g = _gen(m + k)
+            h, x = torch.randn(m, k, generator=g).to(dev), torch.randn(m, n, generator=g).to(dev)
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().to(dev)
+            nw = torch.rand(n, generator=g).to(dev)
+            parts = ops.linear_parts(h, w)
+            assert parts.dim() == 3 and (parts.shape[0] > 1) == ops._use_triton(h), parts.shape  # split on Triton
+            got = glue.add_rms(x, parts, nw, 1e-6)
+            want = glue.add_rms(x, ops.linear(h, w), nw, 1e-6)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k, m)
+
+
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     from tts_server.engines.batched import ops
 
     res = check_accuracy(ops, dev)
     res["prefill_attention"] = check_prefill_attention(ops, dev)
+    check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_invariance(ops, dev, sizes)

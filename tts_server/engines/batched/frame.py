@@ -29,9 +29,9 @@ def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable) -> torch.T
     h = ops.rms_norm(x, sp.in_norm[0], eps)
     for i in range(cfg.num_layers):
         att = attend(i, ops.linear(h, sp.wqkv[i]))
-        x, h = glue.add_rms(x, ops.linear(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps)
+        x, h = glue.add_rms(x, ops.linear_parts(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps)
         nxt = sp.in_norm[i + 1] if i + 1 < cfg.num_layers else sp.final_norm
-        x, h = glue.add_rms(x, ops.linear(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps)
+        x, h = glue.add_rms(x, ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps)
     return h
 
 

@@ -45,7 +45,8 @@ def qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off,
 
 
 def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, y [M, D] fp32, w [D] fp32 -> (s = x + y, rms_norm(s, w)) [M, D] fp32 each."""
+    """x [M, D] fp32; y [M, D] fp32, or `ops.linear_parts` partials [P, M, D] (summed in order:
+    the split GEMM's own sum, one launch fewer); w [D] fp32 -> (s = x + y, rms_norm(s, w))."""
     if _use_triton(x):
         from .tk_glue import add_rms as tk
 
@@ -54,6 +55,10 @@ def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tu
 
 
 def add_rms_torch(x, y, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if y.dim() == 3:
+        y, parts = y[0], y
+        for p in parts[1:]:
+            y = y + p
     s = x + y
     return s, ops.rms_norm(s, w, eps)
 

@@ -32,6 +32,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ops_ref.linear(x, w)
 
 
+def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear` as partial products [SPLIT, M, N] fp32 (the fixed K pieces) whose in-order sum is
+    `linear(x, w)` bitwise; SPLIT is 1 for the references. For a consumer that sums them itself."""
+    if _use_triton(x):
+        return _kernels().linear_parts(x, w)
+    return ops_ref.linear(x, w)[None]
+
+
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32."""
     if _use_triton(x):

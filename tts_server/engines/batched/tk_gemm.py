@@ -135,8 +135,10 @@ def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T))."""
+def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
+    """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
+    reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
+    consumer to sum in piece order (glue.add_rms does: one launch fewer)."""
     assert x.dtype == torch.float32 and w.dtype == torch.bfloat16, (x.dtype, w.dtype)
     x = x.contiguous()
     w = w.contiguous()
@@ -155,6 +157,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Te
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                        TERMS=terms, INTERPRET=_INTERPRET,
                        num_warps=warps, num_stages=stages)
+    if not reduce:
+        return part if split > 1 else out[None]
     if split > 1:
         blk = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, blk),)](part, out, m * n, SPLIT=split, BLOCK=blk)
@@ -164,6 +168,12 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None) -> torch.Te
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32, w [N, K] bf16 -> [M, N] fp32."""
     return _gemm(x, w, None)
+
+
+def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32, w [N, K] bf16 -> partial products [SPLIT, M, N] fp32 whose in-order sum is
+    `linear(x, w)` bitwise."""
+    return _gemm(x, w, None, reduce=False)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -66,12 +66,17 @@ def qk_rope_store(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh, n
 
 
 @triton.jit
-def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, D: tl.constexpr, DP2: tl.constexpr):
-    # program m: s = x[m] + y[m]; out[m] = w * s * rsqrt(mean(s^2) + eps)
+def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, MD, D: tl.constexpr, DP2: tl.constexpr,
+                    PARTS: tl.constexpr):
+    # program m: y[m] = y parts [PARTS, M, D] summed in part order (as tk_gemm's split sum);
+    # s = x[m] + y[m]; out[m] = w * s * rsqrt(mean(s^2) + eps)
     m = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, DP2)
     mask = d < D
-    s = tl.load(x_ptr + m * D + d, mask=mask, other=0.0) + tl.load(y_ptr + m * D + d, mask=mask, other=0.0)
+    y = tl.load(y_ptr + m * D + d, mask=mask, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        y += tl.load(y_ptr + p * MD + m * D + d, mask=mask, other=0.0)
+    s = tl.load(x_ptr + m * D + d, mask=mask, other=0.0) + y
     tl.store(sum_ptr + m * D + d, s, mask=mask)
     r = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
     w = tl.load(w_ptr + d, mask=mask, other=0.0)
@@ -79,10 +84,12 @@ def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, D: tl.constexpr,
 
 
 def add_rms(x, y, w, eps):
-    """x, y [M, D] fp32, w [D] fp32 -> (x + y, rms_norm(x + y, w)) both [M, D] fp32."""
+    """x [M, D] fp32, y [M, D] or partial sums [P, M, D] fp32 (added in order), w [D] fp32 ->
+    (x + y, rms_norm(x + y, w)) both [M, D] fp32."""
     m, d = x.shape
+    y = (y if y.dim() == 3 else y[None]).contiguous()
     s, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_kernel[(m,)](x, y, w, s, out, eps, D=d, DP2=triton.next_power_of_2(d))
+    _add_rms_kernel[(m,)](x, y, w, s, out, eps, m * d, D=d, DP2=triton.next_power_of_2(d), PARTS=y.shape[0])
     return s, out
 
 
