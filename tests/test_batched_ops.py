@@ -236,11 +236,28 @@ def check_split_sum_fused(ops, dev: str, shapes=((64, 2048), (48, 3072))) -> Non
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k, m)
 
 
+def check_embed_sum(dev: str) -> None:
+    """glue.embed_sum (one launch) is bitwise the frame's loop of lookups and fp32 adds."""
+    from tts_server.engines.batched import glue
+
+    g = _gen(11)
+    tab = torch.randn(15, 50, 96, generator=g).bfloat16()
+    e0 = torch.randn(7, 96, generator=g)
+    codes = torch.randint(0, 50, (7, 15), generator=g, dtype=torch.int32)
+    want = e0
+    for k in range(15):
+        want = want + tab[k][codes[:, k].long()].float()
+    assert torch.equal(glue.embed_sum(e0.to(dev), tab.to(dev), codes.to(dev)).cpu(), want)
+    one = glue.embed_sum(None, tab[3:4].to(dev), codes[:, 3:4].to(dev)).cpu()
+    assert torch.equal(one, tab[3][codes[:, 3].long()].float())
+
+
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     from tts_server.engines.batched import ops
 
     res = check_accuracy(ops, dev)
     res["prefill_attention"] = check_prefill_attention(ops, dev)
+    check_embed_sum(dev)
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_talker_process(ops, dev)
     check_sampling(ops, dev)

@@ -126,7 +126,7 @@ class FrameStep:
             finites.append(finite)
             codes.append(code)
             if k + 1 < p.num_passes:
-                x = self._cp_in(p.predictor_embeddings[k][code.long()].float())
+                x = self._cp_in(glue.embed_sum(None, p.predictor_embedding_stack[k:k + 1], code[:, None]))
         return torch.stack(codes, 1), finites
 
     def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -149,9 +149,7 @@ class FrameStep:
         counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
         e0 = p.codec_embedding[code0.long()].float()  # [B, H]
         codes, finites = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, counter)
-        x = e0
-        for k in range(p.num_passes):
-            x = x + p.predictor_embeddings[k][codes[:, k].long()].float()
+        x = glue.embed_sum(e0, p.predictor_embedding_stack, codes)  # e0 + each group's embedding, in order
         step = text_step.clamp(max=s.max_trailing - 1).long()
         text = torch.where((text_step < ints[N_TRAILING])[:, None], s.trailing[rows, step], s.pad_embed[rows])
         hidden = self._talker(x + text.float(), rows, pos)

@@ -97,3 +97,18 @@ def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor,
     keep = dst >= 0
     k_pool[dst[keep]] = src_k[keep].to(k_pool.dtype)
     v_pool[dst[keep]] = src_v[keep].to(v_pool.dtype)
+
+
+def embed_sum(e0: torch.Tensor | None, tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """e0 [B, H] fp32 (or None); tables [K, V, H] (bf16); codes [B, K] int, each < V -> [B, H] fp32:
+    e0 + tables[0][codes[:, 0]] + ... + tables[K-1][codes[:, K-1]], added in that order (or from
+    the first row when e0 is None). One launch for the frame's K embedding lookups."""
+    if _use_triton(tables):
+        from .tk_glue import embed_sum as tk
+
+        return tk(e0, tables, codes)
+    x = e0
+    for k in range(codes.shape[1]):
+        row = tables[k][codes[:, k].long()].float()
+        x = row if x is None else x + row
+    return x

@@ -49,7 +49,8 @@ class FrameParams:
     predictor: StackParams
     codec_embedding: torch.Tensor  # [V, H] bf16 (talker input table: code 0)
     codec_head: torch.Tensor  # [V, H] bf16
-    predictor_embeddings: tuple[torch.Tensor, ...]  # G-1 x [VC, H] bf16
+    predictor_embeddings: tuple[torch.Tensor, ...]  # G-1 x [VC, H] bf16 (views of the stack)
+    predictor_embedding_stack: torch.Tensor  # [G-1, VC, H] bf16: one table for glue.embed_sum
     predictor_heads: tuple[torch.Tensor, ...]  # G-1 x [VC, Hp] bf16
     in_proj: tuple[torch.Tensor, torch.Tensor] | None  # (W [Hp, H] bf16, b [Hp] fp32); None = identity
     ids: CodecIds
@@ -80,16 +81,18 @@ def prepare(w: DecodeWeights, device: torch.device | str | None = None) -> Frame
     proj = None
     if w.predictor_in_proj is not None:
         proj = (b16(w.predictor_in_proj[0]), w.predictor_in_proj[1].to(device, torch.float32))
+    emb = torch.stack([b16(e) for e in w.predictor_embeddings])
     return FrameParams(
         talker=_stack(w.talker, device), predictor=_stack(w.predictor, device),
         codec_embedding=b16(w.codec_embedding), codec_head=b16(w.codec_head),
-        predictor_embeddings=tuple(b16(e) for e in w.predictor_embeddings),
+        predictor_embeddings=tuple(emb.unbind(0)), predictor_embedding_stack=emb,
         predictor_heads=tuple(b16(h) for h in w.predictor_heads), in_proj=proj, ids=w.ids)
 
 
 def fused_bytes(w: DecodeWeights) -> int:
-    """New device bytes that `prepare` allocates beside bf16 weights (the fused q|k|v copies)."""
-    n = 0
+    """New device bytes that `prepare` allocates beside bf16 weights (the fused q|k|v copies and
+    the stacked code-predictor embedding tables)."""
+    n = sum(e.numel() for e in w.predictor_embeddings) * 2
     for lm in (w.talker, w.predictor):
         c = lm.config
         n += c.num_layers * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size * 2

@@ -193,3 +193,32 @@ def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor,
     assert n % chunk == 0 and src_k.is_contiguous() and src_v.is_contiguous() and k_pool.is_contiguous()
     _store_blocks_kernel[(s, n // chunk)](src_k, src_v, k_pool, v_pool, dst, N=n, CHUNK=chunk,
                                           ROUND=k_pool.dtype != src_k.dtype, num_warps=4)
+
+
+@triton.jit
+def _embed_sum_kernel(e0_ptr, tab_ptr, codes_ptr, out_ptr, V, code_stride, H: tl.constexpr, HP2: tl.constexpr,
+                      K: tl.constexpr, HAS_E0: tl.constexpr):
+    # program b: out[b] = (e0[b] +) tab[0, codes[b, 0]] + ... + tab[K-1, codes[b, K-1]], fp32 adds in order
+    b = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HP2)
+    mask = d < H
+    acc = tl.load(e0_ptr + b * H + d, mask=mask, other=0.0) if HAS_E0 else tl.zeros((HP2,), tl.float32)
+    for k in tl.static_range(K):
+        c = tl.load(codes_ptr + b * code_stride + k).to(tl.int64)
+        row = tl.load(tab_ptr + (k * V + c) * H + d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_E0 or k > 0:
+            acc = acc + row
+        else:
+            acc = row
+    tl.store(out_ptr + b * H + d, acc, mask=mask)
+
+
+def embed_sum(e0, tables, codes):
+    """e0 [B, H] fp32 or None; tables [K, V, H]; codes [B, K] int (rows < V) -> [B, H] fp32."""
+    b, k = codes.shape
+    _, v, h = tables.shape
+    codes = codes.contiguous()
+    out = torch.empty((b, h), dtype=torch.float32, device=tables.device)
+    _embed_sum_kernel[(b,)](e0 if e0 is not None else out, tables, codes, out, v, codes.stride(0), H=h,
+                            HP2=triton.next_power_of_2(h), K=k, HAS_E0=e0 is not None)
+    return out
