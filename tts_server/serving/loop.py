@@ -333,13 +333,19 @@ class Worker:
             else:
                 live.append((handle, slot))
         whole = [h for h, _ in live if not h.request.incremental]
+        texts = [h for h, _ in live if h.request.incremental]
+        t0 = time.monotonic()
         try:
             built = dict(zip(whole, self.preparer.prepare_many([h.request for h in whole],
                                                                [h.text_ids for h in whole]))) if whole else {}
+            if texts:  # StreamSynthesize contexts: (prepared, eos_from) each
+                built.update(zip(texts, self.texts.prompts(texts)))
             # every admitted slot's codec state zeroed at once (a voice clone then primes or restores it)
             self.codec.reset_many([s for _, s in live])
         except Exception as e:  # noqa: BLE001 - reported to each of these streams by _prepare
             built = {h: e for h, _ in live}
+        if self._trace is not None:  # prompts + codec reset of the whole step
+            self._trace_rec["prompts_s"] = round(time.monotonic() - t0, 5)
         out = (self._prepare(h, s, now, built.get(h)) for h, s in live)
         return [a for a in out if a is not None]
 
@@ -353,7 +359,7 @@ class Worker:
             if isinstance(built, Exception):
                 raise built
             if req.incremental:
-                prepared, eos_from = self.texts.prompt(handle)
+                prepared, eos_from = built if built is not None else self.texts.prompt(handle)
             else:
                 prepared = built if built is not None else self.preparer.prepare(req, handle.text_ids)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
@@ -478,7 +484,7 @@ class Worker:
             return
         t_codec = time.monotonic()
         if self._trace is not None:
-            self._trace_rec = dict(prepare_s=round(t_run - t0, 5), prefill_s=round(out.prefill_s, 5),
+            self._trace_rec.update(prepare_s=round(t_run - t0, 5), prefill_s=round(out.prefill_s, 5),
                                    decode_s=round(out.decode_s, 5), engine_s=round(t_engine - t_run, 5),
                                    codec_s=round(t_codec - t_engine, 5))
         prepare_s = t_run - t0  # this step's prompt preparation, before the engine call

@@ -15,7 +15,7 @@ import torch
 from ..api import (FinishReason, FlushAck, IdleText, InvalidRequest, StreamFailure, WordTiming,
                    default_max_duration_s)
 from ..engines.contract import OPEN_TRACK
-from ..model.prompt import Prompt
+from ..model.prompt import Prompt, PromptItem
 from ..model.text_deltas import ROLE_PREFIX, SUFFIX
 from .prepare import Prepared
 from .streams import Stream, StreamHandle
@@ -68,17 +68,41 @@ class TextFeeder:
     @torch.inference_mode()
     def prompt(self, handle: StreamHandle) -> tuple[Prepared, int]:
         """The prefill of a ready context from the tokens it has so far -> (prepared, eos_from)."""
+        plan, finish = self.plan_prompt(handle)
+        return finish(self.preparer.builder.materialise([plan])[0])
+
+    def plan_prompt(self, handle: StreamHandle):
+        """`prompt` in two halves, so that a step's contexts build their prompts together: ->
+        (the builder's plan, finish(prompt) -> (prepared, eos_from)); `finish` marks the tokens fed."""
         req, track = handle.request, handle.track
         clone = self.preparer._voice(req.reference)[1] if req.reference is not None else None
         if clone is not None and clone.ref_codes is not None:
             raise InvalidRequest("config.reference.transcript", "in-context cloning is not "
                                  "available for incremental text; leave the transcript empty")
         ids = torch.tensor([self.role_ids + track.ids + self.suffix_ids])
-        prompt = self.preparer.builder.build(ids, req.language, req.voice, clone=clone, non_streaming=False)
-        if not track.ended:  # no tts_eos until the text has ended
-            prompt = Prompt(embeds=prompt.embeds, trailing=prompt.trailing[:-1], pad_embed=prompt.pad_embed)
-        track.fed, track.closed = len(track.ids), track.ended
-        return Prepared(prompt, None), (len(track.ids) - 1 if track.ended else OPEN_TRACK)
+        plan = self.preparer.builder.plan(PromptItem(ids, req.language, req.voice, clone, non_streaming=False))
+
+        def finish(prompt: Prompt) -> tuple[Prepared, int]:
+            if not track.ended:  # no tts_eos until the text has ended
+                prompt = Prompt(embeds=prompt.embeds, trailing=prompt.trailing[:-1], pad_embed=prompt.pad_embed)
+            track.fed, track.closed = len(track.ids), track.ended
+            return Prepared(prompt, None), (len(track.ids) - 1 if track.ended else OPEN_TRACK)
+        return plan, finish
+
+    @torch.inference_mode()
+    def prompts(self, handles: list[StreamHandle]) -> list[tuple[Prepared, int] | Exception]:
+        """`prompt` of several contexts, built together; a context's own error is its entry."""
+        out: list = [None] * len(handles)
+        planned = []
+        for i, h in enumerate(handles):
+            try:
+                planned.append((i, *self.plan_prompt(h)))
+            except Exception as e:  # noqa: BLE001 - this context's own error
+                out[i] = e
+        built = self.preparer.builder.materialise([p for _, p, _ in planned])
+        for (i, _, finish), prompt in zip(planned, built):
+            out[i] = finish(prompt)
+        return out
 
     def admitted(self, stream: Stream) -> None:
         if stream.handle.track.closed:
