@@ -16,7 +16,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 STREAMS=${STREAMS:-256}
 DURATION=${DURATION:-6}
-RPS=${RPS:-10,20,40}
+RPS=${RPS-10,20,40}  # empty: no open-loop phase
 PORT=${PORT:-50077}
 SERVER_ARGS=${SERVER_ARGS:-}
 
@@ -43,9 +43,11 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
   phase "c=$STREAMS x ${DURATION}s"
   bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
     --max-duration "$DURATION" --fixed-duration --json "$OUT/cN.json"
-  phase "open loop $RPS rps"
-  bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
-    --max-duration 20 --json "$OUT/rps.json"
+  if [ -n "$RPS" ]; then
+    phase "open loop $RPS rps"
+    bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
+      --max-duration 20 --json "$OUT/rps.json"
+  fi
   if [ -n "${TEXT_BENCH-1,16,64}" ]; then  # StreamSynthesize fed a word at a time (issue 20)
     phase "incremental text ${TEXT_BENCH-1,16,64}"
     timeout 300 $PY -m tts_client.text_bench --address "127.0.0.1:$PORT" --concurrency "${TEXT_BENCH-1,16,64}" \
