@@ -176,14 +176,9 @@ async def _serve(config: ServerConfig) -> int:
     return await TTSServer(app.worker, info, config).serve_forever()
 
 
-# The engine thread, the gRPC/HTTP event loop and the codec all want the GIL; with Python's default
-# 5 ms switch interval a busy event loop (a burst of arrivals) can hold the engine thread off for
-# 5 ms at every hand-over. TTS_GIL_SWITCH_MS overrides (benchmarks compare).
-GIL_SWITCH_MS = 0.5
-
-
 def main(argv=None) -> None:
-    sys.setswitchinterval(float(os.environ.get("TTS_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1e3)
+    if os.environ.get("TTS_GIL_SWITCH_MS"):  # experiments only: Python's 5 ms default measured best
+        sys.setswitchinterval(float(os.environ["TTS_GIL_SWITCH_MS"]) / 1e3)  # (scripts/gpu_gil_ab.sh)
     try:
         config = parse_args(argv)
         preflight.check(config)
