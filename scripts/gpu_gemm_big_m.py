@@ -17,8 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_batched_ops import GEMMS, bench_graph  # noqa: E402
 
-from tts_server.engines.batched import tk_gemm  # noqa: E402
-from gpu_gemm_tiles import run  # noqa: E402
+from gpu_gemm_tiles import run, shape_case  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/gemm_big_m_out")
 MS = (256, 512, 1024, 2048, 4096)
@@ -42,12 +41,8 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, kind, n, k in GEMMS:
-        tuned = tk_gemm.config(kind, n, k)
+        tuned, w, w2, x, ref = shape_case(g, kind, n, k, 1024)
         bk, chunk, terms = tuned[2], tuned[5], tuned[6]
-        w = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
-        w2 = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
-        x = torch.randn(1024, k, device="cuda", generator=g) * 3
-        ref = run(kind, x, w, w2, tuned)
         shape = {"tuned": list(tuned), "candidates": {}}
         for bm, bn, wp, st in BIG:
             cfg = (bm, bn, bk, wp, st, chunk, terms)

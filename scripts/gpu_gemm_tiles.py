@@ -54,18 +54,24 @@ def time_cfg(kind, n, k, cfg, ms):
     return res
 
 
+def shape_case(g, kind, n, k, rows):
+    """The tuned tile of a GEMM shape, random weights, `rows` random input rows and the tuned
+    tile's output -> (tuned, w, w2, x, ref)."""
+    tuned = tk_gemm.config(kind, n, k)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
+    w2 = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
+    x = torch.randn(rows, k, device="cuda", generator=g) * 3
+    return tuned, w, w2, x, run(kind, x, w, w2, tuned)
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, kind, n, k in GEMMS:
-        tuned = tk_gemm.config(kind, n, k)
+        tuned, w, w2, x, ref = shape_case(g, kind, n, k, 256)
         bk, chunk, terms = tuned[2], tuned[5], tuned[6]
-        w = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
-        w2 = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
-        x = torch.randn(256, k, device="cuda", generator=g) * 3
-        ref = run(kind, x, w, w2, tuned)
         ref1 = run(kind, x[:1], w, w2, tuned)
         assert torch.equal(ref1[0], ref[0]), "tuned tile not row invariant"
         shape = {"tuned": list(tuned), "candidates": {}}

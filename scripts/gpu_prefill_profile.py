@@ -12,7 +12,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,13 +27,8 @@ from tts_server.model.loader import load_model  # noqa: E402
 from tts_server.serving.prepare import RequestPreparer  # noqa: E402
 from tts_client.workloads import ENGLISH  # noqa: E402
 
-
-def timed(fn):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, (time.perf_counter() - t) * 1e3
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_admission_profile import timed  # noqa: E402
 
 
 def main() -> None:
