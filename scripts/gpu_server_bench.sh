@@ -4,7 +4,9 @@
 # fits up to 256), then tts-bench against it over loopback gRPC:
 #   1. c = 1: TTFC p50 (target <= 10 ms) and the server's first-audio breakdown;
 #   2. closed loop, STREAMS (default 256) concurrent streams of DURATION (6) s each: underruns at a
-#      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms);
+#      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms); BENCH_PROCS (default 1):
+#      load processes for that level (tts-bench --processes), so that the client's own event loop
+#      does not spread the sends and delay the reads;
 #   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
 #      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns.
 #   4. (TEXT_BENCH, default 1,16,64; empty: skip) incremental text: that many StreamSynthesize calls
@@ -42,7 +44,7 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
   phase "c=$STREAMS x ${DURATION}s"
   bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
-    --max-duration "$DURATION" --fixed-duration --json "$OUT/cN.json"
+    --max-duration "$DURATION" --fixed-duration --processes "${BENCH_PROCS:-1}" --json "$OUT/cN.json"
   if [ -n "$RPS" ]; then
     phase "open loop $RPS rps"
     bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \

@@ -117,3 +117,20 @@ async def test_grpc_and_http_in_the_same_run(tiny_custom, tmp_path, capsys):
         assert 0 < r["ttfc_ms"] <= r["wall_ms"] and r["num_frames"] <= 6
     assert set(result["capacity"]) == {"grpc", "grpc-rps", "http", "http-rps"}
     assert "http c=" in result["summary"] and "http rps=" in result["summary"]
+
+
+async def test_closed_loop_level_over_load_processes(tiny_server, tmp_path):
+    """--processes 2: the level's streams come from two load processes that start together; the
+    records merge as one level of that concurrency."""
+    out = tmp_path / "procs.json"
+    argv = ["--address", tiny_server, "--concurrency", "4", "--requests", "4", "--warmup", "0",
+            "--processes", "2", "--max-duration", "0.32", "--fixed-duration", "--json", str(out),
+            "--no-progress"]
+    assert await asyncio.to_thread(bench.main, argv) == 0
+    result = json.loads(out.read_text())
+    records = result["records"]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    assert all(r["status"] == "OK" and r["concurrency"] == 4 and r["num_frames"] == 4 for r in records)
+    starts = [r["start_s"] for r in records]
+    assert max(starts) - min(starts) < 0.5  # one start for both processes
+    assert [(x["system"], x["concurrency"], x["num_ok"]) for x in result["levels"]] == [("grpc", 4, 4)]

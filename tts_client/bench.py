@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -144,13 +146,20 @@ async def run_one(client: TTSClient, item, level: float, voice: str, frame_rate:
 
 
 async def run_level(address: str, items, level: int, a, voice: str, frame_rate: float,
-                    progress: Progress | None) -> list[RequestRecord]:
-    """Closed loop: `level` clients, each on its own channel, send the next request as soon as
-    their previous one ends, until `items` are used up."""
+                    progress: Progress | None, num_clients: int | None = None,
+                    start_at: float | None = None) -> list[RequestRecord]:
+    """Closed loop: `level` clients (or `num_clients`: this process's share of them), each on its
+    own channel, send the next request as soon as their previous one ends, until `items` are used
+    up. start_at: a unix time to start at once the channels are ready (processes start together)."""
     clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
-               for _ in range(min(level, len(items)))]
+               for _ in range(min(num_clients or level, len(items)))]
     try:
         await asyncio.gather(*(asyncio.wait_for(c.channel.channel_ready(), 30) for c in clients))
+        if start_at is not None:
+            late = time.time() - start_at
+            if late > 0.05:
+                print(f"warning: a load process started {late:.2f} s late", file=sys.stderr)
+            await asyncio.sleep(max(0.0, -late))
         pending, records, t_level = iter(items), [], time.perf_counter()
 
         async def worker(client):
@@ -165,6 +174,35 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
         return sorted(records, key=lambda r: r.index)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
+
+
+def _level_share(address: str, items, level: int, num_clients: int, a, voice: str, frame_rate: float,
+                 start_at: float) -> list[RequestRecord]:
+    """One load process's part of a closed-loop level (`--processes`)."""
+    return asyncio.run(run_level(address, items, level, a, voice, frame_rate, None, num_clients, start_at))
+
+
+async def run_level_processes(address: str, items, level: int, a, voice: str, frame_rate: float,
+                              progress: Progress | None) -> list[RequestRecord]:
+    """A closed-loop level driven by `a.processes` load processes (each with its own event loop
+    and a share of the clients and requests), started together, so that one Python process's
+    event loop does not delay the sends and reads of a large level; records merged by index."""
+    n = min(a.processes, level, len(items))
+    if n <= 1:
+        return await run_level(address, items, level, a, voice, frame_rate, progress)
+    shares = [(items[i::n], len(range(i, level, n))) for i in range(n)]
+    start_at = time.time() + 5.0 + 0.02 * level  # spawn, imports, channels ready
+    loop = asyncio.get_running_loop()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        parts = await asyncio.gather(*(loop.run_in_executor(
+            pool, _level_share, address, part, level, clients, a, voice, frame_rate, start_at)
+            for part, clients in shares))
+    records = sorted((r for part in parts for r in part), key=lambda r: r.index)
+    if progress:
+        for r in records:
+            progress.update(r.status == "OK")
+    return records
 
 
 async def run_rate(address: str, items, rps: float, a, voice: str, frame_rate: float,
@@ -205,8 +243,8 @@ async def run_grpc(address: str, items, a, server: ServerProcess | None):
     records = []
     if "grpc" in transports:
         for level in levels:
-            records += await run_level(address, items, level, a, voice, frame_rate,
-                                       Progress(len(items), f"grpc c={level}", a.progress))
+            records += await run_level_processes(address, items, level, a, voice, frame_rate,
+                                                 Progress(len(items), f"grpc c={level}", a.progress))
         for rps in rates:
             records += await run_rate(address, items, rps, a, voice, frame_rate,
                                       Progress(len(items), f"grpc {rps:g}/s", a.progress))
@@ -381,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed-loop levels, comma-separated, e.g. 1,4,16,64 ('' for none)")
     p.add_argument("--rps", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 5,10,20")
     p.add_argument("--channels", type=int, default=64, help="gRPC channels of the open-loop generator")
+    p.add_argument("--processes", type=int, default=1,
+                   help="load processes for each gRPC closed-loop level (each its own event loop and "
+                        "a share of the streams; for hundreds of streams, so that the client's own "
+                        "Python does not delay sends and reads)")
     p.add_argument("--transport", choices=["grpc", "http", "both"], default="grpc",
                    help="gRPC Synthesize, the OpenAI-compatible HTTP API (streamed PCM), or both in "
                         "the same run against the same server")
