@@ -89,6 +89,33 @@ async def tiny_server(tiny_app):
 
 
 @pytest.fixture(scope="module")
+def base_app(tiny_base):
+    """Engine worker + model info for synthetic-tiny-base (Base model: voice cloning), 2 slots."""
+    import torch
+
+    from tts_server.app import build_app
+    from tts_server.config import ServerConfig
+    from tts_server.model.loader import LoadedModel
+
+    loaded = LoadedModel("synthetic-tiny-base", tiny_base, True, torch.device("cpu"), torch.float32)
+    app = build_app(ServerConfig(model="synthetic-tiny-base", engine="torch", max_streams=2, port=0), loaded)
+    yield app
+    app.worker.stop(10)
+
+
+@pytest.fixture
+async def base_server(base_app):
+    """A real grpc.aio server on 127.0.0.1:<free port> serving the tiny Base model."""
+    from tts_server.config import ServerConfig
+    from tts_server.rpc.server import TTSServer
+
+    server = TTSServer(base_app.worker, base_app.info, ServerConfig(port=0), owns_worker=False)
+    await server.start()
+    yield f"127.0.0.1:{server.port}"
+    await server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
     """A self-signed certificate for localhost / 127.0.0.1 -> (cert.pem, key.pem) paths."""
     if not shutil.which("openssl"):

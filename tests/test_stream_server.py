@@ -72,31 +72,6 @@ async def test_first_audio_before_the_last_word_is_sent(tiny_server):
 
 
 @pytest.fixture(scope="module")
-def base_server_app(tiny_base):
-    from tts_server.app import build_app
-    from tts_server.config import ServerConfig
-    from tts_server.model.loader import LoadedModel
-
-    import torch
-
-    cfg = ServerConfig(model="synthetic-tiny-base", engine="torch", max_streams=2, port=0)
-    app = build_app(cfg, LoadedModel("synthetic-tiny-base", tiny_base, True, torch.device("cpu"), torch.float32))
-    yield app
-    app.worker.stop(10)
-
-
-@pytest.fixture
-async def base_server(base_server_app):
-    from tts_server.config import ServerConfig
-    from tts_server.rpc.server import TTSServer
-
-    server = TTSServer(base_server_app.worker, base_server_app.info, ServerConfig(port=0), owns_worker=False)
-    await server.start()
-    yield f"127.0.0.1:{server.port}"
-    await server.stop(grace=1.0)
-
-
-@pytest.fixture(scope="module")
 def reference_wav(reference_audio):
     import io
 

@@ -12,31 +12,6 @@ import soundfile
 from tts_client.client import TTSClient, build_request
 
 
-@pytest.fixture(scope="module")
-def base_app(tiny_base):
-    import torch
-
-    from tts_server.app import build_app
-    from tts_server.config import ServerConfig
-    from tts_server.model.loader import LoadedModel
-
-    loaded = LoadedModel("synthetic-tiny-base", tiny_base, True, torch.device("cpu"), torch.float32)
-    app = build_app(ServerConfig(model="synthetic-tiny-base", engine="torch", max_streams=2), loaded)
-    yield app
-    app.worker.stop(10)
-
-
-@pytest.fixture
-async def base_server(base_app):
-    from tts_server.config import ServerConfig
-    from tts_server.rpc.server import TTSServer
-
-    server = TTSServer(base_app.worker, base_app.info, ServerConfig(port=0), owns_worker=False)
-    await server.start()
-    yield f"127.0.0.1:{server.port}"
-    await server.stop(grace=1.0)
-
-
 def _wav_bytes(samples, rate) -> bytes:
     buf = io.BytesIO()
     soundfile.write(buf, samples, rate, format="WAV", subtype="PCM_16")
