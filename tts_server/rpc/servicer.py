@@ -20,21 +20,9 @@ from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Mode
 from ..config import ServerConfig
 from ..logs import request_id_var
 from . import convert, stream_session
-from .stream_session import WRITE_FAILED, Abort
+from .stream_session import WRITE_FAILED, Abort, error_of
 
 log = logging.getLogger(__name__)
-
-
-def _status_of(error: BaseException | None) -> tuple[grpc.StatusCode, str]:
-    """The status for a request refused at submission or a stream the engine ended with `error`."""
-    if isinstance(error, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, (EngineFailure, ShuttingDown)):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    log.error("synthesis failed: %r", error)
-    return grpc.StatusCode.INTERNAL, f"synthesis failed: {error}"
 
 
 def _deadline_passed(context) -> bool:
@@ -91,7 +79,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             req = convert.to_request(request, self.info, self.config, request_id)
             handle = self.worker.submit(req, asyncio.get_running_loop())
         except (InvalidRequest, Overloaded, ShuttingDown, EngineFailure) as e:
-            raise Abort(*_status_of(e)) from None
+            raise Abort(*error_of(e, "synthesis")) from None
         try:
             await self._stream(req, handle, request, context, t0)
         finally:
@@ -152,7 +140,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     continue
                 end = event
             if end.finish_reason is FinishReason.ERROR:
-                raise Abort(*_status_of(end.error))
+                raise Abort(*error_of(end.error, "synthesis"))
             tail = await encode(encoder.finish) if encoder else b""
             if tail:  # what the encoder held back (Opus: the final Ogg page), no new samples
                 await write(tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(

@@ -39,8 +39,9 @@ class Abort(Exception):
         self.code, self.details = code, details
 
 
-def error_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status a failed context reports in its `done`."""
+def error_of(e: BaseException, what: str = "context") -> tuple[grpc.StatusCode, str]:
+    """The status of a request refused at submission, a stream the engine ended with `e`, or a
+    failed context (reported in its `done`); `what` names it in the log of an unexpected error."""
     if isinstance(e, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, Overloaded):
@@ -51,7 +52,7 @@ def error_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNIMPLEMENTED, str(e)
     if isinstance(e, (EngineFailure, ShuttingDown)):
         return grpc.StatusCode.UNAVAILABLE, str(e)
-    log.error("context failed: %r", e)
+    log.error("%s failed: %r", what, e)
     return grpc.StatusCode.INTERNAL, f"synthesis failed: {e}"
 
 
