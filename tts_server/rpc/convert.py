@@ -80,15 +80,21 @@ def _bad_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
     return None
 
 
-def parse_synthesize_request(data: bytes) -> tts_pb2.SynthesizeRequest | MalformedRequest:
-    """Request deserializer for Synthesize that never raises."""
+def _parse(message_type, data: bytes):
+    """A request deserializer that never raises: the message, or a MalformedRequest naming the
+    field that is not valid UTF-8 (or the request as a whole)."""
     try:
-        return tts_pb2.SynthesizeRequest.FromString(data)
+        return message_type.FromString(data)
     except DecodeError:
-        field = _bad_utf8_field(data, tts_pb2.SynthesizeRequest.DESCRIPTOR)
+        field = _bad_utf8_field(data, message_type.DESCRIPTOR)
         if field:
             return MalformedRequest(field, "is not valid UTF-8")
-        return MalformedRequest("request", "is not a valid tts.v1.SynthesizeRequest message")
+        return MalformedRequest("request", f"is not a valid {message_type.DESCRIPTOR.full_name} message")
+
+
+def parse_synthesize_request(data: bytes) -> tts_pb2.SynthesizeRequest | MalformedRequest:
+    """Request deserializer for Synthesize that never raises."""
+    return _parse(tts_pb2.SynthesizeRequest, data)
 
 
 def _check_text(text: str, field: str = "text") -> None:
@@ -266,13 +272,7 @@ check_text = _check_text
 
 def parse_stream_request(data: bytes) -> tts_pb2.StreamSynthesizeRequest | MalformedRequest:
     """Request deserializer for StreamSynthesize that never raises."""
-    try:
-        return tts_pb2.StreamSynthesizeRequest.FromString(data)
-    except DecodeError:
-        field = _bad_utf8_field(data, tts_pb2.StreamSynthesizeRequest.DESCRIPTOR)
-        if field:
-            return MalformedRequest(field, "is not valid UTF-8")
-        return MalformedRequest("request", "is not a valid tts.v1.StreamSynthesizeRequest message")
+    return _parse(tts_pb2.StreamSynthesizeRequest, data)
 
 
 def to_context_request(msg: tts_pb2.ContextConfig, context_id: str, info: ModelInfo,
