@@ -346,22 +346,19 @@ class Worker:
             built = {h: e for h, _ in live}
         if self._trace is not None:  # prompts + codec reset of the whole step
             self._trace_rec["prompts_s"] = round(time.monotonic() - t0, 5)
-        out = (self._prepare(h, s, now, built.get(h)) for h, s in live)
+        out = (self._prepare(h, s, now, built[h]) for h, s in live)
         return [a for a in out if a is not None]
 
-    def _prepare(self, handle: StreamHandle, slot: int, now: float, built=None) -> Admission | None:
+    def _prepare(self, handle: StreamHandle, slot: int, now: float, built) -> Admission | None:
         """Prompt and codec state for one admission; None (stream ended) when it cannot start.
-        built: the request's `prepare_many` result (a Prepared, or the exception it raised)."""
+        built: the request's part of `_prepare_all` (a Prepared, for a StreamSynthesize context
+        (Prepared, eos_from), or the exception its preparation raised)."""
         req = handle.request
         self.engine_metrics.queue_wait.observe(now - handle.submitted_at)
         try:
-            eos_from = 0
             if isinstance(built, Exception):
                 raise built
-            if req.incremental:
-                prepared, eos_from = built if built is not None else self.texts.prompt(handle)
-            else:
-                prepared = built if built is not None else self.preparer.prepare(req, handle.text_ids)
+            prepared, eos_from = built if req.incremental else (built, 0)
             room = self.engine.max_positions - prepared.prompt.embeds.shape[0] - 1
             if room < 1:
                 raise InvalidRequest("text", "too long for the model's context")

@@ -49,8 +49,7 @@ class FrameParams:
     predictor: StackParams
     codec_embedding: torch.Tensor  # [V, H] bf16 (talker input table: code 0)
     codec_head: torch.Tensor  # [V, H] bf16
-    predictor_embeddings: tuple[torch.Tensor, ...]  # G-1 x [VC, H] bf16 (views of the stack)
-    predictor_embedding_stack: torch.Tensor  # [G-1, VC, H] bf16: one table for glue.embed_sum
+    predictor_embedding_stack: torch.Tensor  # [G-1, VC, H] bf16: the code groups' tables, for glue.embed_sum
     predictor_heads: tuple[torch.Tensor, ...]  # G-1 x [VC, Hp] bf16
     in_proj: tuple[torch.Tensor, torch.Tensor] | None  # (W [Hp, H] bf16, b [Hp] fp32); None = identity
     ids: CodecIds
@@ -85,7 +84,7 @@ def prepare(w: DecodeWeights, device: torch.device | str | None = None) -> Frame
     return FrameParams(
         talker=_stack(w.talker, device), predictor=_stack(w.predictor, device),
         codec_embedding=b16(w.codec_embedding), codec_head=b16(w.codec_head),
-        predictor_embeddings=tuple(emb.unbind(0)), predictor_embedding_stack=emb,
+        predictor_embedding_stack=emb,
         predictor_heads=tuple(b16(h) for h in w.predictor_heads), in_proj=proj, ids=w.ids)
 
 
