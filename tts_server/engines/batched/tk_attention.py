@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .ops import PREFILL_QB
+
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the prefill attention's dots: fp32 accuracy on tensor cores (3 tf32 products); the interpreter
@@ -32,7 +34,8 @@ def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                        MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                       PPS: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr):
+                       PPS: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (b, kv head, split): positions [split*PPS*BLOCK, +PPS*BLOCK) of row b for the G query
     # heads of this kv head -> partial max m, sum l, unnormalised acc [HD] per query head.
     b = tl.program_id(0)
@@ -67,7 +70,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_p
 
 @triton.jit
 def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, NH, NSPLIT,
-                         SPLIT_LEN: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr):
+                         SPLIT_LEN: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (b, h): the used splits of row b, head h, merged in split order -> out [HD]
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -112,9 +116,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hd_p2 = triton.next_power_of_2(hd)
     _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                          max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
-                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps)
+                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps, **pdl.kw())
     _attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=pps * block, HD=hd,
-                                  HD_P2=hd_p2, num_warps=1)
+                                  HD_P2=hd_p2, num_warps=1, **pdl.kw())
     return out
 
 
@@ -124,7 +128,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 @triton.jit
 def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qrow_ptr, qn_ptr, out_ptr, scale,
                          MAX_BLOCKS, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                         QB: tl.constexpr, HD: tl.constexpr):
+                         QB: tl.constexpr, HD: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (query block, query head): rows qrow..qrow+qn-1 of ONE prompt (they share its block
     # table); keys walked page by page from position 0 with an online softmax; the dots on tensor
     # cores at fp32 accuracy (tf32x3). A row's bits depend on its prompt alone: the query block, its
@@ -179,5 +184,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
     out = torch.zeros_like(q)
     _prefill_attn_kernel[(qrow.shape[0], nh)](q.contiguous(), k, v, table.contiguous(), pos, qrow, qn, out,
                                                float(scale), table.shape[1], NKV=nkv, G=nh // nkv, BLOCK=block,
-                                               QB=PREFILL_QB, HD=hd, num_warps=4)
+                                               QB=PREFILL_QB, HD=hd, num_warps=4, **pdl.kw())
     return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, K chunk, x terms) per GEMM kind. Each output
@@ -84,7 +86,8 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                  stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # x [M, K] fp32; w, w2 [N, K] bf16; out [SPLIT, M, N] fp32 (split s covers K range s*K_PER_SPLIT..)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -125,7 +128,8 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # part [SPLIT, M*N] fp32 -> out [M*N] fp32, summed in split order 0..SPLIT-1
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
@@ -155,13 +159,12 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       TERMS=terms, INTERPRET=_INTERPRET,
-                       num_warps=warps, num_stages=stages)
+                       TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.kw())
     if not reduce:
         return part if split > 1 else out[None]
     if split > 1:
         blk = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, blk),)](part, out, m * n, SPLIT=split, BLOCK=blk)
+        _sum_splits_kernel[(triton.cdiv(m * n, blk),)](part, out, m * n, SPLIT=split, BLOCK=blk, **pdl.kw())
     return out
 
 
@@ -182,7 +185,8 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.T
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xm, stride_om, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xm, stride_om, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # one program per row: x [D] fp32, w [D] -> out [D] fp32
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
@@ -199,5 +203,5 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     m, d = x.shape
     out = torch.empty((m, d), dtype=torch.float32, device=x.device)
     _rms_norm_kernel[(m,)](x, w.contiguous(), out, d, float(eps), x.stride(0), out.stride(0),
-                           BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+                           BLOCK_D=triton.next_power_of_2(d), num_warps=4, **pdl.kw())
     return out

@@ -7,11 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _qk_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cos_stride, q_out_ptr,
                           k_pool_ptr, v_pool_ptr, blk_ptr, off_ptr, eps,
-                          NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+                          NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (m, head): head < NH: q head -> q_out[m, head]; else kv head -> pool[blk[m], kvh, off[m]]
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -61,13 +64,14 @@ def qk_rope_store(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off, nh, n
     q = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
     cs = 0 if cos.shape[0] == 1 else cos.stride(0)
     _qk_rope_store_kernel[(m, nh + nkv)](qkv, q_norm, k_norm, cos, sin, cs, q, k_pool, v_pool, blk, off, eps,
-                                         NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2)
+                                         NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2, **pdl.kw())
     return q
 
 
 @triton.jit
 def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, MD, D: tl.constexpr, DP2: tl.constexpr,
-                    PARTS: tl.constexpr):
+                    PARTS: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program m: y[m] = y parts [PARTS, M, D] summed in part order (as tk_gemm's split sum);
     # s = x[m] + y[m]; out[m] = w * s * rsqrt(mean(s^2) + eps)
     m = tl.program_id(0).to(tl.int64)
@@ -89,13 +93,14 @@ def add_rms(x, y, w, eps):
     m, d = x.shape
     y = (y if y.dim() == 3 else y[None]).contiguous()
     s, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_kernel[(m,)](x, y, w, s, out, eps, m * d, D=d, DP2=triton.next_power_of_2(d), PARTS=y.shape[0])
+    _add_rms_kernel[(m,)](x, y, w, s, out, eps, m * d, D=d, DP2=triton.next_power_of_2(d), PARTS=y.shape[0], **pdl.kw())
     return s, out
 
 
 @triton.jit
 def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, pos, eps, scale,
-                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (m, kv head) of a code-predictor pass at position `pos` (same for every row; row m's
     # scratch block is m and already holds positions 0..pos-1): k/v of this position normed, roped,
     # stored; then the G = NH / NKV query heads attend over positions 0..pos (the new key from
@@ -159,13 +164,14 @@ def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, 
     hd = k_pool.shape[-1]
     out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
     _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
-                                NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2)
+                                NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2, **pdl.kw())
     return out
 
 
 @triton.jit
 def _store_blocks_kernel(sk_ptr, sv_ptr, dk_ptr, dv_ptr, dst_ptr, N: tl.constexpr, CHUNK: tl.constexpr,
-                         ROUND: tl.constexpr):
+                         ROUND: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (scratch block s, chunk c): elements [c*CHUNK, +CHUNK) of block s's K and V, rounded
     # to the pool's dtype, into pool block dst[s]; dst[s] < 0: unused, nothing written
     s = tl.program_id(0).to(tl.int64)
@@ -192,12 +198,13 @@ def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor,
     chunk = 4096 if n % 4096 == 0 else triton.next_power_of_2(n)
     assert n % chunk == 0 and src_k.is_contiguous() and src_v.is_contiguous() and k_pool.is_contiguous()
     _store_blocks_kernel[(s, n // chunk)](src_k, src_v, k_pool, v_pool, dst, N=n, CHUNK=chunk,
-                                          ROUND=k_pool.dtype != src_k.dtype, num_warps=4)
+                                          ROUND=k_pool.dtype != src_k.dtype, num_warps=4, **pdl.kw())
 
 
 @triton.jit
 def _embed_sum_kernel(e0_ptr, tab_ptr, codes_ptr, out_ptr, V, code_stride, H: tl.constexpr, HP2: tl.constexpr,
-                      K: tl.constexpr, HAS_E0: tl.constexpr):
+                      K: tl.constexpr, HAS_E0: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program b: out[b] = (e0[b] +) tab[0, codes[b, 0]] + ... + tab[K-1, codes[b, K-1]], fp32 adds in order
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HP2)
@@ -217,8 +224,8 @@ def embed_sum(e0, tables, codes):
     """e0 [B, H] fp32 or None; tables [K, V, H]; codes [B, K] int (rows < V) -> [B, H] fp32."""
     b, k = codes.shape
     _, v, h = tables.shape
-    codes = codes.contiguous()
+    codes = codes if codes.stride(1) == 1 else codes.contiguous()  # rows may be strided (frame.out)
     out = torch.empty((b, h), dtype=torch.float32, device=tables.device)
     _embed_sum_kernel[(b,)](e0 if e0 is not None else out, tables, codes, out, v, codes.stride(0), H=h,
-                            HP2=triton.next_power_of_2(h), K=k, HAS_E0=e0 is not None)
+                            HP2=triton.next_power_of_2(h), K=k, HAS_E0=e0 is not None, **pdl.kw())
     return out

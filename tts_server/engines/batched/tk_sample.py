@@ -11,12 +11,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import pdl
+
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _talker_process_kernel(logits_ptr, seen_ptr, pen_ptr, nsamp_ptr, V, stride_l, stride_s, eos,
-                           suppress_start, min_new_tokens, BLOCK: tl.constexpr):
+                           suppress_start, min_new_tokens, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # program (b, chunk): logits[b, chunk] in place
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +45,7 @@ def talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start, min_n
     blk = 1024
     _talker_process_kernel[(b, triton.cdiv(v, blk))](
         logits, seen, penalty.float().contiguous(), n_sampled.int().contiguous(), v, logits.stride(0),
-        seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk)
+        seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk, **pdl.kw())
 
 
 @triton.jit
@@ -91,7 +95,8 @@ def _mass_cut_key(key, e, budget):
 @triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
                    fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # one program per row b: logits[b, :V] -> code[b] int32, finite[b] uint8
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
@@ -147,5 +152,5 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
     _sample_kernel[(b,)](logits, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
                          i64(counter), codes, fin, v,
                          logits.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
-                         INTERPRET=_INTERPRET, num_warps=8)
+                         INTERPRET=_INTERPRET, num_warps=8, **pdl.kw())
     return codes, fin.view(torch.bool)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
+variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket,
+each a fresh engine with its graphs captured under that setting. Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median
+of CUDA-event-timed replays), one stream's admission + first frame, and the codes and hidden state
+of 64 real admissions over 16 sampled frames, which must be bitwise equal across variants.
+
+  PYTHONPATH=. python3 scripts/gpu_pdl_ab.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_batched_engine import fake_admit, first_frame, load_weights, log, mixed_lengths, time_replays  # noqa: E402
+
+from tts_server.api import SamplingConfig  # noqa: E402
+from tts_server.engines.batched import checks  # noqa: E402
+from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
+from tts_server.engines.contract import Admission  # noqa: E402
+
+VARIANTS = {"off": ({"TTS_PDL": "0"}, None), "default": ({"TTS_PDL": "1"}, None),
+            "all": ({"TTS_PDL": "1"}, 1 << 30)}  # (environment, graphs.PDL_MAX_ROWS or None: unchanged)
+
+
+def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
+    h = w.talker.config.hidden_size
+    eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
+    res = dict(capture_s=eng.capture_s, replay_ms={})
+    for b in sizes:
+        ms = [time_replays(eng, fake_admit(eng, mixed_lengths(b), margin=64), iters) for _ in range(3)]
+        res["replay_ms"][b] = float(np.median(ms))
+        log(f"  B {b:3d} mixed: {res['replay_ms'][b]:.3f} ms (runs {', '.join(f'{m:.3f}' for m in ms)})")
+    res["first_frame"] = first_frame(eng)
+    for s in list(eng.positions):
+        eng.release(s)
+    admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"),
+                            SamplingConfig(seed=i)) for i in range(64))
+    codes = checks.step_codes(eng, list(range(64)), 16, admit)
+    sig = dict(codes=np.stack([codes[s] for s in range(64)]),
+               hidden=eng.state.past_hidden[:64].detach().cpu().numpy().copy())
+    del eng
+    torch.cuda.empty_cache()
+    return res, sig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--sizes", default="1,8,64,256")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    res: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                     commit=os.environ.get("COMMIT", "?"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     variants={})
+    w = load_weights("synthetic")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    sigs = {}
+    from tts_server.engines.batched import graphs
+
+    default_rows = graphs.PDL_MAX_ROWS
+    for name in args.variants.split(","):
+        env, rows = VARIANTS[name]
+        os.environ.update(env)
+        graphs.PDL_MAX_ROWS = default_rows if rows is None else rows
+        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS}")
+        try:
+            res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters)
+        except Exception as e:  # keep the other variants
+            import traceback
+            res["variants"][name] = dict(error=traceback.format_exc())
+            log(res["variants"][name]["error"])
+        (out / "pdl_ab.json").write_text(json.dumps(res, indent=1, default=str))
+    base = next(iter(sigs), None)
+    res["bitwise_equal_to_" + str(base)] = {
+        n: dict(codes=bool(np.array_equal(s["codes"], sigs[base]["codes"])),
+                hidden=bool(np.array_equal(s["hidden"].view(np.uint32), sigs[base]["hidden"].view(np.uint32))))
+        for n, s in sigs.items()}
+    log("bitwise:", res["bitwise_equal_to_" + str(base)])
+    (out / "pdl_ab.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
