@@ -6,7 +6,8 @@
 #   2. closed loop, STREAMS (default 256) concurrent streams of DURATION (6) s each: underruns at a
 #      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms); BENCH_PROCS (default 1):
 #      load processes for that level (tts-bench --processes), so that the client's own event loop
-#      does not spread the sends and delay the reads;
+#      does not spread the sends and delay the reads; a list (1,8) runs the level once per value
+#      (cN.json for the first, cN-procsK.json for the others);
 #   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
 #      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns.
 #   4. (TEXT_BENCH, default 1,16,64; empty: skip) incremental text: that many StreamSynthesize calls
@@ -17,6 +18,7 @@
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 STREAMS=${STREAMS:-256}
+BENCH_PROCS=${BENCH_PROCS:-1}
 DURATION=${DURATION:-6}
 RPS=${RPS-10,20,40}  # empty: no open-loop phase
 PORT=${PORT:-50077}
@@ -42,9 +44,14 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
 {
   phase c=1
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
-  phase "c=$STREAMS x ${DURATION}s"
-  bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
-    --max-duration "$DURATION" --fixed-duration --processes "${BENCH_PROCS:-1}" --json "$OUT/cN.json"
+  first=1
+  for procs in ${BENCH_PROCS//,/ }; do  # BENCH_PROCS=1,8: the same level from 1 then 8 load processes
+    phase "c=$STREAMS x ${DURATION}s, $procs load processes"
+    [ $first = 1 ] && json=cN.json || json=cN-procs$procs.json
+    bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
+      --max-duration "$DURATION" --fixed-duration --processes "$procs" --json "$OUT/$json"
+    first=0
+  done
   if [ -n "$RPS" ]; then
     phase "open loop $RPS rps"
     bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \

@@ -92,10 +92,18 @@ class DecodeEngine(Protocol):
     max_streams: int  # number of slots
     max_positions: int  # talker positions per slot (prefill + frames)
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:
         """Run `plan`. A failure confined to one slot comes back in `failed` (admission) or as
         that slot's `FrameResult.error`; an exception means the whole step failed (a device
-        fault leaves the engine unusable)."""
+        fault leaves the engine unusable).
+
+        on_codes(early: StepOutput), optional: an engine that finishes a frame's 16 codes before
+        its talker step (which samples the next code 0) may call it, at most once per decoded
+        slot, as soon as those codes are on the host, so that the caller can decode audio while
+        the talker step runs. `early.frames` then hold final codes, `next_is_eos` False and only
+        the code-predictor's errors; `failed` and `prefill_s` are final. The frames that `run`
+        returns are complete: a slot may still fail there (talker logits) or end (EOS). Engines
+        that cannot report early ignore on_codes."""
         ...
 
     def release(self, slot: int) -> None:

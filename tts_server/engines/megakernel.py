@@ -408,7 +408,7 @@ class MegakernelEngine:
         self._check(self.lib.qmk_sample_talker(ctypes.byref(self.state), slot, self._stream()), "sample")
         self.active[slot] = length
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:  # no early codes (contract)
         """Admissions, then one launch per decoded slot (so a slot's codes never depend on the
         others: batch invariant by construction, but with no weight sharing across slots)."""
         return run_parts(self, plan, [[s] for s in plan.decode])

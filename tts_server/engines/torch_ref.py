@@ -54,7 +54,7 @@ class TorchEngine:
                                 self.dtype, self.device)
         self.slots: dict[int, _SlotState] = {}
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:  # no early codes (contract)
         """Admissions one by one, then the decode step: one group of all slots, or (batch
         invariant) one group per slot, so a slot computes exactly what it computes alone."""
         slots = list(plan.decode)

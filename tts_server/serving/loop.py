@@ -3,7 +3,10 @@
 Each iteration: the scheduler picks admissions and the streams to step -> the requests are
 prepared (tokenize, voice clone, prompt) -> ONE engine call (`run(StepPlan)`) advances every
 stream by a frame -> ONE batched codec step turns all new frames into audio -> each stream's
-frame is resampled and grouped into chunks for its handle.
+frame is resampled and grouped into chunks for its handle. An engine that can hands the frames'
+codes over before its talker step ends (`on_codes`): the codec step then runs, on its own CUDA
+stream, while the talker step does, and the audio goes out before the engine call returns;
+streams end (EOS, length, errors) only after it.
 
 Failure handling: a fault confined to one stream (its preparation or prefill, non-finite logits)
 ends that stream with an error and the others carry on. A fault of the engine as a whole (a
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +34,7 @@ from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, Over
                    ShuttingDown, StreamEnd, StreamFailure, SynthesisRequest, Unsupported)
 from ..codec.pcm import StreamResampler
 from ..config import ServerConfig
-from ..engines.contract import Admission, StepPlan
+from ..engines.contract import Admission, StepOutput, StepPlan
 from ..metrics import Metrics
 from .prepare import RequestPreparer
 from .scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
@@ -50,6 +54,17 @@ def is_device_fault(e: BaseException) -> bool:
     if accel is not None and isinstance(e, accel):
         return True
     return any(m in str(e) for m in DEVICE_FAULT_MARKERS)
+
+
+class _StepAudio:
+    """One step's bookkeeping between the engine's early codes and the end of its call."""
+
+    def __init__(self, admitted: list[Stream], t0: float, t_run: float):
+        self.admitted, self.t0, self.t_run = admitted, t0, t_run
+        self.reported: set[int] = set()  # slots whose codes went to the codec
+        self.errors: dict[int, StreamFailure] = {}  # slots whose codec step failed
+        self.t_engine: float | None = None  # codes on the host
+        self.t_codec: float | None = None  # their audio decoded
 
 
 class Worker:
@@ -107,6 +122,9 @@ class Worker:
         self._trace = open(trace, "a", buffering=1) if trace else None  # line-buffered
         self._trace_t0 = time.monotonic() - time.time()  # monotonic -> unix time, for lining up with clients
         self._trace_rec: dict = {}
+        # the codec runs on its own CUDA stream: a step's audio decodes while the engine's talker
+        # step (on the default stream) still runs
+        self._codec_cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -209,6 +227,10 @@ class Worker:
             self.fail(EngineFailure(f"{self.busy_what} hung for more than {self.watchdog_s:g} s"))
 
     # ---- engine thread ----------------------------------------------------------------
+    def _codec_stream(self):
+        """Every codec call runs inside: its own CUDA stream (ordered with itself only)."""
+        return torch.cuda.stream(self._codec_cuda) if self._codec_cuda is not None else contextlib.nullcontext()
+
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
@@ -341,7 +363,8 @@ class Worker:
             if texts:  # StreamSynthesize contexts: (prepared, eos_from) each
                 built.update(zip(texts, self.texts.prompts(texts)))
             # every admitted slot's codec state zeroed at once (a voice clone then primes or restores it)
-            self.codec.reset_many([s for _, s in live])
+            with self._codec_stream():
+                self.codec.reset_many([s for _, s in live])
         except Exception as e:  # noqa: BLE001 - reported to each of these streams by _prepare
             built = {h: e for h, _ in live}
         if self._trace is not None:  # prompts + codec reset of the whole step
@@ -364,7 +387,8 @@ class Worker:
                 raise InvalidRequest("text", "too long for the model's context")
             if hasattr(self.engine, "bind_request"):  # fault injection (tests)
                 self.engine.bind_request(slot, req.request_id)
-            self._reset_codec(slot, prepared)
+            with self._codec_stream():
+                self._reset_codec(slot, prepared)
         except Exception as e:  # noqa: BLE001 - reported to this stream only
             if self._fault(e, "request preparation"):
                 return None
@@ -436,8 +460,12 @@ class Worker:
         if not slots and not admissions:
             return
         t_run = time.monotonic()
+        step = _StepAudio(admitted, t0, t_run)
         try:
-            out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)))
+            # the engine hands over the frames' codes early when it can (while its talker step
+            # still runs): their audio goes out then; else after the call, the same way
+            out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)),
+                                  on_codes=lambda early: self._audio(early, step))
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams in it
             if self._fault(e, "a decode step"):
                 return
@@ -447,7 +475,6 @@ class Worker:
             return
         if self.failure is not None:  # the watchdog gave up on this step meanwhile
             return
-        t_engine = time.monotonic()
         if admissions:
             self._admit_s = (t_run - t0) + out.prefill_s  # preparation + prefill
             self.prefill_cost.observe(len(admissions), self._admit_s)
@@ -456,56 +483,77 @@ class Worker:
             rid = stream.handle.request.request_id
             log.error("request %s failed in prefill: %s", rid, why, extra={"request_id": rid})
             self._finish(stream, FinishReason.ERROR, StreamFailure(why))
-        good = []
-        for result in out.frames:
-            stream = self._active[result.slot]
-            if result.error is not None:
-                rid = stream.handle.request.request_id
-                log.error("request %s failed in the engine at frame %d: %s", rid,
-                          stream.num_frames + 1, result.error, extra={"request_id": rid})
-                self._finish(stream, FinishReason.ERROR, StreamFailure(result.error))
+        late = [r for r in out.frames if r.slot not in step.reported]
+        if late:  # an engine without early codes
+            self._audio(StepOutput(late, out.failed, out.prefill_s, out.decode_s), step)
+            if self.failure is not None:
+                return
+        if self._trace is not None and step.t_codec is not None:
+            self._trace_rec.update(prepare_s=round(t_run - t0, 5), prefill_s=round(out.prefill_s, 5),
+                                   decode_s=round(out.decode_s, 5), engine_s=round(step.t_engine - t_run, 5),
+                                   codec_s=round(step.t_codec - step.t_engine, 5))
+        for result in out.frames:  # the frames' ends, now that the talker steps are known
+            stream = self._active.get(result.slot)
+            if stream is None or stream.handle.ended:
                 continue
-            good.append((stream, result))
+            if result.slot in step.errors or result.error is not None:
+                error = step.errors.get(result.slot) or StreamFailure(result.error)
+                rid = stream.handle.request.request_id
+                log.error("request %s failed at frame %d: %s", rid, stream.num_frames + 1, error,
+                          extra={"request_id": rid})
+                self._finish(stream, FinishReason.ERROR, error)
+            elif result.next_is_eos:
+                if stream.num_frames < stream.max_frames:  # else its last audio is out already
+                    self._add_audio(stream, np.zeros(0, np.float32), last=True)  # what is pending
+                self._finish(stream, FinishReason.EOS)
+            elif stream.num_frames >= stream.max_frames:
+                self._finish(stream, FinishReason.MAX_LENGTH)
+
+    def _audio(self, early: StepOutput, step: "_StepAudio") -> None:
+        """Frames whose codes are final -> ONE batched codec step -> each stream's audio. A
+        stream never ends here (the engine may still be stepping it): ends come after `run`."""
+        now = time.monotonic()
+        if step.t_engine is None:
+            step.t_engine = now
+        good = []
+        for result in early.frames:
+            step.reported.add(result.slot)
+            if result.error is None:
+                good.append((self._active[result.slot], result))
         self.frames_generated += len(good)
         self.engine_metrics.frames.inc(len(good))
         if not good:
             return
         try:
-            pcm = self.codec.step([s.slot for s, _ in good], np.stack([r.codes for _, r in good]))
+            with self._codec_stream():
+                pcm = self.codec.step([s.slot for s, _ in good], np.stack([r.codes for _, r in good]))
         except Exception as e:  # noqa: BLE001
             if self._fault(e, "the codec"):
                 return
             log.exception("codec step failed for %d streams", len(good))
             for stream, _ in good:
-                self._finish(stream, FinishReason.ERROR, StreamFailure(f"codec decode: {e}"))
+                step.errors[stream.slot] = StreamFailure(f"codec decode: {e}")
             return
-        t_codec = time.monotonic()
-        if self._trace is not None:
-            self._trace_rec.update(prepare_s=round(t_run - t0, 5), prefill_s=round(out.prefill_s, 5),
-                                   decode_s=round(out.decode_s, 5), engine_s=round(t_engine - t_run, 5),
-                                   codec_s=round(t_codec - t_engine, 5))
-        prepare_s = t_run - t0  # this step's prompt preparation, before the engine call
-        for stream in admitted:
-            stream.timings.update(prefill_ms=(prepare_s + out.prefill_s) * 1e3, prepare_ms=prepare_s * 1e3,
-                                  first_frame_ms=out.decode_s * 1e3,
-                                  first_decode_ms=(t_codec - t_engine) * 1e3, ready_at=t_codec)
+        step.t_codec = time.monotonic()
+        prepare_s = step.t_run - step.t0  # this step's prompt preparation, before the engine call
+        for stream in step.admitted:
+            stream.timings.update(prefill_ms=(prepare_s + early.prefill_s) * 1e3, prepare_ms=prepare_s * 1e3,
+                                  first_frame_ms=(now - step.t_run) * 1e3 - early.prefill_s * 1e3,
+                                  first_decode_ms=(step.t_codec - now) * 1e3, ready_at=step.t_codec)
         for (stream, result), audio in zip(good, pcm):
             stream.num_frames += 1
-            done = result.next_is_eos or stream.num_frames >= stream.max_frames
             if stream.handle.track is not None:
                 self.texts.after_frame(stream)
-            self._add_audio(stream, audio, last=done)
-            if done:
-                reason = FinishReason.EOS if result.next_is_eos else FinishReason.MAX_LENGTH
-                self._finish(stream, reason)
+            self._add_audio(stream, audio, last=stream.num_frames >= stream.max_frames)
 
     def _add_audio(self, stream: Stream, audio: np.ndarray, last: bool) -> None:
-        """One frame of 24 kHz audio: resample it on its own (so chunking never changes the
-        samples), then post a chunk when the scheduler says one is due."""
+        """One frame of 24 kHz audio (or, empty, the end of a stream's audio): resample it on its
+        own (so chunking never changes the samples), then post a chunk when the scheduler says
+        one is due."""
         samples = stream.resample(audio, last=last)
         if samples.size:
             stream.pending.append(samples)
-        stream.pending_frames += 1
+        stream.pending_frames += 1 if audio.size else 0
         now = time.monotonic()
         if not stream.pending or not (last or stream.text_dry() or self.scheduler.chunk_due(stream, now)):
             return

@@ -7,6 +7,8 @@ request's stream takes its FRAME-th step (default 1):
                  logits check does); the other streams in the step are unaffected
   device_error   the whole step raises a CUDA-style error (the engine is unusable afterwards)
   hang           the step never returns (a hung kernel); only the watchdog gets the process out
+  eos            the talker draws EOS in that step: the frame is the stream's last (an engine
+                 with early codes has already handed its codes over, as with a real EOS)
 
 The real engine runs underneath for every step that does not hang or raise.
 """
@@ -19,7 +21,7 @@ from typing import Sequence
 
 from ..engines.contract import StepOutput, StepPlan
 
-KINDS = ("stream_error", "device_error", "hang")
+KINDS = ("stream_error", "device_error", "hang", "eos")
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,17 @@ class FaultInjectingEngine:
                 due[slot] = fault
         return due
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:
         due = self._due(plan.decode)
         kinds = {f.kind for f in due.values()}
         if "hang" in kinds:
             self.released.wait()
         if "device_error" in kinds:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        out = self.inner.run(plan)
+        out = self.inner.run(plan, on_codes)  # an injected stream error lands after the codes, as a talker one
         for r in out.frames:
             if r.slot in due and due[r.slot].kind == "stream_error":
                 r.error = "non-finite talker logits (injected)"
+            elif r.slot in due and due[r.slot].kind == "eos":
+                r.next_is_eos = True
         return out

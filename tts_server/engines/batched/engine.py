@@ -82,6 +82,8 @@ class BatchedEngine:
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
+        self.codes_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)  # predict's copy
+        self._codes_ready = torch.cuda.Event() if dev.type == "cuda" else None
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
         self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
@@ -131,9 +133,10 @@ class BatchedEngine:
 
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:
         """Admissions (all of the plan's prompts in one batched prefill, unless prefill_graphs
-        is on), then one frame for every slot of plan.decode."""
+        is on), then one frame for every slot of plan.decode. on_codes (see the contract) gets
+        the frames' codes while the talker step that ends the frame still runs on the device."""
         out = StepOutput()
         t0 = time.perf_counter()
         ready = []
@@ -156,8 +159,15 @@ class BatchedEngine:
                     out.failed[adm.slot] = "non-finite talker logits after prefill"
         self._sync()
         t1 = time.perf_counter()
-        out.frames = self._decode([s for s in plan.decode if s not in out.failed])
-        out.prefill_s, out.decode_s = t1 - t0, time.perf_counter() - t1
+        out.prefill_s = t1 - t0
+
+        def early(frames: list[FrameResult]) -> None:
+            if on_codes is not None:
+                on_codes(StepOutput(frames=frames, failed=dict(out.failed), prefill_s=out.prefill_s,
+                                    decode_s=time.perf_counter() - t1))
+
+        out.frames = self._decode([s for s in plan.decode if s not in out.failed], early)
+        out.decode_s = time.perf_counter() - t1
         return out
 
     def extend_text(self, slot: int, vectors: torch.Tensor, eos_from: int | None = None) -> None:
@@ -272,7 +282,7 @@ class BatchedEngine:
         self.positions[slot] = length
 
     # -- frames ---------------------------------------------------------------------------
-    def _decode(self, slots: list[int]) -> list[FrameResult]:
+    def _decode(self, slots: list[int], early) -> list[FrameResult]:
         if len(set(slots)) != len(slots):
             raise ValueError("a slot appears twice in one step")
         errors, live = {}, []
@@ -288,20 +298,28 @@ class BatchedEngine:
             else:
                 live.append(s)
         rows, ng, eos = {}, self.p.ids.num_code_groups, self.p.ids.eos
+        zeros = np.zeros(ng, dtype=np.int64)
+
+        def results(out: np.ndarray, chunk: list[int], final: bool) -> list[FrameResult]:
+            out = out.astype(np.int64)
+            is_eos = (out[:, ng] == eos).tolist() if final else [False] * len(chunk)
+            flags = out[:, ng + 1].tolist()
+            return [FrameResult(s, out[j, :ng], is_eos[j] and not flags[j], frame_error(flags[j]) if flags[j] else None)
+                    for j, s in enumerate(chunk)]
+
         for i in range(0, len(live), self.sizes[-1]):
             chunk = live[i:i + self.sizes[-1]]
-            out = self._step(chunk).astype(np.int64)
-            is_eos = (out[:, ng] == eos).tolist()
-            flags = out[:, ng + 1].tolist()
-            for j, s in enumerate(chunk):
-                err = frame_error(flags[j]) if flags[j] else None
-                rows[s] = FrameResult(s, out[j, :ng], err is None and is_eos[j], err)
-                positions[s] += 1
-        zeros = np.zeros(ng, dtype=np.int64)
+            codes = self._step(chunk)
+            early(results(codes, chunk, False))
+            for r in results(self._finish_step(len(chunk)), chunk, True):
+                rows[r.slot] = r
+                positions[r.slot] += 1
         return [rows[s] if s not in errors else FrameResult(s, zeros.copy(), False, errors[s]) for s in slots]
 
     def _step(self, chunk: list[int]) -> np.ndarray:
-        """One frame for the slots of `chunk` (<= the largest bucket) -> out rows [n, 18] int32."""
+        """Launch one frame for the slots of `chunk` (<= the largest bucket) -> its code rows
+        [n, 18] int32 (columns 16, 17: not final) once they are on the host; the talker step
+        that ends the frame is still running (`_finish_step` waits for it)."""
         n = len(chunk)
         b = bucket_for(n, self.sizes) if self.graphs else n
         self.rows_host[:n] = torch.tensor(chunk, dtype=torch.int64)
@@ -309,9 +327,21 @@ class BatchedEngine:
         self.kv.sync()
         if self.graphs:
             self.graphs.rows[:b].copy_(self.rows_host[:b], non_blocking=True)
-            self.graphs.replay(b)
+            self.graphs.predict[b].replay()
+            self.codes_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+            self._codes_ready.record()
+            self.graphs.advance[b].replay()
+            self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+            self._codes_ready.synchronize()
         else:
-            self.frame(self.rows_host[:b].to(self.device))
-        self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+            rows = self.rows_host[:b].to(self.device)
+            self.frame.predict(rows)
+            self.codes_host[:b].copy_(self.frame.out[:b])
+            self.frame.advance(rows)
+            self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+        return self.codes_host[:n].numpy().copy()
+
+    def _finish_step(self, n: int) -> np.ndarray:
+        """The frame launched by `_step`, complete -> out rows [n, 18] int32."""
         self._sync()
         return self.out_host[:n].numpy().copy()

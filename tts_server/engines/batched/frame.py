@@ -50,7 +50,10 @@ def paged_attend(sp: StackParams, cos, sin, k_pools, v_pools, blk, off, table, l
 
 class FrameStep:
     """Callable over a row list: `step(rows [B] long)` advances those slots one frame and writes
-    out[:B] [B, 18] int32 (and dump[:B] [B, 16, V] fp32 logits when dumping)."""
+    out[:B] [B, 18] int32 (and dump[:B] [B, 16, V] fp32 logits when dumping). The same in two
+    halves: `predict(rows)` makes the frame's 16 codes (all the audio needs), `advance(rows)` the
+    talker step for the next frame; the engine replays them as two graphs so that the codes reach
+    the host, and the codec, while the talker step still runs."""
 
     def __init__(self, params: FrameParams, state: SlotState, kv: PagedKV, max_rows: int,
                  dump_logits: bool = False, fused_cp: bool = True):
@@ -141,32 +144,56 @@ class FrameStep:
         return stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, pos + 1))
 
     def __call__(self, rows: torch.Tensor) -> None:
+        self.predict(rows)
+        self.advance(rows)
+
+    def _gather(self, rows: torch.Tensor):
+        s = self.s
+        return s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [10, B], [5, B], [B]
+
+    def predict(self, rows: torch.Tensor) -> None:
+        """The frame's first half: the 15 code-predictor passes -> out[:B, :16] (code 0, codes
+        1..15) and out[:B, 17] (their error bits). The state is not changed: `advance` follows."""
+        p, s = self.p, self.s
+        b = rows.shape[0]
+        ints, floats, seed = self._gather(rows)
+        code0 = ints[CODE0]
+        e0 = p.codec_embedding[code0.long()].float()  # [B, H]
+        codes, finites = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, ints[N_SAMPLED].long())
+        # error bits: an integer sum is exact in any order, so row-local and invariant
+        bad = ((~torch.stack(finites, 1)).to(torch.int32) * self._bits[:-1]).sum(1, dtype=torch.int32)
+        g = p.ids.num_code_groups
+        self.out[:b, :g] = torch.cat((code0[:, None], codes), 1)
+        self.out[:b, g + 1] = bad
+
+    def advance(self, rows: torch.Tensor) -> None:
+        """The frame's second half, after `predict` of the same rows: the talker step over this
+        frame's codes (out[:B, :16]) -> the next code 0 in out[:B, 16], its error bit added to
+        out[:B, 17]; then the state commit."""
         p, s = self.p, self.s
         ids = p.ids
-        b = rows.shape[0]
-        ints, floats, seed = s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [10, B], [5, B], [B]
+        b, g = rows.shape[0], ids.num_code_groups
+        ints, floats, seed = self._gather(rows)
         pos, code0, n_sampled, text_step = ints[POS], ints[CODE0], ints[N_SAMPLED], ints[TEXT_STEP]
         counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
         e0 = p.codec_embedding[code0.long()].float()  # [B, H]
-        codes, finites = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, counter)
-        x = glue.embed_sum(e0, p.predictor_embedding_stack, codes)  # e0 + each group's embedding, in order
+        x = glue.embed_sum(e0, p.predictor_embedding_stack, self.out[:b, 1:g])  # e0 + each group's, in order
         step = text_step.clamp(max=s.max_trailing - 1).long()
         text = torch.where((text_step < ints[N_TRAILING])[:, None], s.trailing[rows, step], s.pad_embed[rows])
         hidden = self._talker(x + text.float(), rows, pos)
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
-            self.dump[:b, ids.num_code_groups - 1, :logits.shape[1]] = logits
+            self.dump[:b, g - 1, :logits.shape[1]] = logits
         gate = torch.where(n_sampled >= ints[EOS_FROM], n_sampled, -1)  # contract.eos_gate
         ops.talker_process_(logits, s.seen[rows], floats[PENALTY], gate, ids.eos, ids.suppress_start,
                             ids.min_new_tokens)
         nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
                                         floats[TOP_P], seed, counter, 0)
         nxt = nxt.clamp(0, logits.shape[1] - 1)
-        # error bits: an integer sum is exact in any order, so row-local and invariant
-        bad = ((~torch.stack(finites + [finite], 1)).to(torch.int32) * self._bits).sum(1, dtype=torch.int32)
         # commit (padding rows all point at the scratch slot, which is reset last)
         s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
         s.past_hidden[rows] = hidden
         s.seen.index_put_((rows, nxt.long()), self._one)  # a device value: no host copy in a capture
         s.ints[:NUM_STEP_INTS, s.scratch].zero_()
-        self.out[:b] = torch.cat((code0[:, None], codes, nxt[:, None], bad[:, None]), 1)
+        self.out[:b, g] = nxt
+        self.out[:b, g + 1] += (~finite).to(torch.int32) * self._bits[-1]

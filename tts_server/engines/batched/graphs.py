@@ -1,6 +1,7 @@
-"""CUDA graphs of the batched frame, one per batch bucket (1, 2, 4, ..., max), captured at start-up
+"""CUDA graphs of the batched frame, two per batch bucket (1, 2, 4, ..., max): the frame's codes
+(`FrameStep.predict`) and the talker step after them (`FrameStep.advance`), captured at start-up
 into one shared memory pool (replays never overlap). A step pads its rows into the next bucket
-with the scratch slot and replays that bucket's graph."""
+with the scratch slot and replays that bucket's graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import time
 
 import torch
 
+from . import pdl
 from .frame import FrameStep
+
+# buckets up to this many rows are captured with programmatic dependent launch (pdl.py: faster
+# at B <= 8, slower at B >= 64 on an H100)
+PDL_MAX_ROWS = 8
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -28,13 +34,15 @@ def bucket_for(n: int, sizes: list[int]) -> int:
 
 
 class StepGraphs:
-    """graphs[b] replays `step(rows[:b])`; the caller fills rows[:b] (device, int64) first."""
+    """predict[b] / advance[b] replay `step.predict(rows[:b])` / `step.advance(rows[:b])`; the
+    caller fills rows[:b] (device, int64) first."""
 
     def __init__(self, step: FrameStep, sizes: list[int], scratch_slot: int, warmup: int = 2):
         dev = step.out.device
         self.sizes = sizes
         self.rows = torch.full((sizes[-1],), scratch_slot, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.predict: dict[int, torch.cuda.CUDAGraph] = {}
+        self.advance: dict[int, torch.cuda.CUDAGraph] = {}
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
@@ -44,20 +52,24 @@ class StepGraphs:
         with torch.cuda.stream(side):  # compile the kernels and warm the allocator off the capture
             for b in reversed(sizes):
                 step.consts(b)
-                for _ in range(warmup):
-                    step(self.rows[:b])
+                with pdl.scope(b <= PDL_MAX_ROWS):
+                    for _ in range(warmup):
+                        step(self.rows[:b])
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(sizes):  # largest first, so smaller graphs reuse its pool blocks
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                step(self.rows[:b])
-            self.graphs[b] = g
+            for graphs, half in ((self.predict, step.predict), (self.advance, step.advance)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool), pdl.scope(b <= PDL_MAX_ROWS):
+                    half(self.rows[:b])
+                graphs[b] = g
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         torch.cuda.empty_cache()
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
 
     def replay(self, b: int) -> None:
-        self.graphs[b].replay()
+        """The whole frame (both halves)."""
+        self.predict[b].replay()
+        self.advance[b].replay()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Same-host A/B of two server trees (each H100 call may land on a different host, and host speed
+# moves the server's numbers a lot): BASE (a directory with another tree's tts_server/ and
+# tts_client/, e.g. `git archive <rev> tts_server tts_client | tar -x -C .base`) and this tree,
+# both started at once on the full-size synthetic model (--max-streams 256 each: two fit on an
+# 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests), then STREAMS
+# (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes.
+# Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
+# the tables on stdout.
+source "$(dirname "$0")/gpu_env.sh"
+BASE=${BASE:-.base}
+STREAMS=${STREAMS:-256}
+BENCH_PROCS=${BENCH_PROCS:-1,8}
+R=$OUT/ab
+mkdir -p "$R"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/env.txt"
+echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
+
+start() {  # tree name port
+  (cd "$1" && TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" \
+     exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 \
+     >"$R/server-$2.log" 2>&1) &
+}
+start "$BASE" base 50081
+PID_BASE=$!
+start . new 50082
+PID_NEW=$!
+PIDS="$PID_BASE $PID_NEW"
+trap 'kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+for pp in "50081 $PID_BASE" "50082 $PID_NEW"; do
+  $PY scripts/wait_serving.py $pp 420 || { echo "server $pp did not start"; tail -20 "$R"/server-*.log; exit 1; }
+done
+echo "both SERVING after $SECONDS s"
+bench() { timeout 120 $PY -m tts_client.bench --transport grpc --no-progress "$@" 2>&1 \
+  | grep -E "^(grpc|first audio)"; }
+for tree in base new; do
+  port=$([ $tree = base ] && echo 50081 || echo 50082)
+  echo "== $tree c=1"
+  bench --address 127.0.0.1:$port --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 \
+    --json "$R/c1-$tree.json"
+done
+for procs in ${BENCH_PROCS//,/ }; do
+  for tree in base new; do
+    port=$([ $tree = base ] && echo 50081 || echo 50082)
+    echo "== $tree c=$STREAMS, $procs load processes"
+    bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
+      --max-duration 6 --fixed-duration --processes "$procs" --json "$R/cN-$tree-p$procs.json"
+  done
+done
+kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null
+tar -czf "$OUT/ab.tar.gz" -C "$OUT" ab && rm -rf "$R"
