@@ -5,6 +5,8 @@ eager: no CUDA graphs) for compute-sanitizer. Seeded random 0.6B-shaped weights,
   (scripts/gpu_sanitize_step.sh runs memcheck and racecheck and prints both summaries)
 --light: skip the engine's start-up warm-ups and the second step (racecheck instruments every
 shared-memory access and is too slow for the ~4,000 launches of the full run)
+--layers T,C: talker / code-predictor layers (default 28,5). Fewer layers keep every GEMM, attention
+and glue shape of the 0.6B model, so the same kernels run, each fewer times (racecheck at 2,1)
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ def main() -> None:
     if light:  # the same kernels run in the step itself; only their warm-up launches go
         BatchedEngine._warm_admissions = lambda self: None
         ops.warm_up = lambda device: None
-    weights = checks.random_weights("cuda")
+    layers = (28, 5)
+    if "--layers" in sys.argv:
+        layers = tuple(int(x) for x in sys.argv[sys.argv.index("--layers") + 1].split(","))
+    weights = checks.random_weights("cuda", layers=layers)
     engine = BatchedEngine(weights, max_streams=8, max_positions=512, use_graphs=False)
     print("engine ready", flush=True)
     h = weights.talker.config.hidden_size
@@ -39,7 +44,7 @@ def main() -> None:
         out = engine.run(StepPlan(decode=tuple(range(8)), admit=()))  # a step without admissions
         torch.cuda.synchronize()
         assert len(out.frames) == 8 and all(f.error is None for f in out.frames), out
-    print("sanitize step ok: B = 8, codes", [f.codes[:4].tolist() for f in out.frames[:2]])
+    print(f"sanitize step ok: B = 8, layers {layers}, codes", [f.codes[:4].tolist() for f in out.frames[:2]])
 
 
 if __name__ == "__main__":
