@@ -87,3 +87,24 @@ async def test_eos_after_early_audio_gives_the_same_bytes(tiny_custom, monkeypat
     assert eos.summary.num_frames == capped.summary.num_frames == 4
     assert eos.samples.size > 0
     np.testing.assert_array_equal(eos.samples, capped.samples)
+
+
+def test_a_failed_admission_is_reported_with_the_codes_and_released(tiny_custom, prompts):
+    """Admissions are not waited for: a prompt whose prefill logits are not finite (NaN embeds)
+    fails by the time the step's codes arrive (early and final `failed`, no frame), its slot is
+    released, and the admission beside it makes the codes it makes alone."""
+    import dataclasses
+
+    w = decode_weights(tiny_custom.model)
+    alone = BatchedEngine(w, max_streams=4, max_positions=128)
+    want = alone.run(StepPlan(admit=(Admission(2, prompts[1], GREEDY),), decode=(2,))).frames[0].codes
+    eng = BatchedEngine(w, max_streams=4, max_positions=128)
+    bad = dataclasses.replace(prompts[0], embeds=prompts[0].embeds * float("nan"))
+    early = []
+    out = eng.run(StepPlan(admit=(Admission(0, bad, GREEDY), Admission(2, prompts[1], GREEDY)), decode=(0, 2)),
+                  on_codes=early.append)
+    why = "non-finite talker logits after prefill"
+    assert out.failed == {0: why} and early[0].failed == {0: why}
+    assert [r.slot for r in out.frames] == [2] == [r.slot for r in early[0].frames]
+    np.testing.assert_array_equal(out.frames[0].codes, want)
+    assert 0 not in eng.positions and eng.blocks_in_use == len(eng.kv.blocks(2))

@@ -84,6 +84,8 @@ class BatchedEngine:
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
         self.codes_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)  # predict's copy
         self._codes_ready = torch.cuda.Event() if dev.type == "cuda" else None
+        self.finite_host = torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin)  # admissions' first draws
+        self._ev_admit = ([torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None)
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
         self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
@@ -152,22 +154,46 @@ class BatchedEngine:
                     raise
                 self.release(adm.slot)
                 out.failed[adm.slot] = str(e)
+        # the admissions are launched, not waited for: their first frame's launches queue behind
+        # them, and their finiteness is read once the frame's codes are on the host
+        gpu = self.device.type == "cuda"
         if ready:
-            for adm, ok in zip(ready, self._admit_rows(ready)):
-                if not ok:
-                    self.release(adm.slot)
-                    out.failed[adm.slot] = "non-finite talker logits after prefill"
-        self._sync()
+            if gpu:
+                self._ev_admit[0].record()
+            finite = self._admit_rows(ready)
+            self.finite_host[:len(ready)].copy_(finite, non_blocking=True)
+            if gpu:
+                self._ev_admit[1].record()
         t1 = time.perf_counter()
-        out.prefill_s = t1 - t0
+        checked = []
+
+        def check_admissions() -> None:
+            """Once the stream has passed the first draws: failed admissions into out.failed."""
+            if checked:
+                return
+            checked.append(True)
+            for adm, ok in zip(ready, self.finite_host[:len(ready)].tolist()):
+                if not ok:
+                    out.failed[adm.slot] = "non-finite talker logits after prefill"
+            # the admissions' device time (the device was idle when they were launched)
+            out.prefill_s = (self._ev_admit[0].elapsed_time(self._ev_admit[1]) / 1e3 if ready and gpu
+                             else t1 - t0)
 
         def early(frames: list[FrameResult]) -> None:
+            check_admissions()
             if on_codes is not None:
-                on_codes(StepOutput(frames=frames, failed=dict(out.failed), prefill_s=out.prefill_s,
-                                    decode_s=time.perf_counter() - t1))
+                on_codes(StepOutput(frames=[r for r in frames if r.slot not in out.failed], failed=dict(out.failed),
+                                    prefill_s=out.prefill_s, decode_s=time.perf_counter() - t0 - out.prefill_s))
 
-        out.frames = self._decode([s for s in plan.decode if s not in out.failed], early)
-        out.decode_s = time.perf_counter() - t1
+        frames = self._decode([s for s in plan.decode if s not in out.failed], early)
+        if not checked:  # nothing decoded: wait for the admissions themselves
+            self._sync()
+            check_admissions()
+        for adm in ready:
+            if adm.slot in out.failed:
+                self.release(adm.slot)
+        out.frames = [r for r in frames if r.slot not in out.failed]
+        out.decode_s = time.perf_counter() - t0 - out.prefill_s
         return out
 
     def extend_text(self, slot: int, vectors: torch.Tensor, eos_from: int | None = None) -> None:
@@ -205,15 +231,22 @@ class BatchedEngine:
         if not self.kv.ensure(slot, length):
             raise ValueError(f"no KV blocks left for a prompt of {length} positions")
 
-    def _admit_rows(self, admissions: list[Admission]) -> list[bool]:
+    def _admit_rows(self, admissions: list[Admission]) -> torch.Tensor:
         """One batched prefill of every admission's prompt (prefill_rows: each token a row of the
-        decode step's batch-invariant ops), then each slot's first code-0 draw. -> finite per slot."""
+        decode step's batch-invariant ops), then each slot's first code-0 draw, launched without
+        a host wait -> finite per admission ([A] bool, on the device)."""
         dev = self.device
         lens = [a.prompt.embeds.shape[0] for a in admissions]
         x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
         slots = torch.repeat_interleave(torch.tensor([a.slot for a in admissions]), torch.tensor(lens))
         pos = torch.cat([torch.arange(n) for n in lens])
         last = torch.tensor(np.cumsum(lens) - 1)
+        rows = torch.tensor([a.slot for a in admissions], dtype=torch.long).to(dev)
+        # the slots' state first: host-to-device copies from pageable memory wait for the stream,
+        # so they go before the prefill's launches rather than behind them
+        self.state.admit_many([a.slot for a in admissions], [a.sampling for a in admissions], lens,
+                              [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
+                              None, [a.eos_from for a in admissions], rows=rows)
         self.kv.sync()
         if self.kv_dtype == torch.float32:
             hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
@@ -222,30 +255,28 @@ class BatchedEngine:
             n = self.row_graphs.bucket(lens, blocks) if self.row_graphs is not None else None
             hidden = (self.row_graphs.run(n, x, lens, blocks) if n is not None
                       else prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
-        self.state.admit_many([a.slot for a in admissions], [a.sampling for a in admissions], lens,
-                              [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
-                              hidden, [a.eos_from for a in admissions])
+        self.state.past_hidden[rows] = hidden
         for a, n in zip(admissions, lens):
             self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
             self.positions[a.slot] = n
-        return self._first_draws([a.slot for a in admissions], hidden)
+        return self._first_draws(rows, hidden)
 
-    def _first_draws(self, slots: list[int], hidden: torch.Tensor) -> list[bool]:
-        """Code 0 of each admitted slot's first frame from its prefill hidden (hidden [A, H];
-        draw index 0, stream 0), all in one batch-invariant pass; -> finite per slot (one sync)."""
+    def _first_draws(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Code 0 of each admitted slot's first frame from its prefill hidden (rows [A] long on
+        the device, hidden [A, H]; draw index 0, stream 0), all in one batch-invariant pass;
+        -> finite per slot ([A] bool, on the device)."""
         s, ids = self.state, self.p.ids
-        rows = torch.tensor(slots, dtype=torch.long).to(self.device)
         logits = ops.linear(hidden, self.p.codec_head)  # [A, V]
         ops.talker_process_(logits, s.seen[rows], s.floats[PENALTY, rows], s.ints[N_SAMPLED, rows], ids.eos,
                             ids.suppress_start, ids.min_new_tokens)
         code, finite = ops.sample_tokens(logits, s.ints[DO_SAMPLE, rows], s.floats[TEMPERATURE, rows],
                                          s.ints[TOP_K, rows], s.floats[TOP_P, rows], s.seed[rows],
-                                         torch.zeros(len(slots), dtype=torch.int64, device=self.device), 0)
+                                         torch.zeros(rows.shape[0], dtype=torch.int64, device=self.device), 0)
         code = code.clamp(0, ids.vocab_size - 1)
         s.ints[CODE0, rows] = code
         s.ints[N_SAMPLED, rows] = 1
         s.seen[rows, code.long()] = 1
-        return finite.cpu().tolist()
+        return finite
 
     def _warm_admissions(self) -> None:
         """Run the admission path once for row counts of each Triton specialisation (1, a
@@ -277,7 +308,8 @@ class BatchedEngine:
             hidden = prefill(self.p.talker, x, self.kv.k, self.kv.v, blocks)
         self.state.admit(slot, adm.sampling, length, prompt.trailing, prompt.pad_embed, hidden, adm.eos_from)
         self.n_trailing[slot] = prompt.trailing.shape[0]
-        if not self._first_draws([slot], hidden[None])[0]:
+        rows = torch.tensor([slot], dtype=torch.long).to(self.device)
+        if not bool(self._first_draws(rows, hidden[None])[0]):
             raise ValueError("non-finite talker logits after prefill")
         self.positions[slot] = length
 

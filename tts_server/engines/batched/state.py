@@ -47,15 +47,17 @@ class SlotState:
         self.admit_many([slot], [sampling], [length], [trailing], [pad_embed], past_hidden[None], [eos_from])
 
     def admit_many(self, slots: list[int], samplings: list[SamplingConfig], lengths: list[int],
-                   trailings: list[torch.Tensor], pad_embeds: list[torch.Tensor], past_hidden: torch.Tensor,
-                   eos_froms: list[int]) -> None:
+                   trailings: list[torch.Tensor], pad_embeds: list[torch.Tensor], past_hidden: torch.Tensor | None,
+                   eos_froms: list[int], rows: torch.Tensor | None = None) -> None:
         """`admit` for a step's admissions at once (a handful of copies for all of them, however
-        many): past_hidden [A, H]; the other lists one entry per slot."""
+        many): past_hidden [A, H] (None: the caller writes it later); the other lists one entry
+        per slot; rows: `slots` already on the device."""
         n_tr = [t.shape[0] for t in trailings]
         if max(n_tr) > self.max_trailing:
             raise ValueError(f"{max(n_tr)} pending text vectors exceed {self.max_trailing}")
         dev = self.ints.device
-        rows = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        if rows is None:
+            rows = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
         self.ints[:, rows] = torch.tensor(
             [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample), int(s.subtalker_top_k), e]
              for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T.to(dev, non_blocking=True)
@@ -63,7 +65,8 @@ class SlotState:
             [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
              for s in samplings], dtype=torch.float32).T.to(dev, non_blocking=True)
         self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev)
-        self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
+        if past_hidden is not None:
+            self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
         if sum(n_tr):
             which = torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)).to(dev, non_blocking=True)
             at = torch.cat([torch.arange(t) for t in n_tr]).to(dev, non_blocking=True)
