@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,8 @@ def test_server_logs_model_and_synthetic_warning(server_process):
     text = log.read_text()
     assert "model synthetic-tiny (custom_voice, 0b6) engine=torch" in text
     assert "SYNTHETIC MODEL" in text and "noise" in text
+    frozen = re.search(r"(\d+) start-up objects frozen out of the garbage collector", text)
+    assert frozen and int(frozen.group(1)) > 10_000  # the model's objects: no full-heap GC pauses
 
 
 def test_client_say_writes_a_playable_wav(server_process, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import logging
 import os
 import sys
@@ -161,6 +162,13 @@ async def _serve(config: ServerConfig) -> int:
 
     log = logging.getLogger("tts_server")
     app = await asyncio.to_thread(build_app, config)
+    # The model, tokenizer, engine and codec leave ~500k long-lived Python objects, and a full
+    # collection walks them all (~230 ms with the 0.6B model), stopping every stream mid-burst
+    # (seen as 280-360 ms steps on the H100). Freeze them out of the collector: what serving
+    # allocates afterwards is still collected.
+    gc.collect()
+    gc.freeze()
+    log.info("%d start-up objects frozen out of the garbage collector", gc.get_freeze_count())
     info = app.info
     log.info("model %s (%s, %s) engine=%s device=%s dtype=%s voices=%s", info.name,
              info.model_type, info.model_size, info.engine, info.device, info.dtype,
