@@ -258,6 +258,8 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--weights", default="synthetic", choices=("synthetic", "random"))
     ap.add_argument("--budget-s", type=float, default=500)
+    ap.add_argument("--sections", default="preflight,invariance,bench,memory,teacher_forced,greedy_vs_torch",
+                    help="which sections to run (preflight always runs)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -271,7 +273,11 @@ def main() -> None:
                      triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     deadline = T0 + args.budget_s
 
+    wanted = set(args.sections.split(",")) | {"preflight"}
+
     def section(name, fn):
+        if name not in wanted:
+            return
         log(f"== {name}")
         t = time.perf_counter()
         try:
