@@ -387,8 +387,7 @@ class Worker:
                 raise InvalidRequest("text", "too long for the model's context")
             if hasattr(self.engine, "bind_request"):  # fault injection (tests)
                 self.engine.bind_request(slot, req.request_id)
-            with self._codec_stream():
-                self._reset_codec(slot, prepared)
+            self._reset_codec(slot, prepared)
         except Exception as e:  # noqa: BLE001 - reported to this stream only
             if self._fault(e, "request preparation"):
                 return None
@@ -414,13 +413,14 @@ class Worker:
         key = prepared.voice_key if prepared.ref_codes is not None else None
         if key is None:
             return  # zeroed with the step's other admissions (_prepare_all)
-        if key in self._primed:
-            self._primed.move_to_end(key)
-            self.codec.restore(slot, self._primed[key])
-            self.primed_voice_hits += 1
-            return
-        self.codec.reset(slot, prepared.ref_codes)
-        self._primed[key] = self.codec.snapshot(slot)
+        with self._codec_stream():
+            if key in self._primed:
+                self._primed.move_to_end(key)
+                self.codec.restore(slot, self._primed[key])
+                self.primed_voice_hits += 1
+                return
+            self.codec.reset(slot, prepared.ref_codes)
+            self._primed[key] = self.codec.snapshot(slot)
         if len(self._primed) > MAX_PRIMED_VOICES:
             self._primed.popitem(last=False)
 
