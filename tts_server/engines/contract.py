@@ -81,8 +81,10 @@ class FrameResult:
 class StepOutput:
     frames: list[FrameResult] = field(default_factory=list)  # plan.decode order, minus failed admissions
     failed: dict[int, str] = field(default_factory=dict)  # slot -> why its admission failed
-    prefill_s: float = 0.0  # time spent in admissions (host clock, synchronised)
-    decode_s: float = 0.0  # time spent in the frame step
+    # time spent in admissions: host clock, synchronised (an engine that launches them without
+    # waiting, as the batched one does, reports their device time from the step's start)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the rest of the call: the frame step (and what on_codes did inside it)
 
 
 class DecodeEngine(Protocol):
