@@ -17,7 +17,8 @@ from tts_server.model.sampler import repetition_penalty_, talker_mask_, warp
 
 ROOT = Path(__file__).resolve().parents[1]
 LIN_TOL = 2e-5     # linear / swiglu: max |err| / max |ref| against fp64 on the same (bf16) weights
-F32_TOL = 2e-6     # rms_norm / attention
+F32_TOL = 2e-6     # rms_norm / attention over fp32 KV (CUDA cores)
+TC_TOL = 1e-5      # attention over bf16 KV: exact products on tensor cores, whose fp32 sums round more
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -101,7 +102,7 @@ def check_accuracy(ops, dev: str) -> dict:
         ref = ops_ref.paged_attention(*[c.cpu() for c in case], 0.17)
         assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
         res[f"attention_{str(kv)[6:]}"] = _rel(out, ref)
-        assert res[f"attention_{str(kv)[6:]}"] < F32_TOL
+        assert res[f"attention_{str(kv)[6:]}"] < (TC_TOL if kv == torch.bfloat16 else F32_TOL)
     return res
 
 

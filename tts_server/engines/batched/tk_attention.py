@@ -12,6 +12,7 @@ import triton.language as tl
 
 from . import pdl
 from .ops import PREFILL_QB
+from .tk_gemm import _dot
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -23,12 +24,86 @@ PRECISION: tl.constexpr = tl.constexpr("ieee" if _INTERPRET else "tf32x3")
 # or the context. A split is one tile of whole pages; splits are merged in order. OVERRIDE: sweeps.
 CONFIG = {2: (64, 4), 4: (64, 4)}
 OVERRIDE: dict[int, tuple[int, int]] = {}
+# bf16 pools: the split's two products on tensor cores (TC_TERMS bf16 parts of the fp32 q and of
+# the softmax weights: 3 parts hold an fp32 value exactly, so every product is exact and only the
+# fp32 sums round; the tensor cores' fp32 sums round a little more coarsely: max error 2.2e-6 of
+# the largest output vs fp64, the CUDA cores' 2e-7). 1.3-1.5x faster than the CUDA-core kernel
+# at B >= 64 (benchmarks/results/h100-frame-profile-*.json). Splits per program (SPP) by batch
+# size: a program walks SPP consecutive splits of one (row, kv head), each split's math and
+# stores unchanged, so the bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP
+# may follow B; fewer programs find nothing to do. (max B, SPP), from the same sweep.
+TC_TERMS = 3
+SPP_BY_B: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 30, 8))
+TENSOR_CORES = os.environ.get("TTS_ATTN_TC", "1") != "0"
 
 
 def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
     """-> (pages per split, num_warps)."""
     pos, warps = OVERRIDE.get(kv_bytes) or CONFIG[kv_bytes]
     return max(1, triton.cdiv(pos, block)), warps
+
+
+def splits_per_program(b: int) -> int:
+    for max_b, spp in SPP_BY_B:
+        if b <= max_b:
+            return spp
+    return SPP_BY_B[-1][1]
+
+
+@triton.jit
+def _parts_dot(a, b, acc, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    # acc + a @ b for fp32 a [M, K] and bf16 b [K, N]: a as TERMS bf16 parts, largest first
+    a1 = a.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    r = a - a1.to(tl.float32)
+    acc = _dot(a1, b, acc, INTERPRET)
+    a2 = r.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    acc = _dot(a2, b, acc, INTERPRET)
+    if TERMS == 3:
+        a3 = (r - a2.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        acc = _dot(a3, b, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                          MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                          PPS: tl.constexpr, HD: tl.constexpr, SPP: tl.constexpr, QR: tl.constexpr,
+                          TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program (b, kv head, c): splits c*SPP .. c*SPP+SPP-1 (those holding positions) of row b for
+    # the G query heads of this kv head (padded to QR rows for the tensor cores) -> per split the
+    # partial max m, sum l and unnormalised acc [HD] per query head, as _attn_split_kernel.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    c = tl.program_id(2)
+    n = tl.load(len_ptr + b)
+    SPLIT_LEN: tl.constexpr = PPS * BLOCK
+    used = (n + SPLIT_LEN - 1) // SPLIT_LEN
+    first = c * SPP
+    if first >= used:
+        return
+    g = tl.arange(0, QR)
+    gmask = g < G
+    d = tl.arange(0, HD)
+    j = tl.arange(0, SPLIT_LEN)
+    qrow = b * NKV * G + kvh * G + g  # [QR] (b, head) rows of q / m / l / acc
+    q = tl.load(q_ptr + qrow[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)  # [QR, HD]
+    for sp in range(first, tl.minimum(first + SPP, used)):
+        pos = sp * SPLIT_LEN + j
+        pmask = pos < n
+        page = tl.load(bt_ptr + b * MAX_BLOCKS + sp * PPS + j // BLOCK, mask=pmask, other=0)
+        row_off = ((page.to(tl.int64) * NKV + kvh) * BLOCK + j % BLOCK) * HD
+        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)  # [S, HD]
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        s = _parts_dot(q, tl.trans(k), tl.zeros((QR, SPLIT_LEN), tl.float32), TERMS, INTERPRET) * scale
+        s = tl.where(pmask[None, :], s, float("-inf"))
+        m = tl.max(s, axis=1)  # [QR]
+        p = tl.exp(s - m[:, None])
+        acc = _parts_dot(p, v, tl.zeros((QR, HD), tl.float32), TERMS, INTERPRET)  # [QR, HD]
+        o = qrow * NSPLIT + sp
+        tl.store(m_ptr + o, m, mask=gmask)
+        tl.store(l_ptr + o, tl.sum(p, axis=1), mask=gmask)
+        tl.store(acc_ptr + o[:, None] * HD + d[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
@@ -95,6 +170,13 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, NH, NSPLIT,
     tl.store(out_ptr + (b * NH + h) * HD + d, out, mask=dmask)
 
 
+def use_tensor_cores(k_pool: torch.Tensor, hd: int, split_len: int) -> bool:
+    """The tensor-core split kernel: bf16 pools (fp32 pools keep the CUDA-core kernel, their keys
+    are not bf16-exact), power-of-two head dims and splits of >= 16 positions."""
+    return (TENSOR_CORES and k_pool.dtype == torch.bfloat16 and hd >= 16 and hd & (hd - 1) == 0
+            and split_len >= 16)
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD]; block_table [B, MAX_BLOCKS]
@@ -114,9 +196,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     acc = torch.empty((b, nh, nsplit, hd), dtype=torch.float32, device=q.device)
     out = torch.empty((b, nh, hd), dtype=torch.float32, device=q.device)
     hd_p2 = triton.next_power_of_2(hd)
-    _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
-                                         max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
-                                         PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps, **pdl.kw())
+    if use_tensor_cores(k_pool, hd, pps * block):
+        spp = splits_per_program(b)
+        _attn_split_tc_kernel[(b, nkv, triton.cdiv(nsplit, spp))](
+            q, k_pool, v_pool, bt, lens, m, l, acc, float(scale), max_blocks, nsplit, NKV=nkv, G=nh // nkv,
+            BLOCK=block, PPS=pps, HD=hd, SPP=spp, QR=max(16, triton.next_power_of_2(nh // nkv)),
+            TERMS=TC_TERMS, INTERPRET=_INTERPRET, num_warps=warps, **pdl.kw())
+    else:
+        _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
+                                             max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
+                                             PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps, **pdl.kw())
     _attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=pps * block, HD=hd,
                                   HD_P2=hd_p2, num_warps=1, **pdl.kw())
     return out
