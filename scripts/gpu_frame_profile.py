@@ -89,21 +89,23 @@ def attn_inputs(b: int, lengths: list[int], max_blocks: int, seed: int):
 def attention() -> dict:
     res: dict = {"cases": {}}
     default_spp = tk_attention.SPP_BY_B
-    variants = [("cuda_cores", False, None, 4)]
-    for spp in (1, 2, 4, 8):
-        for warps in (4, 8):
-            variants.append((f"tc_spp{spp}_w{warps}", True, spp, warps))
-    for max_blocks in (32, 64):  # max_positions 2048 / 4096
+    variants = [("cuda_cores", False, None, 64, 4, 1)]
+    for split, spps, warps_list, stages_list in ((64, (1, 4, 8), (4,), (1, 2, 3)), (128, (1, 2, 4), (4, 8), (1, 2))):
+        for spp in spps:
+            for warps in warps_list:
+                for stages in stages_list:
+                    variants.append((f"tc_pos{split}_spp{spp}_w{warps}_st{stages}", True, spp, split, warps, stages))
+    for max_blocks in (64,):  # max_positions 4096 (the server's default)
         for b, ctx in ((1, "mixed"), (1, "1000"), (64, "mixed"), (64, "1000"), (256, "mixed"), (256, "1000")):
             lengths = mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
             q, kp, vp, bt, lens = attn_inputs(b, lengths, max_blocks, seed=b)
             kv_bytes = sum(lengths) * NKV * HD * 2 * 2
             row = {}
-            for name, tc, spp, warps in variants:
+            for name, tc, spp, split, warps, stages in variants:
                 tk_attention.TENSOR_CORES = tc
-                tk_attention.OVERRIDE[2] = (64, warps)
+                tk_attention.OVERRIDE[2] = (split, warps)
                 if spp is not None:
-                    tk_attention.SPP_BY_B = ((1 << 30, spp),)
+                    tk_attention.SPP_BY_B = ((1 << 30, spp, stages),)
                 try:
                     us = graph_us(lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088))
                     row[name] = dict(us=round(us, 2), GBps=round(kv_bytes / us / 1e3, 1))
@@ -121,9 +123,10 @@ def attention() -> dict:
     ref = ops_ref.paged_attention(q, kp, vp, bt, lens, 0.088)
     acc = {}
     outs = []
-    for name, tc, spp in (("cuda_cores", False, 1), ("tc_spp1", True, 1), ("tc_spp4", True, 4), ("tc_spp8", True, 8)):
+    for name, tc, spp, st in (("cuda_cores", False, 1, 1), ("tc_spp1", True, 1, 1), ("tc_spp4_st2", True, 4, 2),
+                              ("tc_spp8_st2", True, 8, 2), ("tc_spp8_st1", True, 8, 1)):
         tk_attention.TENSOR_CORES = tc
-        tk_attention.SPP_BY_B = ((1 << 30, spp),)
+        tk_attention.SPP_BY_B = ((1 << 30, spp, st),)
         out = ops.paged_attention(q, kp, vp, bt, lens, 0.088)
         acc[name] = float((out - ref).abs().max() / ref.abs().max())
         if tc:

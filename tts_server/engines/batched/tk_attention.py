@@ -31,10 +31,18 @@ OVERRIDE: dict[int, tuple[int, int]] = {}
 # at B >= 64 (benchmarks/results/h100-frame-profile-*.json). Splits per program (SPP) by batch
 # size: a program walks SPP consecutive splits of one (row, kv head), each split's math and
 # stores unchanged, so the bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP
-# may follow B; fewer programs find nothing to do. (max B, SPP), from the same sweep.
+# may follow B; fewer programs find nothing to do. A walk of several splits is software-pipelined
+# in 2 stages (the next split's K/V loads in flight during this one's math; instruction order
+# only, so no bits move either). (max B, SPP, stages), from the same sweep: B = 256 at mixed
+# contexts 240 -> 214 us a layer with the 2 stages.
 TC_TERMS = 3
-SPP_BY_B: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 30, 8))
+SPP_BY_B: tuple[tuple[int, int, int], ...] = ((16, 1, 1), (128, 4, 2), (1 << 30, 8, 2))
 TENSOR_CORES = os.environ.get("TTS_ATTN_TC", "1") != "0"
+# a split no longer than the block table (the code predictor's first pass: 1 page of 16 positions
+# and <= 2 keys, where a 64-position split is 4x the work). A call site's table width never
+# depends on B, so this keeps the invariance; and with <= 2 keys the padding keys only add exact
+# zeros, so the first pass keeps its bits (scripts/gpu_large_b_sweep.py checks it)
+CAP_SPLIT_TO_TABLE = True
 
 
 def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
@@ -43,11 +51,12 @@ def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
     return max(1, triton.cdiv(pos, block)), warps
 
 
-def splits_per_program(b: int) -> int:
-    for max_b, spp in SPP_BY_B:
+def splits_per_program(b: int) -> tuple[int, int]:
+    """-> (splits per program, pipelining stages) for a batch of b rows."""
+    for max_b, spp, stages in SPP_BY_B:
         if b <= max_b:
-            return spp
-    return SPP_BY_B[-1][1]
+            return spp, stages
+    return SPP_BY_B[-1][1:]
 
 
 @triton.jit
@@ -68,7 +77,8 @@ def _parts_dot(a, b, acc, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
 def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
                           MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                           PPS: tl.constexpr, HD: tl.constexpr, SPP: tl.constexpr, QR: tl.constexpr,
-                          TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
+                          TERMS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+                          GDC: tl.constexpr):
     pdl.enter(GDC)
     # program (b, kv head, c): splits c*SPP .. c*SPP+SPP-1 (those holding positions) of row b for
     # the G query heads of this kv head (padded to QR rows for the tensor cores) -> per split the
@@ -88,7 +98,7 @@ def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, ac
     j = tl.arange(0, SPLIT_LEN)
     qrow = b * NKV * G + kvh * G + g  # [QR] (b, head) rows of q / m / l / acc
     q = tl.load(q_ptr + qrow[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)  # [QR, HD]
-    for sp in range(first, tl.minimum(first + SPP, used)):
+    for sp in tl.range(first, tl.minimum(first + SPP, used), num_stages=STAGES):
         pos = sp * SPLIT_LEN + j
         pmask = pos < n
         page = tl.load(bt_ptr + b * MAX_BLOCKS + sp * PPS + j // BLOCK, mask=pmask, other=0)
@@ -187,6 +197,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     assert q.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert block & (block - 1) == 0 and nh % nkv == 0, (block, nh, nkv)
     pps, warps = attn_config(k_pool.element_size(), block)
+    if CAP_SPLIT_TO_TABLE:
+        pps = min(pps, triton.next_power_of_2(max_blocks))  # both powers of two
     nsplit = triton.cdiv(max_blocks, pps)
     q = q.contiguous()
     bt = block_table.contiguous()
@@ -197,11 +209,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = torch.empty((b, nh, hd), dtype=torch.float32, device=q.device)
     hd_p2 = triton.next_power_of_2(hd)
     if use_tensor_cores(k_pool, hd, pps * block):
-        spp = splits_per_program(b)
+        spp, stages = splits_per_program(b)
         _attn_split_tc_kernel[(b, nkv, triton.cdiv(nsplit, spp))](
             q, k_pool, v_pool, bt, lens, m, l, acc, float(scale), max_blocks, nsplit, NKV=nkv, G=nh // nkv,
             BLOCK=block, PPS=pps, HD=hd, SPP=spp, QR=max(16, triton.next_power_of_2(nh // nkv)),
-            TERMS=TC_TERMS, INTERPRET=_INTERPRET, num_warps=warps, **pdl.kw())
+            TERMS=TC_TERMS, STAGES=stages, INTERPRET=_INTERPRET, num_warps=warps, **pdl.kw())
     else:
         _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                              max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,

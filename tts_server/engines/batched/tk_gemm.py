@@ -27,6 +27,8 @@ DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4,
 # (benchmarks/results/batched_ops_h100_run2.json, gemm_sweep), then per M bucket the fastest
 # (BLOCK_M, BLOCK_N, warps, stages) of scripts/gpu_gemm_tiles.py (M <= 256) and, for the prefill's
 # many rows, of scripts/gpu_gemm_big_m.py (M > 256: TUNED's tile; benchmarks/results/h100-gemm-big-m-*).
+# The M <= 256 bucket's tiles from scripts/gpu_large_b_sweep.py (wider tiles: 10-17% faster at
+# M = 256; benchmarks/results/h100-large-b-sweep-*.json).
 TUNED: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): (128, 128, 128, 8, 3, 1024, 2),  # q|k|v
     ("linear", 1024, 2048): (128, 256, 64, 8, 3, 512, 2),    # o_proj (split-K 4)
@@ -38,11 +40,13 @@ TUNED: dict[tuple[str, int, int], tuple] = {
 # (max M, (BLOCK_M, BLOCK_N, num_warps, num_stages)) per shape, smallest M first; M above the
 # last bound uses TUNED's tile
 BY_M: dict[tuple[str, int, int], tuple] = {
-    ("linear", 4096, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (256, (64, 64, 4, 3))),
-    ("linear", 1024, 2048): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5)), (256, (64, 64, 4, 3)),
+    ("linear", 4096, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 3)),
+                             (256, (64, 128, 4, 3))),
+    ("linear", 1024, 2048): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5)), (128, (64, 64, 4, 3)),
                              (512, (64, 128, 4, 3))),
-    ("swiglu", 3072, 1024): ((16, (16, 32, 4, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (256, (64, 64, 4, 3))),
-    ("linear", 1024, 3072): ((32, (16, 64, 2, 5)), (64, (64, 64, 4, 4)), (128, (64, 32, 4, 4)), (256, (64, 64, 4, 3))),
+    ("swiglu", 3072, 1024): ((16, (16, 32, 4, 3)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 3)),
+                             (256, (128, 64, 8, 3))),
+    ("linear", 1024, 3072): ((32, (16, 64, 2, 5)), (64, (64, 64, 4, 4)), (128, (64, 32, 4, 4)), (256, (64, 128, 4, 3))),
     ("linear", 3072, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 3)), (64, (64, 32, 4, 4))),
     ("linear", 2048, 1024): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5))),
 }
