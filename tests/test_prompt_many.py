@@ -208,3 +208,18 @@ def test_prepare_many_voice_clones(tiny_base, reference_audio):
     _check_prepared(p, reqs, got, {1: RuntimeError})
     assert got[0].voice_key == got[3].voice_key and got[2].ref_codes is not None
     assert _batched(got[0].prompt, [got[0].prompt, got[3].prompt, got[4].prompt])
+
+
+@pytest.mark.gpu
+def test_build_many_on_cuda_equals_build(tiny_custom):
+    """On a GPU a step's indices reach the device through reused pinned buffers (`_Staging`, no
+    wait for the stream's earlier work): several steps in a row, of growing and shrinking sizes
+    (a buffer replaced, buffers reused after their copies), each bit for bit what `build` makes
+    one prompt at a time."""
+    import copy
+
+    model = copy.deepcopy(tiny_custom.model).to("cuda")
+    b = PromptBuilder(model, _table(model))
+    items = _custom_items(tiny_custom)
+    for n in (1, len(items), 3, len(items), 2, 5, 1, len(items)):
+        _check_step(b, items[:n], [n > 1] * n)
