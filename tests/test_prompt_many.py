@@ -216,10 +216,8 @@ def test_build_many_on_cuda_equals_build(tiny_custom):
     wait for the stream's earlier work): several steps in a row, of growing and shrinking sizes
     (a buffer replaced, buffers reused after their copies), each bit for bit what `build` makes
     one prompt at a time."""
-    import copy
-
-    model = copy.deepcopy(tiny_custom.model).to("cuda")
-    b = PromptBuilder(model, _table(model))
+    tts = build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"], device="cuda")
+    b = PromptBuilder(tts.model, _table(tts.model))
     items = _custom_items(tiny_custom)
     for n in (1, len(items), 3, len(items), 2, 5, 1, len(items)):
         _check_step(b, items[:n], [n > 1] * n)
