@@ -16,14 +16,15 @@ mkdir -p "$R"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/env.txt"
 echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
 
-start() {  # tree name port
+start() {  # tree name port [extra server flags]
   (cd "$1" && TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" \
-     exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 \
+     exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 $4 \
      >"$R/server-$2.log" 2>&1) &
 }
-start "$BASE" base 50081
+# BASE_ARGS / NEW_ARGS: extra flags per tree (e.g. BASE=. BASE_ARGS="--rpc-listeners 1": one tree, two settings)
+start "$BASE" base 50081 "${BASE_ARGS:-}"
 PID_BASE=$!
-start . new 50082
+start . new 50082 "${NEW_ARGS:-}"
 PID_NEW=$!
 PIDS="$PID_BASE $PID_NEW"
 trap 'kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
