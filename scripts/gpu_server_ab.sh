@@ -13,6 +13,10 @@ STREAMS=${STREAMS:-256}
 BENCH_PROCS=${BENCH_PROCS:-1,8}
 R=$OUT/ab
 mkdir -p "$R"
+if [ -n "${PRE_TESTS:-}" ]; then  # GPU tests of the new tree first (e.g. PRE_TESTS="tests/test_hostcopy.py ...")
+  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout 300 $PY -m pytest -q -m gpu $PRE_TESTS -p no:cacheprovider 2>&1 \
+    | grep -E "passed|failed|error|FAILED|Error" | tail -8
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/env.txt"
 echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
 
