@@ -10,7 +10,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..hostcopy import PinnedStaging
 from . import kernels as K
 from .plan import Gemm, build_plan
 
@@ -76,7 +75,6 @@ class BatchedCodecDecoder:
         self._codes = torch.zeros(nb, self.num_quantizers, dtype=torch.long, device=self.device)
         self._idx_host = torch.empty(nb, dtype=torch.long, pin_memory=cuda)
         self._h2d = torch.cuda.Event() if cuda else None  # the last copy out of _idx_host
-        self._staging = PinnedStaging(slots=4)  # reset_many's slot lists
         self._qar = torch.arange(self.num_quantizers, device=self.device)
         self._ones = torch.ones(nb, dtype=torch.long, device=self.device)
         inv = pl.rotary.inv_freq.detach().float().to(self.device)
@@ -146,7 +144,7 @@ class BatchedCodecDecoder:
             return
         self._check_slots(slots)
         with torch.inference_mode():
-            idx = self._staging.to_device(torch.tensor(slots, dtype=torch.long), self.device)
+            idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
             for t in self._kc + self._vc + self._hist + [self._nf]:
                 t.index_fill_(0, idx, 0)
 

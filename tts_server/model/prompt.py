@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hostcopy import PinnedStaging
-
 # Without a vocabulary table, text-track vectors are projected in blocks of this many rows aligned
 # to their track index, so a vector's value does not depend on how the text arrived (a GEMM's rows
 # depend on its row count).
@@ -81,6 +79,36 @@ def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
     return torch.cat(rows)
 
 
+class _Staging:
+    """Host -> device copies of a step's index lists through reused pinned buffers. A pageable
+    source makes the copy wait for all the work queued on the stream (the previous frame's
+    talker step), so the host could not build the next step while the GPU ran; from pinned
+    memory the copy is queued behind that work instead. A buffer is reused only after its last
+    copy finished (an event; long done by then, `slots` steps later)."""
+
+    def __init__(self, slots: int = 4):
+        self._bufs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * slots
+        self._next = 0
+
+    def to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if device.type != "cuda":
+            return host.to(device)
+        i, self._next = self._next, (self._next + 1) % len(self._bufs)
+        slot = self._bufs[i]
+        if slot is not None:
+            slot[1].synchronize()
+        if slot is None or slot[0].numel() < host.numel():
+            slot = (torch.empty(max(4096, 2 * host.numel()), dtype=torch.long, pin_memory=True),
+                    torch.cuda.Event())
+        buf = slot[0][:host.numel()]
+        buf.copy_(host)
+        out = buf.to(device, non_blocking=True)
+        slot[1].record()
+        self._bufs[i] = slot
+        return out
+
+
 class PromptBuilder:
     """Builds `Prompt`s from token ids with the model's own embedding tables (or, when given,
     a `project_vocabulary` table for the text rows)."""
@@ -94,7 +122,7 @@ class PromptBuilder:
         # embeddings of the fixed id sequences every prompt uses (specials, role, codec prefixes,
         # speakers): computed once, so a prompt costs little beyond its own text
         self._cache: dict[tuple, torch.Tensor] = {}
-        self._staging = PinnedStaging()  # the step's index list: no wait for the stream (hostcopy.py)
+        self._staging = _Staging()
 
     def _text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, n] -> [1, n, H]."""
@@ -256,9 +284,8 @@ class PromptBuilder:
             trailing += r.trailing
         n, m = len(text), len(trailing)
         table = self.text_table
-        host = torch.tensor(text + trailing + [max(a, 0) for a in adds]
-                            + [int(a != _NO_CODEC) for a in adds] + xpos, dtype=torch.long)
-        idx = self._staging.to_device(host, table.device)  # the one host -> device copy
+        idx = self._staging.to_device(text + trailing + [max(a, 0) for a in adds]  # the one host -> device
+                                      + [int(a != _NO_CODEC) for a in adds] + xpos, table.device)  # copy
         text_idx, trailing_idx, codec_idx, has_codec, xpos_idx = idx.split([n, m, n, n, len(xpos)])
         t_rows = table[text_idx]  # [n, H]
         c_rows = self.talker.get_input_embeddings()(codec_idx)  # [n, H]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ...api import SamplingConfig
-from ...hostcopy import PinnedStaging
 
 # int32 fields, rows of `ints`
 POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, DO_SAMPLE, TOP_K, SUB_DO_SAMPLE, SUB_TOP_K, EOS_FROM = range(10)
@@ -35,7 +34,6 @@ class SlotState:
         self.trailing = torch.zeros(n, max_trailing, hidden, dtype=text_dtype, device=device)
         self.pad_embed = torch.zeros(n, hidden, dtype=text_dtype, device=device)
         self.seen = torch.zeros(n, vocab, dtype=torch.uint8, device=device)
-        self._staging = PinnedStaging()  # admit_many's host lists (6 copies a call)
 
     @staticmethod
     def nbytes(num_slots: int, hidden: int, vocab: int, max_trailing: int, text_bytes: int = 2) -> int:
@@ -58,21 +56,20 @@ class SlotState:
         if max(n_tr) > self.max_trailing:
             raise ValueError(f"{max(n_tr)} pending text vectors exceed {self.max_trailing}")
         dev = self.ints.device
-        up = self._staging.to_device  # from pinned buffers: no wait for the stream (hostcopy.py)
         if rows is None:
-            rows = up(torch.tensor(slots, dtype=torch.long), dev)
-        self.ints[:, rows] = up(torch.tensor(
+            rows = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        self.ints[:, rows] = torch.tensor(
             [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample), int(s.subtalker_top_k), e]
-             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T, dev)
-        self.floats[:, rows] = up(torch.tensor(
+             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T.to(dev, non_blocking=True)
+        self.floats[:, rows] = torch.tensor(
             [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
-             for s in samplings], dtype=torch.float32).T, dev)
-        self.seed[rows] = up(torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64), dev)
+             for s in samplings], dtype=torch.float32).T.to(dev, non_blocking=True)
+        self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev)
         if past_hidden is not None:
             self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
         if sum(n_tr):
-            which = up(torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)), dev)
-            at = up(torch.cat([torch.arange(t) for t in n_tr]), dev)
+            which = torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)).to(dev, non_blocking=True)
+            at = torch.cat([torch.arange(t) for t in n_tr]).to(dev, non_blocking=True)
             vectors = torch.cat([t.to(dev) for t in trailings if t.shape[0]])
             self.trailing[which, at] = vectors.to(self.trailing.dtype)
         self.pad_embed[rows] = torch.stack([p.to(dev) for p in pad_embeds]).to(self.pad_embed.dtype)
