@@ -217,38 +217,6 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new(tiny_app):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_listeners_share_the_port_serve_many_connections_and_all_close(tiny_app):
-    """--rpc-listeners: several grpc.aio servers on one port (each accepts calls on its own);
-    calls over many separate connections all run, and stopping closes every listener (the
-    port can be bound again), and a second process could not have taken the port meanwhile."""
-    import socket
-
-    from tts_server.config import ServerConfig
-    from tts_server.preflight import check_port
-    from tts_server.memory_plan import StartupError
-    from tts_server.rpc.server import TTSServer
-
-    server = TTSServer(tiny_app.worker, tiny_app.info, ServerConfig(port=0, rpc_listeners=3), owns_worker=False)
-    assert len(server.servers) == 3
-    await server.start()
-    address = f"127.0.0.1:{server.port}"
-    with pytest.raises(StartupError, match="already in use"):
-        check_port("127.0.0.1", server.port)  # what another tts-server's start-up checks
-    clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(12)]
-    try:
-        infos = await asyncio.gather(*(c.model_info() for c in clients))
-        assert all(i.model == "synthetic-tiny" for i in infos)
-        res = await asyncio.gather(*(c.synthesize(build_request("Hi.", max_duration_s=0.16, seed=i), timeout=60)
-                                     for i, c in enumerate(clients[:4])))
-        assert [r.summary.num_frames for r in res] == [2] * 4
-    finally:
-        for c in clients:
-            await c.close()
-    await server.stop(grace=1.0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", server.port))  # every listener closed
-
-
 async def test_request_id_echoed_in_metadata_and_summary(tiny_server):
     async with TTSClient(tiny_server) as client:
         call = client.stream(build_request("Who am I?", request_id="req-42", **SHORT))

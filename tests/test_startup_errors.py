@@ -99,12 +99,6 @@ def test_port_in_use():
     _assert_one_line(res, f"--port {port}: already in use on 127.0.0.1")
 
 
-def test_rpc_listeners_out_of_range():
-    for n in ("0", "65"):
-        _assert_one_line(_start("--model", "synthetic-tiny", "--rpc-listeners", n),
-                         f"--rpc-listeners must be 1..64, got {n}")
-
-
 def test_http_port_in_use_or_the_grpc_port():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -110,11 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "so that load balancers polling health stop sending first; then the "
                         "--grace-period-s drain (default 0; behind a proxy: above its check "
                         "interval x fall count)")
-    p.add_argument("--rpc-listeners", type=int, default=d.rpc_listeners,
-                   help="gRPC servers on the port, each accepting calls on its own; the kernel "
-                        "spreads client connections over them. A grpc.aio server takes one new call "
-                        "per event-loop pass, so with one, the last of hundreds of calls arriving "
-                        "together waits for the others (default 4)")
     p.add_argument("--default-voice", default=None,
                    help="voice of requests that name none (default: the model's first voice)")
     p.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS "
@@ -139,8 +134,6 @@ def parse_args(argv=None) -> ServerConfig:
     (one line) for an unreadable token file or a malformed --chunk-frames."""
     a = build_parser().parse_args(argv)
     setup_logging(a.log_level, a.log_format)
-    if not 1 <= a.rpc_listeners <= 64:
-        raise StartupError(f"--rpc-listeners must be 1..64, got {a.rpc_listeners}")
     token = os.environ.get("TTS_AUTH_TOKEN") or None
     if a.auth_token_file:
         token = preflight.read_token_file(a.auth_token_file)
@@ -158,7 +151,7 @@ def parse_args(argv=None) -> ServerConfig:
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
-        rpc_listeners=a.rpc_listeners, inject_fault=a.inject_fault)
+        inject_fault=a.inject_fault)
 
 
 async def _serve(config: ServerConfig) -> int:

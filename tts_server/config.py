@@ -38,6 +38,4 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key enables TLS
     tls_key: str | None = None  # PEM private key
     auth_token: str | None = None  # when set, every RPC but health needs "authorization: Bearer <token>"
-    # grpc.aio servers on the port, each its own accept loop (rpc/server.py says why)
-    rpc_listeners: int = 4
     inject_fault: str | None = None  # testing only: see engine/faults.py

@@ -49,47 +49,32 @@ def add_servicer(servicer: TextToSpeechServicer, server) -> None:
 
 
 class TTSServer:
-    """Wraps grpc.aio servers around a started engine worker: `--rpc-listeners` of them, in the
-    same event loop, on the same port.
-
-    Why several: a grpc.aio server takes new calls one at a time (it asks the core for the next
-    call only after the previous one reached the event loop), so it accepts at most one call per
-    event-loop pass. While hundreds of streams write audio, a pass takes ~0.8 ms, and the last
-    of 256 calls arriving together started ~200 ms after the first (H100, 256 x 6 s streams,
-    benchmarks/results/h100-burst-profile-*). Each listener is its own accept loop; the kernel
-    spreads the clients' connections over them (SO_REUSEPORT, so the port is shared only
-    inside this process: preflight.check_port refuses a port another process holds). Calls on
-    one connection all go to one listener."""
+    """Wraps a grpc.aio server around a started engine worker."""
 
     def __init__(self, worker, info, config: ServerConfig, owns_worker: bool = True):
         self.config = config
         self.worker = worker
         self.owns_worker = owns_worker
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
-        n = max(1, config.rpc_listeners)
-        self.servers = [grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 1 if n > 1 else 0),
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", config.max_request_bytes),
-        ]) for _ in range(n)]
-        self.server = self.servers[0]
+        ])
         self.servicer = TextToSpeechServicer(worker, info, config)
+        add_servicer(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
-        for server in self.servers:
-            add_servicer(self.servicer, server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
-                                                 health.SERVICE_NAME), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
+                                             health.SERVICE_NAME), self.server)
+        address = f"{config.host}:{config.port}"
         if config.tls_cert or config.tls_key:
             if not (config.tls_cert and config.tls_key):
                 raise ValueError("TLS needs both --tls-cert and --tls-key")
             with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        self.port = config.port
         try:
-            for server in self.servers:  # port 0: the others join the port the first one got
-                address = f"{config.host}:{self.port}"
-                self.port = (server.add_secure_port(address, creds) if config.tls_cert
-                             else server.add_insecure_port(address))
+            self.port = (self.server.add_secure_port(address, creds) if config.tls_cert
+                         else self.server.add_insecure_port(address))
         except RuntimeError:  # grpc says only "Failed to bind"; preflight.check_port says why
             raise StartupError(f"--host {config.host} --port {config.port}: cannot listen there "
                                f"(port in use?)") from None
@@ -116,13 +101,12 @@ class TTSServer:
                 and self.worker.failure is None)
 
     async def start(self) -> None:
-        for server in self.servers:
-            await server.start()
+        await self.server.start()
         if self.http is not None:
             try:
                 self.http_port = await self.http.start(self.config.http_port)
             except OSError as e:
-                await asyncio.gather(*(server.stop(None) for server in self.servers))
+                await self.server.stop(None)
                 raise StartupError(f"--http-port {self.config.http_port}: cannot listen on "
                                    f"{self.config.host} ({e.strerror or e}); choose another port "
                                    "or -1 to turn the HTTP API off") from None
@@ -144,8 +128,7 @@ class TTSServer:
             except OSError as e:  # serving matters more than metrics
                 log.error("metrics endpoint not started on port %d: %s (use --metrics-port N, or "
                           "0 for any free port)", self.config.metrics_port, e)
-        log.info("serving %s on %s:%d (%d listener%s, %s, %s)", SERVICE_NAME, self.config.host, self.port,
-                 len(self.servers), "s" if len(self.servers) > 1 else "",
+        log.info("serving %s on %s:%d (%s, %s)", SERVICE_NAME, self.config.host, self.port,
                  "TLS" if self.config.tls_cert else "plaintext",
                  "bearer-token auth" if self.config.auth_token else "no auth")
 
@@ -193,8 +176,7 @@ class TTSServer:
             await asyncio.sleep(linger)
         # calls still running past the grace period are cancelled; a call that has just ended
         # gets a moment to write its last message
-        last = max(deadline - time.monotonic(), min(grace, 0.5))
-        await asyncio.gather(*(server.stop(last) for server in self.servers))
+        await self.server.stop(max(deadline - time.monotonic(), min(grace, 0.5)))
         if self.http is not None:
             await self.http.stop()
         self.worker.metrics.close()
@@ -211,7 +193,7 @@ class TTSServer:
                          self.config.drain_delay_s + self.config.grace_period_s),
                 asyncio.ensure_future(self.stop())))
         await self.start()
-        terminated = asyncio.ensure_future(asyncio.gather(*(s.wait_for_termination() for s in self.servers)))
+        terminated = asyncio.ensure_future(self.server.wait_for_termination())
         failed = asyncio.ensure_future(self._failed.wait())
         await asyncio.wait((terminated, failed), return_when=asyncio.FIRST_COMPLETED)
         for f in (terminated, failed):
