@@ -64,7 +64,7 @@ class SlotState:
         self.floats[:, rows] = torch.tensor(
             [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
              for s in samplings], dtype=torch.float32).T.to(dev, non_blocking=True)
-        self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev)
+        self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev, non_blocking=True)
         if past_hidden is not None:
             self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
         if sum(n_tr):
