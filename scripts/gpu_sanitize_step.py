@@ -7,6 +7,8 @@ eager: no CUDA graphs) for compute-sanitizer. Seeded random 0.6B-shaped weights,
 shared-memory access and is too slow for the ~4,000 launches of the full run)
 --layers T,C: talker / code-predictor layers (default 28,5). Fewer layers keep every GEMM, attention
 and glue shape of the 0.6B model, so the same kernels run, each fewer times (racecheck at 2,1)
+--spp N: the tensor-core decode attention walks N splits per program (2 pipelined stages), as it
+does at large B, and the prompts are long enough (12..292 positions) for rows of several splits
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ def main() -> None:
     layers = (28, 5)
     if "--layers" in sys.argv:
         layers = tuple(int(x) for x in sys.argv[sys.argv.index("--layers") + 1].split(","))
+    step = 7
+    if "--spp" in sys.argv:
+        from tts_server.engines.batched import tk_attention
+
+        spp = int(sys.argv[sys.argv.index("--spp") + 1])
+        tk_attention.SPP_BY_B = ((1 << 30, spp, 2 if spp > 1 else 1),)
+        step = 40
     weights = checks.random_weights("cuda", layers=layers)
     engine = BatchedEngine(weights, max_streams=8, max_positions=512, use_graphs=False)
     print("engine ready", flush=True)
     h = weights.talker.config.hidden_size
-    admit = tuple(Admission(i, checks.random_prompt(i, 12 + 7 * i, h), SamplingConfig(seed=i))
+    admit = tuple(Admission(i, checks.random_prompt(i, 12 + step * i, h), SamplingConfig(seed=i))
                   for i in range(8))
     out = engine.run(StepPlan(decode=tuple(range(8)), admit=admit))
     torch.cuda.synchronize()
