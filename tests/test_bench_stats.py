@@ -95,6 +95,16 @@ def test_aggregate_rates_errors_and_underrun_rate():
     assert a["rtf_p50"] == pytest.approx((0.15 + 0.3) / 2 / 0.24)
 
 
+def test_aggregate_first_audio_outside_the_server():
+    """Client TTFC minus the server's own, over the records that have both."""
+    recs = [_record(index=i, arrivals=(t / 1000, 0.3), start=0.0) for i, t in enumerate((40, 60, 200))]
+    for r, srv in zip(recs, (30.0, 50.0, None)):
+        r.server_ttfc_ms = srv
+    a = aggregate(recs)
+    assert a["outside_server_ms_p50"] == pytest.approx(10) and a["outside_server_ms_p95"] == pytest.approx(10)
+    assert aggregate(recs[2:])["outside_server_ms_p50"] is None
+
+
 def test_summarize_compares_on_the_same_requests():
     recs = [_record(index=i, arrivals=(0.05, 0.1)) for i in range(4)]
     recs += [_record("qwen-tts", index=i, arrivals=(0.5,), durations=(0.24,)) for i in range(2)]

@@ -352,7 +352,10 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
             print(f"first audio p50 at {key}={x['concurrency']:g} (server ms): " + ", ".join(
                 f"{p} {x[f'first_audio_{p}_ms_p50']:.1f}" for p in parts
                 if x.get(f"first_audio_{p}_ms_p50") is not None)
-                + f"; client TTFC p50 {x['ttfc_ms_p50']:.1f}; peak in flight {x['peak_in_flight']}"
+                + f"; client TTFC p50 {x['ttfc_ms_p50']:.1f}"
+                + (f" (outside the server p50 {x['outside_server_ms_p50']:.1f}, p95 {x['outside_server_ms_p95']:.1f})"
+                   if x.get("outside_server_ms_p50") is not None else "")
+                + f"; peak in flight {x['peak_in_flight']}"
                 + (f"; generator lag p95 {x['lag_ms_p95']:.1f} ms" if key == "rps" else ""))
     for c in comparisons:
         print(f"qwen-tts/server at c={c['concurrency']} on the same {c['num_requests']} requests: TTFC p50 "

@@ -105,6 +105,12 @@ def aggregate(records: list[RequestRecord]) -> dict:
     out["stall_ms_p95"] = percentile([r.stall_ms for r in ok], 95)
     out["stall_ms_max"] = max((r.stall_ms for r in ok), default=None)
     out["lag_ms_p95"] = percentile([r.lag_ms for r in records], 95)
+    # first audio outside the server's own timer: the call reaching its handler (connection,
+    # HTTP/2, the server's accept loop) and the first chunk reaching the client. Growing with
+    # load while the server's part does not points at the RPC layer, not the engine.
+    outside = [r.ttfc_ms - r.server_ttfc_ms for r in ok if r.ttfc_ms is not None and r.server_ttfc_ms is not None]
+    for q in (50, 95):
+        out[f"outside_server_ms_p{q}"] = percentile(outside, q)
     for part in ("queue_ms", "prepare_ms", "prefill_ms", "first_frame_ms", "first_decode_ms", "write_ms"):
         out[f"first_audio_{part}_p50"] = percentile([r.first_audio.get(part) for r in ok], 50)
     out["peak_in_flight"] = peak_in_flight(records)
