@@ -80,11 +80,11 @@ def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
 
 
 class _Staging:
-    """Host -> device copies of a step's index lists through reused pinned buffers. A pageable
-    source makes the copy wait for all the work queued on the stream (the previous frame's
-    talker step), so the host could not build the next step while the GPU ran; from pinned
-    memory the copy is queued behind that work instead. A buffer is reused only after its last
-    copy finished (an event; long done by then, `slots` steps later)."""
+    """Host -> device copies of a step's index lists through reused pinned buffers. The copy
+    used to be a blocking one from pageable memory, which (CUDA's API synchronization rules)
+    first waits for the work queued on the stream, here the previous frame's talker step; from
+    pinned memory it is only queued behind that work. (Not measured on its own.) A buffer is
+    reused only after its last copy ran (an event; long done by then, `slots` steps later)."""
 
     def __init__(self, slots: int = 4):
         self._bufs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * slots

@@ -27,8 +27,8 @@ OVERRIDE: dict[int, tuple[int, int]] = {}
 # bf16 pools: the split's two products on tensor cores (TC_TERMS bf16 parts of the fp32 q and of
 # the softmax weights: 3 parts hold an fp32 value exactly, so every product is exact and only the
 # fp32 sums round; the tensor cores' fp32 sums round a little more coarsely: max error 2.2e-6 of
-# the largest output vs fp64, the CUDA cores' 2e-7). 1.3-1.5x faster than the CUDA-core kernel
-# at B >= 64 (benchmarks/results/h100-frame-profile-*.json). Splits per program (SPP) by batch
+# the largest output vs fp64, the CUDA cores' 2e-7). 1.6-1.7x faster than the CUDA-core kernel
+# at B >= 64 (benchmarks/results/h100-attention-*.json). Splits per program (SPP) by batch
 # size: a program walks SPP consecutive splits of one (row, kv head), each split's math and
 # stores unchanged, so the bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP
 # may follow B; fewer programs find nothing to do. A walk of several splits is software-pipelined
