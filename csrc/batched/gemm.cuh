@@ -1,0 +1,228 @@
+// The products of the batched kernel: out = in x W^T for M rows of split activations (hs: fp32
+// inputs as bf16 hi and lo rows) and bf16 weights in their nn.Linear layout, on mma.sync.
+//
+// One arithmetic, two schedules. Every output (row n, input row m) is defined as: K cut into
+// PIECE-column pieces; a piece is one fp32 mma chain over its 32-column blocks in order (two
+// m16n8k16 per block), hi and lo parts in their own accumulator columns, added at the piece's end;
+// the pieces' values are added left to right. The register path (few rows) gives each warp one
+// (16-row tile, piece) and leaves the pieces to the consumer, which adds them left to right
+// (nparts = K / PIECE); the shared-memory path (many rows) tiles rows x inputs, walks the whole K
+// and adds the pieces itself, in the same order (nparts = 1). The same value either way, for any
+// M and any tile: which inputs share an mma never changes an output's bits.
+//
+// Fragments. In a 32-column block, lane (g = lane / 4, tq = lane % 4) loads 16 bytes = columns
+// 8 tq .. 8 tq + 7 of weight rows g and g + 8 and of its input row (input m = 4 i + g / 2,
+// part g % 2): columns 0..3 are the first mma's k-slice (as its k pairs {2tq, 2tq+1} and
+// {2tq+8, 2tq+9}), columns 4..7 the second's. Both operands use the same column-to-k map, so each
+// mma sums the products of 16 matching columns; no weight is permuted. The accumulator's columns
+// 2tq, 2tq + 1 are input 4 i + tq's hi and lo products.
+#pragma once
+#include "common.cuh"
+
+namespace qbk {
+
+struct Gemm {
+  const __nv_bfloat16* w;   // rows 0 .. n1 - 1: [n1][K]
+  const __nv_bfloat16* w2;  // rows n1 .. N - 1 (gate|up: up), or null
+  int n1, N, K, M;
+  int a0, astep;            // input row m is hs row a0 + m * astep
+  const __nv_bfloat16* hs;  // [rows][2][KMAX]
+  float* out;               // [nparts][M][N]
+  bool reg;                 // the register path
+  int rb, tb;               // the shared-memory path's tile: rows x inputs
+
+  __device__ int nparts() const { return reg ? K / PIECE : 1; }
+  __device__ const __nv_bfloat16* wrow(int n) const {
+    return (w2 != nullptr && n >= n1) ? w2 + (size_t)(n - n1) * K : w + (size_t)n * K;
+  }
+  __device__ const __nv_bfloat16* xrow(int m, int part) const {
+    return hs + ((size_t)(a0 + m * astep) * 2 + part) * KMAX;
+  }
+  __device__ int ntasks() const { return (N / 16) * (K / PIECE); }
+};
+
+// The shared-memory tile for an N x M product on G blocks: the fewest modelled cycles over
+// (rows, inputs) in {128, 64, 32} x {64, 32} (L2 bytes at ~24 B/clk per SM against mma at ~1 per
+// clock, times the rounds of items over the grid). The same choice in every block.
+__device__ __forceinline__ void choose_tile(int N, int M, int K, int G, int& rb, int& tb) {
+  const int cand[6][2] = {{128, 64}, {64, 64}, {128, 32}, {64, 32}, {32, 64}, {32, 32}};
+  float best = 3.4e38f;
+  rb = 32, tb = 32;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) {
+    const int r = cand[i][0], t = cand[i][1];
+    if (N % r) continue;
+    const int items = (N / r) * ((M + t - 1) / t);
+    const float bytes = (float)(r * 2 + t * 4) * K, mmas = (float)(r / 16) * (t / 4) * (K / 16);
+    const float cost = (float)((items + G - 1) / G) * fmaxf(bytes / 24.f, mmas);
+    if (cost < best) { best = cost; rb = r; tb = t; }
+  }
+}
+
+__device__ __forceinline__ Gemm make_gemm(const __nv_bfloat16* w, const __nv_bfloat16* w2, int n1, int N, int K, int M,
+                                          int a0, int astep, const __nv_bfloat16* hs, float* out, int reg_max_m) {
+  Gemm g{w, w2, n1, N, K, M, a0, astep, hs, out, M <= reg_max_m, 0, 0};
+  if (!g.reg) choose_tile(N, M, K, gridDim.x, g.rb, g.tb);
+  return g;
+}
+
+// ---- register path -----------------------------------------------------------------------------
+struct WFrag {
+  uint4 a[PIECE / 32], b[PIECE / 32];  // a piece of weight rows g and g + 8
+};
+
+// The weights of register task `task` (16-row tile task / P, piece task % P) into registers: needs
+// nothing of the previous phase, so it is issued before the grid barrier.
+__device__ __forceinline__ void reg_load_w(const Gemm& g, int task, WFrag& f) {
+  const int P = g.K / PIECE, rt = task / P, p = task % P;
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const __nv_bfloat16* r0 = g.wrow(16 * rt + gid) + PIECE * p + 8 * tq;
+  const __nv_bfloat16* r8 = g.wrow(16 * rt + gid + 8) + PIECE * p + 8 * tq;
+#pragma unroll
+  for (int j = 0; j < PIECE / 32; ++j) {
+    f.a[j] = ldg16(r0 + 32 * j);
+    f.b[j] = ldg16(r8 + 32 * j);
+  }
+}
+
+// Every task of this warp (the first one's weights already in f): all M inputs, 4 per mma.
+__device__ void reg_run(const Gemm& g, WFrag& f) {
+  const int P = g.K / PIECE, ntask = g.ntasks();
+  const int nw = gridDim.x * WARPS;
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const int ngrp = (g.M + 3) >> 2;
+  for (int task = global_warp(); task < ntask; task += nw) {
+    if (task != global_warp()) reg_load_w(g, task, f);
+    const int rt = task / P, p = task % P;
+    for (int tg = 0; tg < ngrp; ++tg) {
+      const int m = 4 * tg + (gid >> 1);
+      uint4 xv[PIECE / 32];
+      if (m < g.M) {
+        const __nv_bfloat16* xr = g.xrow(m, gid & 1) + PIECE * p + 8 * tq;
+#pragma unroll
+        for (int j = 0; j < PIECE / 32; ++j) xv[j] = ldcg16(xr + 32 * j);
+      } else {
+#pragma unroll
+        for (int j = 0; j < PIECE / 32; ++j) xv[j] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < PIECE / 32; ++j) mma_k32(d, f.a[j], f.b[j], xv[j]);
+      const int mo = 4 * tg + tq;
+      if (mo < g.M) {
+        float* o = g.out + ((size_t)p * g.M + mo) * g.N + 16 * rt + gid;
+        o[0] = d[0] + d[1];
+        o[8] = d[2] + d[3];
+      }
+    }
+  }
+}
+
+// ---- shared-memory path ------------------------------------------------------------------------
+// 16-byte unit c (0..7) of a 128-byte tile row r lives at unit c ^ swz(r): the 8 lanes of a
+// quarter warp (rows g, g + 1 of two lane groups, units 4h + tq) hit 8 distinct units.
+__device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) | ((r >> 1) & 3); }
+
+// Items (rb x tb tiles of rows x inputs, all of K) of this block; a ring of STAGES stages, each a
+// 64-column chunk of the tile's weight rows (A: [RB][64]) and input rows (B: [2 TB][64], row
+// 2 t + part). GW: input groups of 4 per warp (= RB TB / 512).
+template <int GW>
+__device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
+  const int RB = g.rb, TB = g.tb;
+  const int rtiles = RB / 16;
+  const int nrb = g.N / RB, ntb = (g.M + TB - 1) / TB, nitems = nrb * ntb;
+  const int nchunk = g.K / CHUNK;
+  const int G = gridDim.x;
+  const int myitems = (int)blockIdx.x < nitems ? (nitems - 1 - (int)blockIdx.x) / G + 1 : 0;
+  const int total = myitems * nchunk;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+  const int wr = warp % rtiles, wt = warp / rtiles;
+  const int a_bytes = RB * CHUNK * 2;
+
+  auto issue = [&](int q) {
+    if (q < total) {
+      uint8_t* st = smem + (q % STAGES) * STAGE_BYTES;
+      const int item = blockIdx.x + (q / nchunk) * G, j = q % nchunk;
+      const int rb = item % nrb, tb = item / nrb;
+      const int k0 = j * CHUNK;
+      for (int seg = threadIdx.x; seg < RB * 8; seg += THREADS) {
+        const int r = seg >> 3, c = seg & 7;
+        cp_async16(st + (r * 8 + (c ^ swz(r))) * 16, g.wrow(rb * RB + r) + k0 + 8 * c, 16);
+      }
+      uint8_t* bt = st + a_bytes;
+      for (int seg = threadIdx.x; seg < TB * 16; seg += THREADS) {
+        const int rr = seg >> 3, c = seg & 7;
+        const int m = tb * TB + (rr >> 1);
+        const bool ok = m < g.M;
+        cp_async16(bt + (rr * 8 + (c ^ swz(rr))) * 16, g.xrow(ok ? m : 0, rr & 1) + k0 + 8 * c, ok ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[GW][4], run[GW][2];
+#pragma unroll
+  for (int i = 0; i < GW; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = run[i][0] = run[i][1] = 0.f;
+#pragma unroll
+  for (int q = 0; q < STAGES - 1; ++q) issue(q);
+  for (int q = 0; q < total; ++q) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int item = blockIdx.x + (q / nchunk) * G, j = q % nchunk;
+    const int tb = item / nrb;
+    const int mbase = tb * TB + wt * 4 * GW;  // this warp's first input
+    if ((j & 3) == 0) {
+#pragma unroll
+      for (int i = 0; i < GW; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    }
+    const uint4* A = reinterpret_cast<const uint4*>(smem + (q % STAGES) * STAGE_BYTES);
+    const uint4* Bt = reinterpret_cast<const uint4*>(smem + (q % STAGES) * STAGE_BYTES + a_bytes);
+    const int ra = 16 * wr + gid, ra8 = ra + 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 4 * h + tq;
+      const uint4 wg = A[ra * 8 + (c ^ swz(ra))], wg8 = A[ra8 * 8 + (c ^ swz(ra8))];
+#pragma unroll
+      for (int i = 0; i < GW; ++i) {
+        if (mbase + 4 * i >= g.M) break;  // warp-uniform: no input of this group
+        const int rr = 2 * (wt * 4 * GW + 4 * i) + gid;
+        mma_k32(acc[i], wg, wg8, Bt[rr * 8 + (c ^ swz(rr))]);
+      }
+    }
+    if ((j & 3) == 3) {  // a piece ends: add it to the running sum, left to right
+      const bool first = j == 3;
+#pragma unroll
+      for (int i = 0; i < GW; ++i) {
+        const float v0 = acc[i][0] + acc[i][1], v1 = acc[i][2] + acc[i][3];
+        run[i][0] = first ? v0 : run[i][0] + v0;
+        run[i][1] = first ? v1 : run[i][1] + v1;
+      }
+    }
+    if (j == nchunk - 1) {
+      const int n = (item % nrb) * RB + 16 * wr + gid;
+#pragma unroll
+      for (int i = 0; i < GW; ++i) {
+        const int m = mbase + 4 * i + tq;
+        if (m < g.M) {
+          float* o = g.out + (size_t)m * g.N + n;
+          o[0] = run[i][0];
+          o[8] = run[i][1];
+        }
+      }
+    }
+    issue(q + STAGES - 1);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+__device__ __forceinline__ void smem_dispatch(const Gemm& g, uint8_t* smem) {
+  switch (g.rb * g.tb / 512) {
+    case 16: smem_run<16>(g, smem); break;
+    case 8: smem_run<8>(g, smem); break;
+    case 4: smem_run<4>(g, smem); break;
+    default: smem_run<2>(g, smem); break;
+  }
+}
+
+}  // namespace qbk

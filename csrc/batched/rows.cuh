@@ -1,0 +1,166 @@
+// The row phases of a code-predictor pass (everything between two products): pass input + RMSNorm,
+// residual add + RMSNorm, SwiGLU, and the attention. Each output row depends on its own row alone,
+// computed in a fixed order, so these phases are batch-invariant by construction.
+#pragma once
+#include "common.cuh"
+#include "params.h"
+
+namespace qbk {
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+__device__ __forceinline__ float4 mul4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
+
+// A product's 4 outputs at `off`: its nparts parts added left to right (gemm.cuh).
+__device__ __forceinline__ float4 sum_parts4(const float* parts, int np, size_t pstride, size_t off) {
+  float4 y = ldcg4(parts + off);
+  for (int p = 1; p < np; ++p) y = add4(y, ldcg4(parts + p * pstride + off));
+  return y;
+}
+
+__device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { return P.hs + (size_t)r * 2 * KMAX; }
+
+// Block-wide, thread t owning dims 4t..4t+3 of a row x: hs row r = split(w * (x * rsqrt(mean(x^2)
+// + eps))) (as Qwen3TTSRMSNorm in fp32; the batched engine's add_rms).
+__device__ __forceinline__ void norm_store(const QbkParams& P, int r, float4 x, const float* w, float* red) {
+  const int d = threadIdx.x * 4;
+  const float ss = block_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w, red);
+  const float rs = 1.0f / sqrtf(ss / (float)H + (float)P.eps);
+  const float4 wv = *reinterpret_cast<const float4*>(w + d);
+  __nv_bfloat16* h = hs_row(P, r);
+  split_store4(h, h + KMAX, d, make_float4(wv.x * (x.x * rs), wv.y * (x.y * rs), wv.z * (x.z * rs), wv.w * (x.w * rs)));
+}
+
+__device__ __forceinline__ int code0_of(const QbkParams& P, int64_t slot) {
+  const int c = P.ints[P.f_code0 * P.num_slots + slot];
+  return c < 0 ? 0 : c >= VT ? VT - 1 : c;
+}
+
+// Pass 0's rows: 2b = past_hidden of stream b's slot, 2b + 1 = codec_embedding[code 0]; out's code
+// 0 column; rows B..Bpad-1 (the bucket's padding) get codes 0 and no error.
+__device__ __noinline__ void phase_init(const QbkParams& P, int B, int Bpad, float* red) {
+  const int d = threadIdx.x * 4;
+  for (int r = blockIdx.x; r < 2 * B; r += gridDim.x) {
+    const int b = r >> 1;
+    const int64_t slot = P.rows[b];
+    float4 x;
+    if (r & 1) {
+      const int c0 = code0_of(P, slot);
+      x = ld_bf4(P.codec_emb + (size_t)c0 * H + d);
+      if (threadIdx.x < GROUPS) P.out[b * P.out_stride + threadIdx.x] = threadIdx.x == 0 ? c0 : 0;
+      if (threadIdx.x == 0) {
+        P.out[b * P.out_stride + P.out_err] = 0;
+        P.flags[b] = 0;
+      }
+    } else {
+      x = *reinterpret_cast<const float4*>(P.past_hidden + slot * H + d);
+    }
+    *reinterpret_cast<float4*>(P.x + (size_t)r * H + d) = x;
+    norm_store(P, r, x, P.in_norm[0], red);
+  }
+  const int n = (Bpad - B) * GROUPS;
+  for (int i = blockIdx.x * THREADS + threadIdx.x; i < n; i += gridDim.x * THREADS) {
+    int32_t* o = P.out + (B + i / GROUPS) * P.out_stride;
+    o[i % GROUPS] = 0;
+    if (i % GROUPS == 0) o[P.out_err] = 0;
+  }
+}
+
+// x[m] += the product's parts; hs row m = RMSNorm(x[m]) with w.
+__device__ __noinline__ void phase_residual(const QbkParams& P, int M, int np, const float* w, float* red) {
+  const int d = threadIdx.x * 4;
+  for (int m = blockIdx.x; m < M; m += gridDim.x) {
+    const float4 y = sum_parts4(P.parts, np, (size_t)M * H, (size_t)m * H + d);
+    float* xr = P.x + (size_t)m * H + d;
+    const float4 x = add4(ldcg4(xr), y);
+    *reinterpret_cast<float4*>(xr) = x;
+    norm_store(P, m, x, w, red);
+  }
+}
+
+// hs row m = silu(gate) * up from the gate|up product's parts ([np][M][2 I]).
+__device__ __noinline__ void phase_swiglu(const QbkParams& P, int M, int np) {
+  const size_t ps = (size_t)M * NMAX;
+  for (int e = blockIdx.x * THREADS + threadIdx.x; e < M * (I / 4); e += gridDim.x * THREADS) {
+    const int m = e / (I / 4), i = (e % (I / 4)) * 4;
+    const float4 g = sum_parts4(P.parts, np, ps, (size_t)m * NMAX + i);
+    const float4 u = sum_parts4(P.parts, np, ps, (size_t)m * NMAX + I + i);
+    const float4 a = make_float4(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y,
+                                 g.z / (1.0f + expf(-g.z)) * u.z, g.w / (1.0f + expf(-g.w)) * u.w);
+    __nv_bfloat16* h = hs_row(P, m);
+    split_store4(h, h + KMAX, i, a);
+  }
+}
+
+// Per-head RMSNorm of a 128-dim head held 4 dims per lane, then rotate-half RoPE (the partner of
+// dim d is d +- 64, in lane ^ 16).
+__device__ __forceinline__ float4 norm_rope(float4 v, float4 w, float eps, float4 c, float4 s, int lane) {
+  const float ss = warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w);
+  const float r = 1.0f / sqrtf(ss / (float)HD + eps);
+  v = make_float4(w.x * (v.x * r), w.y * (v.y * r), w.z * (v.z * r), w.w * (v.w * r));
+  float4 o;
+  o.x = __shfl_xor_sync(0xffffffffu, v.x, 16);
+  o.y = __shfl_xor_sync(0xffffffffu, v.y, 16);
+  o.z = __shfl_xor_sync(0xffffffffu, v.z, 16);
+  o.w = __shfl_xor_sync(0xffffffffu, v.w, 16);
+  if (lane < 16) return make_float4(v.x * c.x - o.x * s.x, v.y * c.y - o.y * s.y, v.z * c.z - o.z * s.z, v.w * c.w - o.w * s.w);
+  return make_float4(v.x * c.x + o.x * s.x, v.y * c.y + o.y * s.y, v.z * c.z + o.z * s.z, v.w * c.w + o.w * s.w);
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+// One warp per (stream b, kv head): for each of the stream's R rows (pass 0: positions 0 and 1,
+// else position pass + 1): q|k|v from the q|k|v product's parts, q/k norm + RoPE, k/v into the
+// frame's code-predictor cache, both q heads over positions 0..pos -> hs (o_proj's input).
+__device__ __noinline__ void phase_attention(const QbkParams& P, int L, int pass, int B, int R, int np) {
+  const int M = B * R;
+  const size_t ps = (size_t)M * QKV;
+  const int lane = threadIdx.x & 31, d = 4 * lane;
+  const float eps = (float)P.eps, scale = (float)P.scale;
+  const float4 qw = *reinterpret_cast<const float4*>(P.q_norm[L] + d);
+  const float4 kw = *reinterpret_cast<const float4*>(P.k_norm[L] + d);
+  for (int item = global_warp(); item < B * NKV; item += gridDim.x * WARPS) {
+    const int b = item / NKV, kvh = item % NKV;
+    const size_t cbase = (((size_t)L * P.max_rows + b) * NKV + kvh) * POS * HD + d;
+    float* kc = P.cpk + cbase;
+    float* vc = P.cpv + cbase;
+    for (int r = 0; r < R; ++r) {
+      const int m = b * R + r, pos = pass == 0 ? r : pass + 1;
+      const size_t row = (size_t)m * QKV + d;
+      const float4 c = *reinterpret_cast<const float4*>(P.rope_cos + pos * HD + d);
+      const float4 s = *reinterpret_cast<const float4*>(P.rope_sin + pos * HD + d);
+      const float4 k = norm_rope(sum_parts4(P.parts, np, ps, row + QD + kvh * HD), kw, eps, c, s, lane);
+      const float4 v = sum_parts4(P.parts, np, ps, row + QD + KVD + kvh * HD);
+      *reinterpret_cast<float4*>(kc + pos * HD) = k;
+      *reinterpret_cast<float4*>(vc + pos * HD) = v;
+#pragma unroll 1
+      for (int hh = 0; hh < 2; ++hh) {
+        const int head = 2 * kvh + hh;
+        const float4 q = norm_rope(sum_parts4(P.parts, np, ps, row + head * HD), qw, eps, c, s, lane);
+        float sc[POS];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < POS; ++j) {
+          if (j > pos) break;
+          const float4 kj = j == pos ? k : ldcg4(kc + j * HD);
+          sc[j] = warp_sum(dot4(q, kj)) * scale;
+          mx = fmaxf(mx, sc[j]);
+        }
+        float l = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = 0; j < POS; ++j) {
+          if (j > pos) break;
+          const float p = expf(sc[j] - mx);
+          l += p;
+          const float4 vj = j == pos ? v : ldcg4(vc + j * HD);
+          o = make_float4(o.x + p * vj.x, o.y + p * vj.y, o.z + p * vj.z, o.w + p * vj.w);
+        }
+        o = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
+        __nv_bfloat16* h = hs_row(P, m);
+        split_store4(h, h + KMAX, head * HD + d, o);
+      }
+    }
+  }
+}
+
+}  // namespace qbk
