@@ -112,11 +112,11 @@ def time_replays(eng: BatchedEngine, slots: list[int], iters: int, warm: int = 3
     eng.kv.sync()
     eng.graphs.rows[:b].copy_(eng.rows_host[:b])
     for _ in range(warm):
-        eng.graphs.replay(b)
+        eng.replay_frame(n, b)
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for e0, e1 in ev:
         e0.record()
-        eng.graphs.replay(b)
+        eng.replay_frame(n, b)
         e1.record()
     torch.cuda.synchronize()
     for s in slots:
@@ -163,7 +163,8 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             log(f"ctx {ctx:>5} B {b:3d}: replay {ms:7.3f} ms  step {step_ms:7.3f} ms  "
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
     try:
-        res["unfused_cp"] = unfused_cp(w, eng, iters)
+        if eng.cuda_cp is None:  # the Triton code predictor: fused vs unfused glue
+            res["unfused_cp"] = unfused_cp(w, eng, iters)
         res["first_frame"] = first_frame(eng)  # default: batched prefill rows
         pg = BatchedEngine(w, max_streams=4, max_positions=1024, prefill_graphs=True, **ENGINE_KW)
         res["first_frame_prefill_graphs"] = dict(first_frame(pg), error=pg.prefill_graph_error)
@@ -209,19 +210,22 @@ def first_frame(eng: BatchedEngine) -> dict:
 
 
 def profile(eng: BatchedEngine) -> dict:
-    """Kernel count and the top kernels by GPU time of one eager frame at B = 1 and 64."""
+    """Kernel count and the top kernels by GPU time of one frame at B = 1 and 64 (the engine's
+    own: the code-predictor kernel or graph, then the talker step's graph)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     out = {}
     for b in (1, 64):
         slots = fake_admit(eng, [500] * b, margin=8)
-        rows = torch.tensor(slots, device="cuda")
+        nb = bucket_for(b, eng.sizes)
+        eng.graphs.rows[:b] = torch.tensor(slots, device="cuda")
+        eng.graphs.rows[b:nb] = eng.state.scratch
         eng.kv.sync()
-        eng.frame(rows)
+        eng.replay_frame(b, nb)
         torch.cuda.synchronize()
         with prof(activities=[ProfilerActivity.CUDA]) as p:
-            eng.frame(rows)
+            eng.replay_frame(b, nb)
             torch.cuda.synchronize()
         ev = [e for e in p.key_averages() if e.device_type.name == "CUDA"]
         total = sum(e.self_device_time_total for e in ev)
@@ -258,18 +262,24 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--weights", default="synthetic", choices=("synthetic", "random"))
     ap.add_argument("--budget-s", type=float, default=500)
+    ap.add_argument("--cuda-cp", action="store_true",
+                    help="the code-predictor half as the CUDA kernel (csrc/batched/) in every engine")
     ap.add_argument("--sections", default="preflight,invariance,bench,memory,teacher_forced,greedy_vs_torch",
                     help="which sections to run (preflight always runs)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.cuda_cp:
+        ENGINE_KW["cuda_cp"] = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     import triton
 
-    res: dict = dict(device=torch.cuda.get_device_name(), nvidia_smi=smi, torch=torch.__version__,
+    from tts_server.engines.batched.cuda_cp import is_available as cuda_cp_available
+
+    res: dict = dict(cuda_cp=bool(args.cuda_cp and cuda_cp_available()), device=torch.cuda.get_device_name(), nvidia_smi=smi, torch=torch.__version__,
                      triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     deadline = T0 + args.budget_s
 

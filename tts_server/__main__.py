@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default=d.engine, choices=["auto", "batched", "torch", "megakernel"],
                    help="decode engine (default auto: batched on CUDA, torch on CPU; megakernel: "
                         "one launch per stream and frame, lowest single-stream latency, no batching)")
+    p.add_argument("--cp-kernel", default=d.cp_kernel, choices=["triton", "cuda"],
+                   help="the batched engine's code-predictor half: a graph of Triton kernels per "
+                        "step (default) or one persistent CUDA launch (cuda: csrc/batched/, built "
+                        "by make kernel; experimental: checked on the CPU emulator, not yet "
+                        "measured on a GPU)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -138,7 +143,8 @@ def parse_args(argv=None) -> ServerConfig:
     if a.auth_token_file:
         token = preflight.read_token_file(a.auth_token_file)
     return ServerConfig(
-        host=a.host, port=a.port, model=a.model, engine=a.engine, device=a.device, devices=a.devices,
+        host=a.host, port=a.port, model=a.model, engine=a.engine, cp_kernel=a.cp_kernel, device=a.device,
+        devices=a.devices,
         dtype=a.dtype,
         max_streams=a.max_streams, max_queue=a.max_queue, max_positions=a.max_positions,
         max_text_chars=a.max_text_chars,

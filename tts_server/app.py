@@ -72,7 +72,8 @@ def plan_memory(name: str, loaded: LoadedModel, config: ServerConfig, weights) -
     codec_dtype = codec_dtype_for(loaded)
 
     def need(n: int) -> int:
-        return (BatchedEngine.memory_bytes(n, config.max_positions, weights)
+        return (BatchedEngine.memory_bytes(n, config.max_positions, weights,
+                                           cuda_cp=config.cp_kernel == "cuda")
                 + BatchedCodecDecoder.memory_bytes(decoder, n, codec_dtype))
 
     free, _ = torch.cuda.mem_get_info(loaded.device)
@@ -91,9 +92,16 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     if name == "batched":
         from .engines.batched.engine import BatchedEngine
 
-        engine = BatchedEngine(weights, n, config.max_positions)
-        log.info("batched engine: %d slots, graphs captured in %.1f s (%.2f GiB)", n,
-                 engine.capture_s, engine.graph_memory_bytes / 2**30)
+        from .engines.batched.cuda_cp import is_available as cuda_cp_available
+
+        cuda_cp = config.cp_kernel == "cuda"
+        if cuda_cp and not cuda_cp_available():
+            raise StartupError("--cp-kernel cuda: the batched kernel library is not built (make kernel) "
+                               "or there is no CUDA device")
+        engine = BatchedEngine(weights, n, config.max_positions, cuda_cp=cuda_cp)
+        log.info("batched engine: %d slots, code predictor %s, graphs captured in %.1f s (%.2f GiB)", n,
+                 "CUDA kernel" if engine.cuda_cp is not None else "Triton graphs", engine.capture_s,
+                 engine.graph_memory_bytes / 2**30)
         return engine
     if name == "torch":
         from .engines.torch_ref import TorchEngine

@@ -13,6 +13,8 @@ import torch
 from ...model.weights import DecodeWeights
 from ..contract import Admission, FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan
 from . import ops
+from .cuda_cp import CudaPredictor
+from .cuda_cp import scratch_bytes as cuda_cp_scratch_bytes
 from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
@@ -60,14 +62,18 @@ class BatchedEngine:
     fused_cp: code-predictor passes 2..15 fuse norm + RoPE + store + attention (tk_glue.py).
     prefill_graphs: prompts up to 512 positions prefill one at a time through CUDA graphs of
     length buckets; off (the default), every step's admissions prefill together as rows of the
-    batch-invariant ops (prefill_rows.py), so many arrivals cost one pass over the weights."""
+    batch-invariant ops (prefill_rows.py), so many arrivals cost one pass over the weights.
+    cuda_cp: the frame's code-predictor half as one persistent CUDA launch (cuda_cp.py, csrc/batched/)
+    instead of its graph of Triton kernels. Off by default until the kernel has been measured on
+    a GPU (so far it is checked on the CPU emulator, tests/test_batched_kernel.py). Either is
+    batch-invariant; the two give different bits."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
                  max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
-                 fused_cp: bool = True, prefill_graphs: bool = False):
+                 fused_cp: bool = True, prefill_graphs: bool = False, cuda_cp: bool = False):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         self.p = prepare(weights)
@@ -79,6 +85,7 @@ class BatchedEngine:
         self.kv = PagedKV(cfg, max_streams + 1, max_positions, num_blocks, block_size, kv_dtype, dev)
         self.sizes = bucket_sizes(max_streams)
         self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits, fused_cp)
+        self.cuda_cp = self._cuda_predictor(cuda_cp)
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
@@ -89,7 +96,8 @@ class BatchedEngine:
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
         self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
-        self.graphs = StepGraphs(self.frame, self.sizes, self.state.scratch) if use_graphs else None
+        self.graphs = (StepGraphs(self.frame, self.sizes, self.state.scratch, predict=self.cuda_cp is None)
+                       if use_graphs else None)
         self.capture_s = self.graphs.capture_s if self.graphs else 0.0
         self.graph_memory_bytes = self.graphs.memory_bytes if self.graphs else 0
         self.prefill_graphs, self.prefill_graph_error = None, None
@@ -114,10 +122,18 @@ class BatchedEngine:
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
+    def _cuda_predictor(self, want: bool) -> CudaPredictor | None:
+        """The code-predictor kernel when asked for (ValueError / RuntimeError / OSError when the
+        library, the device or the weights' shapes do not allow it)."""
+        if not want:
+            return None
+        f = self.frame
+        return CudaPredictor(self.p, self.state, f.out, f.cp_k, f.cp_v, f.cp_cos, f.cp_sin, f.dump)
+
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
                      kv_dtype: torch.dtype = torch.bfloat16, num_blocks: int | None = None,
-                     block_size: int = 64, max_trailing: int = 1024, graphs: bool = True) -> int:
+                     block_size: int = 64, max_trailing: int = 1024, graphs: bool = True, cuda_cp: bool = False) -> int:
         """Device bytes the engine allocates beside the model's weights: KV pool, slot state,
         code-predictor scratch, fused q|k|v copies and (graphs) an estimate of the graph
         workspaces (GRAPH_BYTES_PER_ROW x the largest bucket, ROW_GRAPH_BYTES_PER_ROW x the
@@ -131,7 +147,8 @@ class BatchedEngine:
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
                 + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
-                   if graphs and kv_dtype != torch.float32 else 0))
+                   if graphs and kv_dtype != torch.float32 else 0)
+                + (cuda_cp_scratch_bytes(rows) if cuda_cp else 0))
 
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -359,7 +376,7 @@ class BatchedEngine:
         self.kv.sync()
         if self.graphs:
             self.graphs.rows[:b].copy_(self.rows_host[:b], non_blocking=True)
-            self.graphs.predict[b].replay()
+            self._predict(self.graphs.rows, n, b)
             self.codes_host[:b].copy_(self.frame.out[:b], non_blocking=True)
             self._codes_ready.record()
             self.graphs.advance[b].replay()
@@ -367,11 +384,28 @@ class BatchedEngine:
             self._codes_ready.synchronize()
         else:
             rows = self.rows_host[:b].to(self.device)
-            self.frame.predict(rows)
+            self._predict(rows, n, b)
             self.codes_host[:b].copy_(self.frame.out[:b])
             self.frame.advance(rows)
             self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+        if self.cuda_cp is not None:
+            self.cuda_cp.check()
         return self.codes_host[:n].numpy().copy()
+
+    def _predict(self, rows: torch.Tensor, n: int, b: int) -> None:
+        """The frame's code-predictor half for rows[:b] (n real, then padding) on the device."""
+        if self.cuda_cp is not None:
+            self.cuda_cp.predict(rows, n, b)
+        elif self.graphs:
+            self.graphs.predict[b].replay()
+        else:
+            self.frame.predict(rows[:b])
+
+    def replay_frame(self, n: int, b: int) -> None:
+        """Benchmarks: one whole frame of the rows already in graphs.rows[:b] (n real), launched
+        without a host wait (the code-predictor half, then the talker step's graph)."""
+        self._predict(self.graphs.rows, n, b)
+        self.graphs.advance[b].replay()
 
     def _finish_step(self, n: int) -> np.ndarray:
         """The frame launched by `_step`, complete -> out rows [n, 18] int32."""

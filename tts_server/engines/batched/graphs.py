@@ -35,9 +35,11 @@ def bucket_for(n: int, sizes: list[int]) -> int:
 
 class StepGraphs:
     """predict[b] / advance[b] replay `step.predict(rows[:b])` / `step.advance(rows[:b])`; the
-    caller fills rows[:b] (device, int64) first."""
+    caller fills rows[:b] (device, int64) first. predict=False: the advance graphs only (the
+    code-predictor half runs as the CUDA kernel, cuda_cp.py)."""
 
-    def __init__(self, step: FrameStep, sizes: list[int], scratch_slot: int, warmup: int = 2):
+    def __init__(self, step: FrameStep, sizes: list[int], scratch_slot: int, warmup: int = 2,
+                 predict: bool = True):
         dev = step.out.device
         self.sizes = sizes
         self.rows = torch.full((sizes[-1],), scratch_slot, dtype=torch.int64, device=dev)
@@ -54,12 +56,13 @@ class StepGraphs:
                 step.consts(b)
                 with pdl.scope(b <= PDL_MAX_ROWS):
                     for _ in range(warmup):
-                        step(self.rows[:b])
+                        (step if predict else step.advance)(self.rows[:b])
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(sizes):  # largest first, so smaller graphs reuse its pool blocks
-            for graphs, half in ((self.predict, step.predict), (self.advance, step.advance)):
+            halves = ((self.predict, step.predict),) if predict else ()
+            for graphs, half in halves + ((self.advance, step.advance),):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool), pdl.scope(b <= PDL_MAX_ROWS):
                     half(self.rows[:b])
