@@ -110,7 +110,7 @@ def time_replays(eng: BatchedEngine, slots: list[int], iters: int, warm: int = 3
     eng.rows_host[:n] = torch.tensor(slots)
     eng.rows_host[n:b] = eng.state.scratch
     eng.kv.sync()
-    eng.graphs.rows[:b].copy_(eng.rows_host[:b])
+    eng.rows_dev[:b].copy_(eng.rows_host[:b])
     for _ in range(warm):
         eng.replay_frame(n, b)
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -163,7 +163,7 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             log(f"ctx {ctx:>5} B {b:3d}: replay {ms:7.3f} ms  step {step_ms:7.3f} ms  "
                 f"{row['frames_per_s']:8.0f} frames/s  {row['gb_per_s']:6.0f} GB/s  {row['tflops']:5.1f} TFLOP/s")
     try:
-        if eng.cuda_cp is None:  # the Triton code predictor: fused vs unfused glue
+        if eng.frame_kernel == "triton":  # the Triton code predictor: fused vs unfused glue
             res["unfused_cp"] = unfused_cp(w, eng, iters)
         res["first_frame"] = first_frame(eng)  # default: batched prefill rows
         pg = BatchedEngine(w, max_streams=4, max_positions=1024, prefill_graphs=True, **ENGINE_KW)
@@ -219,8 +219,8 @@ def profile(eng: BatchedEngine) -> dict:
     for b in (1, 64):
         slots = fake_admit(eng, [500] * b, margin=8)
         nb = bucket_for(b, eng.sizes)
-        eng.graphs.rows[:b] = torch.tensor(slots, device="cuda")
-        eng.graphs.rows[b:nb] = eng.state.scratch
+        eng.rows_dev[:b] = torch.tensor(slots, device="cuda")
+        eng.rows_dev[b:nb] = eng.state.scratch
         eng.kv.sync()
         eng.replay_frame(b, nb)
         torch.cuda.synchronize()
@@ -262,24 +262,21 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--weights", default="synthetic", choices=("synthetic", "random"))
     ap.add_argument("--budget-s", type=float, default=500)
-    ap.add_argument("--cuda-cp", action="store_true",
-                    help="the code-predictor half as the CUDA kernel (csrc/batched/) in every engine")
+    ap.add_argument("--frame-kernel", default="triton", choices=("triton", "cuda-predict", "cuda"),
+                    help="BatchedEngine(frame_kernel=...) of every engine but the preflight's")
     ap.add_argument("--sections", default="preflight,invariance,bench,memory,teacher_forced,greedy_vs_torch",
                     help="which sections to run (preflight always runs)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.cuda_cp:
-        ENGINE_KW["cuda_cp"] = True
+    ENGINE_KW["frame_kernel"] = args.frame_kernel
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     import triton
 
-    from tts_server.engines.batched.cuda_cp import is_available as cuda_cp_available
-
-    res: dict = dict(cuda_cp=bool(args.cuda_cp and cuda_cp_available()), device=torch.cuda.get_device_name(), nvidia_smi=smi, torch=torch.__version__,
+    res: dict = dict(frame_kernel=args.frame_kernel, device=torch.cuda.get_device_name(), nvidia_smi=smi, torch=torch.__version__,
                      triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     deadline = T0 + args.budget_s
 

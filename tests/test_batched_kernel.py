@@ -1,11 +1,12 @@
-"""The batched code-predictor kernel (csrc/batched/, tts_server/engines/batched/cuda_cp.py).
+"""The batched frame kernels (csrc/batched/, tts_server/engines/batched/cuda_frame.py): the
+code-predictor half (`predict`) and the talker step (`advance`).
 
 On the CPU: the same kernel source built against the SIMT emulator (tools/simt/simt.h, `make -C
-csrc emu`), driven through the class the engine uses, against the engine's own reference predict
-(FrameStep.predict over ops_ref: fp64 products), for bitwise batch invariance (B, row, register vs
-shared-memory products) and inside a decoding engine. The emulator adds the products of an mma in
-k order, so these check the kernel's logic and index math, not a GPU's rounding; the `gpu` tests
-at the end run the CUDA build on a device."""
+csrc emu`), driven through the class the engine uses, against the engine's own reference frame
+(FrameStep.predict / advance over ops_ref: fp64 products) and TorchEngine, for bitwise batch
+invariance (B, row, register vs shared-memory products) and inside a decoding engine. The
+emulator adds the products of an mma in k order, so these check the kernels' logic and index
+math, not a GPU's rounding; the `gpu` tests at the end run the CUDA build on a device."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tts_server.engines.batched import checks
-from tts_server.engines.batched.cuda_cp import BatchedKernelLibrary, CudaPredictor
+from tts_server.engines.batched.cuda_frame import BatchedKernelLibrary, CudaFrame
 from tts_server.engines.batched.engine import BatchedEngine
 from tts_server.engines.batched.state import CODE0, N_SAMPLED
-from tts_server.engines.contract import SamplingConfig
+from tts_server.engines.contract import Admission, SamplingConfig, StepPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 H = 1024
@@ -45,14 +47,13 @@ def small_weights():
     return checks.random_weights("cpu", layers=(1, 1))
 
 
-def _engine(w, streams: int) -> BatchedEngine:
-    return BatchedEngine(w, max_streams=streams, max_positions=64, num_blocks=streams + 1, dump_logits=True,
-                         use_graphs=False)
+def _engine(w, streams: int, max_positions: int = 64, **kw) -> BatchedEngine:
+    kw.setdefault("num_blocks", streams * (max_positions // 64 + 1) + 1)
+    return BatchedEngine(w, max_streams=streams, max_positions=max_positions, dump_logits=True, use_graphs=False, **kw)
 
 
-def _predictor(eng: BatchedEngine, lib: BatchedKernelLibrary, **kw) -> CudaPredictor:
-    f = eng.frame
-    return CudaPredictor(eng.p, eng.state, f.out, f.cp_k, f.cp_v, f.cp_cos, f.cp_sin, f.dump, lib=lib, **kw)
+def _predictor(eng: BatchedEngine, lib: BatchedKernelLibrary, **kw) -> CudaFrame:
+    return CudaFrame(eng.p, eng.state, eng.kv, eng.frame, eng.max_positions, lib=lib, **kw)
 
 
 def _fill(eng: BatchedEngine, n: int, sampling: list[SamplingConfig], seed: int = 0) -> None:
@@ -69,7 +70,7 @@ def _reference(eng: BatchedEngine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return eng.frame.out[:n].clone(), eng.frame.dump[:n].clone()
 
 
-def _kernel(eng: BatchedEngine, cp: CudaPredictor, slots: list[int], bpad: int | None = None):
+def _kernel(eng: BatchedEngine, cp: CudaFrame, slots: list[int], bpad: int | None = None):
     eng.frame.out.fill_(-7)
     eng.frame.dump.fill_(float("nan"))
     cp.predict(torch.tensor(slots, dtype=torch.int64), len(slots), bpad)
@@ -173,15 +174,110 @@ def test_padding_rows_and_a_failing_stream(emu_lib, small_weights):
     assert (codes[2:4, :16] == 0).all() and (codes[2:4, 17] == 0).all()
 
 
-def test_engine_decodes_with_the_kernel(emu_lib, small_weights):
-    """Whole engine steps (admissions, the kernel's predict, the talker step) on the emulator: a
-    stream's codes and logits are bitwise the same alone and among neighbours over 3 frames."""
-    eng = _engine(small_weights, 4)
-    eng.cuda_cp = _predictor(eng, emu_lib)
-    eng.cuda_cp.num_passes = 2
+def test_a_barrier_timeout_ends_the_launch_and_raises(emu_lib, small_weights):
+    """Every block leaves at its next grid barrier once one wait times out; check() raises for
+    that half only."""
+    import struct
+
+    eng = _engine(small_weights, 2)
+    _fill(eng, 1, [SamplingConfig(seed=1)])
+    cp = _predictor(eng, emu_lib)
+    struct.pack_into("<q", cp.buf, emu_lib.fields["timeout_ns"][0], 0)
+    cp.predict(torch.tensor([0]), 1)
+    with pytest.raises(RuntimeError, match="batched predict kernel: a grid barrier wait exceeded"):
+        cp.check()
+    cp.check("advance")  # the other half's word is clear
+
+
+# ---- the talker step ------------------------------------------------------------------------------
+def _admitted(w, lengths: list[int], kv_dtype=torch.bfloat16, greedy: bool = False, max_positions: int = 128):
+    """An engine with len(lengths) prefilled streams (prompts of those lengths) and their first
+    frame's codes in frame.out (the reference predict)."""
+    eng = _engine(w, len(lengths), max_positions=max_positions, kv_dtype=kv_dtype)
+    adm = tuple(Admission(i, checks.random_prompt(40 + i, n, H, n_trailing=2),
+                          checks.GREEDY if greedy else SamplingConfig(seed=70 + i, top_k=(50, 0, 9)[i % 3],
+                                                                      top_p=(1.0, 0.9, 1.0)[i % 3]))
+                for i, n in enumerate(lengths))
+    out = eng.run(StepPlan(admit=adm))
+    assert not out.failed
+    eng.frame.predict(torch.arange(len(lengths)))
+    return eng
+
+
+def _talker_state(eng: BatchedEngine, n: int):
+    s = eng.state
+    return (s.ints[:, :n].clone(), s.past_hidden[:n].clone(), s.seen[:n].clone(), eng.kv.k.clone(), eng.kv.v.clone(),
+            eng.frame.out[:n].clone(), eng.frame.dump[:n, 15].clone())
+
+
+def _restore(eng: BatchedEngine, n: int, st) -> None:
+    s = eng.state
+    s.ints[:, :n], s.past_hidden[:n], s.seen[:n] = st[0], st[1], st[2]
+    eng.kv.k.copy_(st[3])
+    eng.kv.v.copy_(st[4])
+    eng.frame.out[:n] = st[5]
+
+
+@pytest.mark.parametrize("kv_dtype, reg_max_m, greedy, lengths", [
+    (torch.bfloat16, 16, False, [5, 70, 130]),
+    (torch.float32, 0, True, [5, 70, 130]),
+    (torch.bfloat16, 0, False, [1030]),
+])
+def test_talker_step_matches_the_reference(emu_lib, small_weights, kv_dtype, reg_max_m, greedy, lengths):
+    """The talker step of streams with 1 to 17 64-key units of context (up to 9 chunks of 2 units)
+    on the KV pool's type, through either product path: the next code 0, the state commit
+    (position, code 0, draws, text step, history byte), past_hidden and the new K/V as the
+    reference's, the logits within 1e-4, no error bit."""
+    n = len(lengths)
+    eng = _admitted(small_weights, lengths, kv_dtype, greedy, max_positions=1100 if max(lengths) > 200 else 256)
+    before = _talker_state(eng, n)
+    eng.frame.advance(torch.arange(n))
+    want = _talker_state(eng, n)
+    _restore(eng, n, before)
+    cp = _predictor(eng, emu_lib, reg_max_m=reg_max_m)
+    cp.advance(torch.arange(n), n)
+    cp.check()
+    got = _talker_state(eng, n)
+    assert torch.equal(got[5][:, 16], want[5][:, 16]) and torch.equal(got[5][:, 17], want[5][:, 17]), (got[5], want[5])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert _rel_err(got[1], want[1]) < 1e-4 and _rel_err(got[6], want[6]) < 1e-4
+    # the new K/V at each stream's position (= its prompt length): within 1e-4 in fp32, within one
+    # bf16 step in a bf16 pool (a ~1e-6 difference can cross a rounding boundary), plus 1e-5 of
+    # the largest value (RoPE's cancellations leave small values with the large ones' error)
+    tol = 2.0 ** -7 if kv_dtype == torch.bfloat16 else 1e-4
+    for i, p in enumerate(lengths):
+        blk, off = eng.kv.blocks(i)[p // eng.kv.block_size], p % eng.kv.block_size
+        for a, b in ((got[3], want[3]), (got[4], want[4])):
+            ga, wb = a[:, blk, :, off].float(), b[:, blk, :, off].float()
+            assert ((ga - wb).abs() <= tol * wb.abs() + 1e-5 * wb.abs().max()).all(), (i, "new K/V")
+
+
+def test_engine_frames_with_both_kernels_are_batch_invariant(emu_lib, small_weights, monkeypatch):
+    """Whole engine steps with frame_kernel="cuda" (admissions, the two kernels) on the emulator:
+    a stream's codes and every logit are bitwise the same alone and among neighbours, 3 frames."""
+    monkeypatch.setenv("QBK_LIB", str(emu_lib.path))
+    eng = BatchedEngine(small_weights, max_streams=4, max_positions=64, num_blocks=9, dump_logits=True,
+                        frame_kernel="cuda")
+    eng.cuda.num_passes = 2
     p = checks.random_prompt(0, 6, H)
     res = checks.invariance(eng, p, SamplingConfig(seed=9), sizes=(1, 3), frames=3, neighbour_len=(3, 8))
     assert all(r["codes_equal"] and r["logits_equal"] for r in res.values()), res
+
+
+def test_greedy_codes_equal_torch_engine(emu_lib, monkeypatch):
+    """End to end against the exact reference: greedy frames from an engine running both kernels
+    (fp32 KV, all 15 passes, one layer per stack) equal TorchEngine's, frame for frame."""
+    from tts_server.engines.contract import decode_until_eos
+    from tts_server.engines.torch_ref import TorchEngine
+
+    w = checks.random_weights("cpu", layers=(1, 1), seed=4)
+    monkeypatch.setenv("QBK_LIB", str(emu_lib.path))
+    eng = BatchedEngine(w, max_streams=2, max_positions=64, num_blocks=3, kv_dtype=torch.float32, frame_kernel="cuda")
+    ref = TorchEngine(checks.bf16_rounded(w), max_streams=1, max_positions=64)
+    p = checks.random_prompt(7, 9, H, n_trailing=3)
+    want = decode_until_eos(ref, 0, 4, p, checks.GREEDY)
+    got = decode_until_eos(eng, 0, 4, p, checks.GREEDY)
+    assert np.array_equal(got, want), (got, want)
 
 
 # ---- on a GPU: the CUDA build ----------------------------------------------------------------------
@@ -190,8 +286,7 @@ def gpu_setup():
     _make("-C", str(ROOT / "csrc"), "libqwen_batched.so")
     w = checks.random_weights("cuda")
     eng = BatchedEngine(w, max_streams=64, max_positions=64, num_blocks=65, dump_logits=True, use_graphs=False)
-    f = eng.frame
-    return eng, CudaPredictor(eng.p, eng.state, f.out, f.cp_k, f.cp_v, f.cp_cos, f.cp_sin, f.dump)
+    return eng, CudaFrame(eng.p, eng.state, eng.kv, eng.frame, eng.max_positions)
 
 
 def _gpu_kernel(eng, cp, slots):

@@ -75,6 +75,9 @@ def files(tmp_path_factory):
     (["--chunk-frames", "1,x"], "--chunk-frames must be comma-separated frame counts"),
     (["--chunk-frames", "0,4"], "--chunk-frames must be positive frame counts"),
     (["--log-level", "loud"], "argument --log-level: invalid choice"),
+    (["--frame-kernel", "cuda", "--device", "cpu"], "--frame-kernel cuda is a batched-engine option on a CUDA GPU"),
+    (["--frame-kernel", "cuda-predict", "--engine", "torch"], "--frame-kernel cuda-predict is a batched-engine option"),
+    (["--frame-kernel", "fast"], "argument --frame-kernel: invalid choice: 'fast'"),
 ])
 def test_startup_mistake_is_one_line(files, args, expected):
     args = [a.format(d=files) for a in args]
@@ -116,6 +119,7 @@ def test_http_port_in_use_or_the_grpc_port():
     (["--engine", "megakernel"], "--engine megakernel needs a CUDA GPU"),
     (["--engine", "batched"], "--engine batched needs a CUDA GPU"),
     (["--devices", "all"], "--devices all needs GPUs and none is visible"),
+    (["--frame-kernel", "cuda"], "--frame-kernel cuda needs a CUDA GPU"),
 ])
 def test_cuda_asked_for_without_cuda(args, expected):
     _assert_one_line(_start(*args), expected)

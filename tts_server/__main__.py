@@ -52,11 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default=d.engine, choices=["auto", "batched", "torch", "megakernel"],
                    help="decode engine (default auto: batched on CUDA, torch on CPU; megakernel: "
                         "one launch per stream and frame, lowest single-stream latency, no batching)")
-    p.add_argument("--cp-kernel", default=d.cp_kernel, choices=["triton", "cuda"],
-                   help="the batched engine's code-predictor half: a graph of Triton kernels per "
-                        "step (default) or one persistent CUDA launch (cuda: csrc/batched/, built "
-                        "by make kernel; experimental: checked on the CPU emulator, not yet "
-                        "measured on a GPU)")
+    p.add_argument("--frame-kernel", default=d.frame_kernel, choices=["triton", "cuda-predict", "cuda"],
+                   help="how the batched engine runs a frame: graphs of Triton kernels (default), or "
+                        "persistent CUDA launches for all streams (csrc/batched/, built by make "
+                        "kernel): the code-predictor half only (cuda-predict) or both halves (cuda). "
+                        "Experimental: checked on the CPU emulator, not yet measured on a GPU")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -143,7 +143,7 @@ def parse_args(argv=None) -> ServerConfig:
     if a.auth_token_file:
         token = preflight.read_token_file(a.auth_token_file)
     return ServerConfig(
-        host=a.host, port=a.port, model=a.model, engine=a.engine, cp_kernel=a.cp_kernel, device=a.device,
+        host=a.host, port=a.port, model=a.model, engine=a.engine, frame_kernel=a.frame_kernel, device=a.device,
         devices=a.devices,
         dtype=a.dtype,
         max_streams=a.max_streams, max_queue=a.max_queue, max_positions=a.max_positions,

@@ -72,8 +72,7 @@ def plan_memory(name: str, loaded: LoadedModel, config: ServerConfig, weights) -
     codec_dtype = codec_dtype_for(loaded)
 
     def need(n: int) -> int:
-        return (BatchedEngine.memory_bytes(n, config.max_positions, weights,
-                                           cuda_cp=config.cp_kernel == "cuda")
+        return (BatchedEngine.memory_bytes(n, config.max_positions, weights, frame_kernel=config.frame_kernel)
                 + BatchedCodecDecoder.memory_bytes(decoder, n, codec_dtype))
 
     free, _ = torch.cuda.mem_get_info(loaded.device)
@@ -92,16 +91,14 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
     if name == "batched":
         from .engines.batched.engine import BatchedEngine
 
-        from .engines.batched.cuda_cp import is_available as cuda_cp_available
+        from .engines.batched.cuda_frame import is_available as cuda_frame_available
 
-        cuda_cp = config.cp_kernel == "cuda"
-        if cuda_cp and not cuda_cp_available():
-            raise StartupError("--cp-kernel cuda: the batched kernel library is not built (make kernel) "
-                               "or there is no CUDA device")
-        engine = BatchedEngine(weights, n, config.max_positions, cuda_cp=cuda_cp)
-        log.info("batched engine: %d slots, code predictor %s, graphs captured in %.1f s (%.2f GiB)", n,
-                 "CUDA kernel" if engine.cuda_cp is not None else "Triton graphs", engine.capture_s,
-                 engine.graph_memory_bytes / 2**30)
+        if config.frame_kernel != "triton" and not cuda_frame_available():
+            raise StartupError(f"--frame-kernel {config.frame_kernel}: the batched kernel library is not built "
+                               "(make kernel) or there is no CUDA device")
+        engine = BatchedEngine(weights, n, config.max_positions, frame_kernel=config.frame_kernel)
+        log.info("batched engine: %d slots, frame kernels %s, graphs captured in %.1f s (%.2f GiB)", n,
+                 config.frame_kernel, engine.capture_s, engine.graph_memory_bytes / 2**30)
         return engine
     if name == "torch":
         from .engines.torch_ref import TorchEngine

@@ -11,7 +11,7 @@ class ServerConfig:
     port: int = 50051
     model: str = "synthetic"  # synthetic[-tiny][-base], a local snapshot folder, or a hub id
     engine: str = "auto"  # auto (batched on CUDA, torch on CPU) | batched | torch | megakernel
-    cp_kernel: str = "triton"  # the batched engine's code-predictor half: triton (graphs) | cuda (csrc/batched/)
+    frame_kernel: str = "triton"  # batched engine's frame: triton (graphs) | cuda-predict | cuda (csrc/batched/)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     devices: str | None = None  # "0,1,..." or "all": one engine per GPU (None: one on `device`)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16

@@ -27,6 +27,7 @@ def check(config: ServerConfig) -> None:
     check_tls(config.tls_cert, config.tls_key)
     check_model(config.model)
     check_device(config.engine, config.device, config.dtype)
+    check_frame_kernel(config)
     check_devices(config)
     check_port(config.host, config.port)
     if config.http_port is not None and config.http_port >= 0:
@@ -172,6 +173,25 @@ def check_device(engine: str, device: str, dtype: str) -> None:
         if not os.path.exists(os.environ.get("QMK_LIB", megakernel.CSRC / megakernel.LIB_NAME)):
             raise StartupError("--engine megakernel: the kernel library is not built; build it "
                                "with `make kernel` (needs nvcc), or use --engine batched")
+
+
+def check_frame_kernel(config: ServerConfig) -> None:
+    """--frame-kernel cuda / cuda-predict: the batched engine on a GPU, with its library built."""
+    k = config.frame_kernel
+    if k == "triton":
+        return
+    if config.engine in ("torch", "megakernel") or config.device == "cpu":
+        raise StartupError(f"--frame-kernel {k} is a batched-engine option on a CUDA GPU; drop it or use "
+                           f"--engine batched")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise StartupError(f"--frame-kernel {k} needs a CUDA GPU, and torch sees none")
+    from .engines.batched import cuda_frame
+
+    if not os.path.exists(os.environ.get("QBK_LIB", cuda_frame.CSRC / cuda_frame.LIB_NAME)):
+        raise StartupError(f"--frame-kernel {k}: the batched kernel library is not built; build it with "
+                           "`make kernel` (needs nvcc), or use --frame-kernel triton")
 
 
 def check_devices(config: ServerConfig) -> None:

@@ -16,7 +16,8 @@ constexpr int QD = NH * HD;      // 2048
 constexpr int KVD = NKV * HD;    // 1024
 constexpr int QKV = QD + 2 * KVD;  // 4096 fused q|k|v rows
 constexpr int I = 3072;          // SwiGLU intermediate
-constexpr int LAYERS = 5;        // code-predictor layers
+constexpr int LAYERS = 5;        // code-predictor layers (at most; tests build smaller models)
+constexpr int TLAYERS = 28;      // talker layers (at most)
 constexpr int VC = 2048;         // codes per codebook (head rows)
 constexpr int VT = 3072;         // talker vocabulary (codec_embedding rows)
 constexpr int GROUPS = 16;       // codebooks per frame
@@ -41,6 +42,13 @@ constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;  // the pipeline's (and the dra
 constexpr int SMEM_TOTAL = SMEM_BYTES + 128;       // + block sums, the barrier flag, drawn codes
 constexpr int REG_MAX_M = 64;    // the register path takes at most this many rows
 
+// Talker attention: a stream's keys in chunks of whole 64-key units, at most MAXCH chunks (the
+// chunking depends on the stream's own length only); each chunk's softmax state is merged in
+// chunk order.
+constexpr int ATT_UNIT = 64;
+constexpr int MAXCH = 16;
+constexpr int APART = HD + 4;    // floats of one chunk's state per q head: o[HD], max, sum (16-byte rows)
+
 // Words of the sync buffer (zeroed by the host before every launch).
 constexpr int SYNC_BAR = 0, SYNC_ERR = 32, SYNC_WORDS = 64;
 constexpr int ERR_TIMEOUT = 1;
@@ -49,7 +57,8 @@ static_assert(H % PIECE == 0 && QD % PIECE == 0 && I % PIECE == 0, "K: whole pie
 static_assert(PIECE % CHUNK == 0 && CHUNK == 64, "pipeline stage: 64 columns");
 static_assert(H == 4 * THREADS, "row phases: 4 dims per thread");
 static_assert(HD == 128 && NH == 2 * NKV, "attention: 4 dims per lane, 2 q heads per kv head");
-static_assert(VC == 64 * 32, "sampling: 64 logits per lane");
+static_assert(VC % 32 == 0 && VT % 32 == 0, "sampling: whole logits per lane");
+static_assert(WARPS * VT * 4 <= SMEM_BYTES, "sampling: a warp's logits in shared memory");
 static_assert(QKV % 16 == 0 && I % 16 == 0 && VC % 16 == 0, "rows: whole 16-row tiles");
 
 }  // namespace qbk

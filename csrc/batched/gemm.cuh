@@ -86,7 +86,7 @@ __device__ __forceinline__ void reg_load_w(const Gemm& g, int task, WFrag& f) {
 }
 
 // Every task of this warp (the first one's weights already in f): all M inputs, 4 per mma.
-__device__ void reg_run(const Gemm& g, WFrag& f) {
+__device__ inline void reg_run(const Gemm& g, WFrag& f) {
   const int P = g.K / PIECE, ntask = g.ntasks();
   const int nw = gridDim.x * WARPS;
   const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;

@@ -20,14 +20,18 @@ __device__ __forceinline__ float4 sum_parts4(const float* parts, int np, size_t 
 __device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { return P.hs + (size_t)r * 2 * KMAX; }
 
 // Block-wide, thread t owning dims 4t..4t+3 of a row x: hs row r = split(w * (x * rsqrt(mean(x^2)
-// + eps))) (as Qwen3TTSRMSNorm in fp32; the batched engine's add_rms).
-__device__ __forceinline__ void norm_store(const QbkParams& P, int r, float4 x, const float* w, float* red) {
+// + eps))) (as Qwen3TTSRMSNorm in fp32; the batched engine's add_rms); hout (optional): the normed
+// row in fp32 too.
+__device__ __forceinline__ void norm_store(const QbkParams& P, int r, float4 x, const float* w, float* red,
+                                           float* hout = nullptr) {
   const int d = threadIdx.x * 4;
   const float ss = block_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w, red);
   const float rs = 1.0f / sqrtf(ss / (float)H + (float)P.eps);
   const float4 wv = *reinterpret_cast<const float4*>(w + d);
+  const float4 n = make_float4(wv.x * (x.x * rs), wv.y * (x.y * rs), wv.z * (x.z * rs), wv.w * (x.w * rs));
   __nv_bfloat16* h = hs_row(P, r);
-  split_store4(h, h + KMAX, d, make_float4(wv.x * (x.x * rs), wv.y * (x.y * rs), wv.z * (x.z * rs), wv.w * (x.w * rs)));
+  split_store4(h, h + KMAX, d, n);
+  if (hout != nullptr) *reinterpret_cast<float4*>(hout + d) = n;
 }
 
 __device__ __forceinline__ int code0_of(const QbkParams& P, int64_t slot) {
@@ -37,7 +41,7 @@ __device__ __forceinline__ int code0_of(const QbkParams& P, int64_t slot) {
 
 // Pass 0's rows: 2b = past_hidden of stream b's slot, 2b + 1 = codec_embedding[code 0]; out's code
 // 0 column; rows B..Bpad-1 (the bucket's padding) get codes 0 and no error.
-__device__ __noinline__ void phase_init(const QbkParams& P, int B, int Bpad, float* red) {
+__device__ __noinline__ inline void phase_init(const QbkParams& P, int B, int Bpad, float* red) {
   const int d = threadIdx.x * 4;
   for (int r = blockIdx.x; r < 2 * B; r += gridDim.x) {
     const int b = r >> 1;
@@ -65,20 +69,22 @@ __device__ __noinline__ void phase_init(const QbkParams& P, int B, int Bpad, flo
   }
 }
 
-// x[m] += the product's parts; hs row m = RMSNorm(x[m]) with w.
-__device__ __noinline__ void phase_residual(const QbkParams& P, int M, int np, const float* w, float* red) {
+// x[m] += the product's parts; hs row m = RMSNorm(x[m]) with w (to_hidden: also into the row's
+// slot of past_hidden: the talker's final norm).
+__device__ __noinline__ inline void phase_residual(const QbkParams& P, int M, int np, const float* w, float* red,
+                                            bool to_hidden = false) {
   const int d = threadIdx.x * 4;
   for (int m = blockIdx.x; m < M; m += gridDim.x) {
     const float4 y = sum_parts4(P.parts, np, (size_t)M * H, (size_t)m * H + d);
     float* xr = P.x + (size_t)m * H + d;
     const float4 x = add4(ldcg4(xr), y);
     *reinterpret_cast<float4*>(xr) = x;
-    norm_store(P, m, x, w, red);
+    norm_store(P, m, x, w, red, to_hidden ? P.past_hidden + P.rows[m] * H : nullptr);
   }
 }
 
 // hs row m = silu(gate) * up from the gate|up product's parts ([np][M][2 I]).
-__device__ __noinline__ void phase_swiglu(const QbkParams& P, int M, int np) {
+__device__ __noinline__ inline void phase_swiglu(const QbkParams& P, int M, int np) {
   const size_t ps = (size_t)M * NMAX;
   for (int e = blockIdx.x * THREADS + threadIdx.x; e < M * (I / 4); e += gridDim.x * THREADS) {
     const int m = e / (I / 4), i = (e % (I / 4)) * 4;
@@ -111,7 +117,7 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a
 // One warp per (stream b, kv head): for each of the stream's R rows (pass 0: positions 0 and 1,
 // else position pass + 1): q|k|v from the q|k|v product's parts, q/k norm + RoPE, k/v into the
 // frame's code-predictor cache, both q heads over positions 0..pos -> hs (o_proj's input).
-__device__ __noinline__ void phase_attention(const QbkParams& P, int L, int pass, int B, int R, int np) {
+__device__ __noinline__ inline void phase_attention(const QbkParams& P, int L, int pass, int B, int R, int np) {
   const int M = B * R;
   const size_t ps = (size_t)M * QKV;
   const int lane = threadIdx.x & 31, d = 4 * lane;
@@ -136,15 +142,21 @@ __device__ __noinline__ void phase_attention(const QbkParams& P, int L, int pass
       for (int hh = 0; hh < 2; ++hh) {
         const int head = 2 * kvh + hh;
         const float4 q = norm_rope(sum_parts4(P.parts, np, ps, row + head * HD), qw, eps, c, s, lane);
+        // every cached key's and value's loads are issued before any is used (L2 latency once,
+        // not per key); position pos comes from registers
+        float4 kv[POS];
+#pragma unroll
+        for (int j = 0; j < POS; ++j) kv[j] = j < pos ? ldcg4(kc + j * HD) : k;
         float sc[POS];
         float mx = -INFINITY;
 #pragma unroll
         for (int j = 0; j < POS; ++j) {
           if (j > pos) break;
-          const float4 kj = j == pos ? k : ldcg4(kc + j * HD);
-          sc[j] = warp_sum(dot4(q, kj)) * scale;
+          sc[j] = warp_sum(dot4(q, kv[j])) * scale;
           mx = fmaxf(mx, sc[j]);
         }
+#pragma unroll
+        for (int j = 0; j < POS; ++j) kv[j] = j < pos ? ldcg4(vc + j * HD) : v;
         float l = 0.f;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -152,8 +164,7 @@ __device__ __noinline__ void phase_attention(const QbkParams& P, int L, int pass
           if (j > pos) break;
           const float p = expf(sc[j] - mx);
           l += p;
-          const float4 vj = j == pos ? v : ldcg4(vc + j * HD);
-          o = make_float4(o.x + p * vj.x, o.y + p * vj.y, o.z + p * vj.z, o.w + p * vj.w);
+          o = make_float4(o.x + p * kv[j].x, o.y + p * kv[j].y, o.z + p * kv[j].z, o.w + p * kv[j].w);
         }
         o = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         __nv_bfloat16* h = hs_row(P, m);

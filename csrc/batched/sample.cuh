@@ -10,8 +10,6 @@
 
 namespace qbk {
 
-constexpr int SV = VC / 32;  // logits per lane
-
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -53,9 +51,12 @@ struct Draw {
   int stream;
 };
 
-// xs: this warp's logits in shared memory (id i at xs[i], lane l holding ids l + 32 j; overwritten).
-// Returns the code (same in every lane); finite: no NaN or +inf and not every logit -inf.
+// xs: this warp's V = 32 SV logits in shared memory (id i at xs[i], lane l holding ids l + 32 j;
+// overwritten). Returns the code (same in every lane); finite: no NaN or +inf and not every logit
+// -inf.
+template <int SV>
 __device__ int warp_sample(float* xs, const Draw& dr, bool& finite) {
+  constexpr int V = 32 * SV;
   const int lane = threadIdx.x & 31;
 #define X(i) xs[lane + 32 * (i)]
   int bad = 0;
@@ -83,7 +84,7 @@ __device__ int warp_sample(float* xs, const Draw& dr, bool& finite) {
   }
 #pragma unroll 4
   for (int i = 0; i < SV; ++i) X(i) = __fdiv_rn(X(i), dr.temperature);
-  if (dr.top_k > 0 && dr.top_k < VC) {  // the k-th largest order key: the largest t with count(key >= t) >= k
+  if (dr.top_k > 0 && dr.top_k < V) {  // the k-th largest order key: the largest t with count(key >= t) >= k
     int64_t lo = -0x7F800000LL, hi = 0x7F800001LL;
     for (int it = 0; it < 32; ++it) {
       const int64_t mid = (lo + hi) >> 1;

@@ -13,8 +13,8 @@ import torch
 from ...model.weights import DecodeWeights
 from ..contract import Admission, FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan
 from . import ops
-from .cuda_cp import CudaPredictor
-from .cuda_cp import scratch_bytes as cuda_cp_scratch_bytes
+from .cuda_frame import CudaFrame
+from .cuda_frame import scratch_bytes as cuda_frame_scratch_bytes
 from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
@@ -23,6 +23,7 @@ from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 
+FRAME_KERNELS = ("triton", "cuda-predict", "cuda")
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
 ROW_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # prompt rows of a graph-captured prefill (steps of <= 1.5x: less padding)
@@ -63,17 +64,19 @@ class BatchedEngine:
     prefill_graphs: prompts up to 512 positions prefill one at a time through CUDA graphs of
     length buckets; off (the default), every step's admissions prefill together as rows of the
     batch-invariant ops (prefill_rows.py), so many arrivals cost one pass over the weights.
-    cuda_cp: the frame's code-predictor half as one persistent CUDA launch (cuda_cp.py, csrc/batched/)
-    instead of its graph of Triton kernels. Off by default until the kernel has been measured on
-    a GPU (so far it is checked on the CPU emulator, tests/test_batched_kernel.py). Either is
-    batch-invariant; the two give different bits."""
+    frame_kernel: "triton" (default): both halves of the frame are graphs of Triton kernels;
+    "cuda-predict": the code-predictor half is one persistent CUDA launch (cuda_frame.py,
+    csrc/batched/), the talker step a graph; "cuda": both halves are CUDA launches (no frame graphs
+    to capture). The CUDA kernels are checked on the CPU emulator (tests/test_batched_kernel.py)
+    but not yet measured on a GPU, hence not the default. Each choice is batch-invariant; they
+    give different bits."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
                  max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
-                 fused_cp: bool = True, prefill_graphs: bool = False, cuda_cp: bool = False):
+                 fused_cp: bool = True, prefill_graphs: bool = False, frame_kernel: str = "triton"):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         self.p = prepare(weights)
@@ -85,7 +88,12 @@ class BatchedEngine:
         self.kv = PagedKV(cfg, max_streams + 1, max_positions, num_blocks, block_size, kv_dtype, dev)
         self.sizes = bucket_sizes(max_streams)
         self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits, fused_cp)
-        self.cuda_cp = self._cuda_predictor(cuda_cp)
+        if frame_kernel not in FRAME_KERNELS:
+            raise ValueError(f"frame_kernel must be one of {', '.join(FRAME_KERNELS)}, got {frame_kernel!r}")
+        self.frame_kernel = frame_kernel
+        self.cuda = (CudaFrame(self.p, self.state, self.kv, self.frame, max_positions)
+                     if frame_kernel != "triton" else None)
+        self.cuda_predict, self.cuda_advance = frame_kernel != "triton", frame_kernel == "cuda"
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
@@ -96,8 +104,10 @@ class BatchedEngine:
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
         self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
-        self.graphs = (StepGraphs(self.frame, self.sizes, self.state.scratch, predict=self.cuda_cp is None)
-                       if use_graphs else None)
+        self.rows_dev = torch.full((self.sizes[-1],), self.state.scratch, dtype=torch.int64, device=dev)
+        self.graphs = (StepGraphs(self.frame, self.sizes, self.state.scratch, predict=not self.cuda_predict,
+                                  rows=self.rows_dev)
+                       if use_graphs and not self.cuda_advance else None)
         self.capture_s = self.graphs.capture_s if self.graphs else 0.0
         self.graph_memory_bytes = self.graphs.memory_bytes if self.graphs else 0
         self.prefill_graphs, self.prefill_graph_error = None, None
@@ -122,18 +132,11 @@ class BatchedEngine:
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
-    def _cuda_predictor(self, want: bool) -> CudaPredictor | None:
-        """The code-predictor kernel when asked for (ValueError / RuntimeError / OSError when the
-        library, the device or the weights' shapes do not allow it)."""
-        if not want:
-            return None
-        f = self.frame
-        return CudaPredictor(self.p, self.state, f.out, f.cp_k, f.cp_v, f.cp_cos, f.cp_sin, f.dump)
-
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
                      kv_dtype: torch.dtype = torch.bfloat16, num_blocks: int | None = None,
-                     block_size: int = 64, max_trailing: int = 1024, graphs: bool = True, cuda_cp: bool = False) -> int:
+                     block_size: int = 64, max_trailing: int = 1024, graphs: bool = True,
+                     frame_kernel: str = "triton") -> int:
         """Device bytes the engine allocates beside the model's weights: KV pool, slot state,
         code-predictor scratch, fused q|k|v copies and (graphs) an estimate of the graph
         workspaces (GRAPH_BYTES_PER_ROW x the largest bucket, ROW_GRAPH_BYTES_PER_ROW x the
@@ -145,10 +148,10 @@ class BatchedEngine:
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
-                + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs else 0)
+                + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
                    if graphs and kv_dtype != torch.float32 else 0)
-                + (cuda_cp_scratch_bytes(rows) if cuda_cp else 0))
+                + (cuda_frame_scratch_bytes(rows, max_positions) if frame_kernel != "triton" else 0))
 
     # -- DecodeEngine ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -371,43 +374,51 @@ class BatchedEngine:
         that ends the frame is still running (`_finish_step` waits for it)."""
         n = len(chunk)
         b = bucket_for(n, self.sizes) if self.graphs else n
+        gpu = self.device.type == "cuda"
         self.rows_host[:n] = torch.tensor(chunk, dtype=torch.int64)
         self.rows_host[n:b] = self.state.scratch
         self.kv.sync()
-        if self.graphs:
-            self.graphs.rows[:b].copy_(self.rows_host[:b], non_blocking=True)
-            self._predict(self.graphs.rows, n, b)
-            self.codes_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+        rows = self.rows_dev
+        rows[:b].copy_(self.rows_host[:b], non_blocking=gpu)
+        self._predict(rows, n, b)
+        self.codes_host[:b].copy_(self.frame.out[:b], non_blocking=gpu)
+        if gpu:
             self._codes_ready.record()
-            self.graphs.advance[b].replay()
-            self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
+        self._advance(rows, n, b)
+        self.out_host[:b].copy_(self.frame.out[:b], non_blocking=gpu)
+        if gpu:
             self._codes_ready.synchronize()
-        else:
-            rows = self.rows_host[:b].to(self.device)
-            self._predict(rows, n, b)
-            self.codes_host[:b].copy_(self.frame.out[:b])
-            self.frame.advance(rows)
-            self.out_host[:b].copy_(self.frame.out[:b], non_blocking=True)
-        if self.cuda_cp is not None:
-            self.cuda_cp.check()
+        if self.cuda_predict:
+            self.cuda.check("predict")
         return self.codes_host[:n].numpy().copy()
 
     def _predict(self, rows: torch.Tensor, n: int, b: int) -> None:
         """The frame's code-predictor half for rows[:b] (n real, then padding) on the device."""
-        if self.cuda_cp is not None:
-            self.cuda_cp.predict(rows, n, b)
+        if self.cuda_predict:
+            self.cuda.predict(rows, n, b)
         elif self.graphs:
             self.graphs.predict[b].replay()
         else:
             self.frame.predict(rows[:b])
 
+    def _advance(self, rows: torch.Tensor, n: int, b: int) -> None:
+        """The talker step that ends the frame (after `_predict` of the same rows)."""
+        if self.cuda_advance:
+            self.cuda.advance(rows, n)
+        elif self.graphs:
+            self.graphs.advance[b].replay()
+        else:
+            self.frame.advance(rows[:b])
+
     def replay_frame(self, n: int, b: int) -> None:
-        """Benchmarks: one whole frame of the rows already in graphs.rows[:b] (n real), launched
-        without a host wait (the code-predictor half, then the talker step's graph)."""
-        self._predict(self.graphs.rows, n, b)
-        self.graphs.advance[b].replay()
+        """Benchmarks: one whole frame of the rows already in rows_dev[:b] (n real), launched
+        without a host wait."""
+        self._predict(self.rows_dev, n, b)
+        self._advance(self.rows_dev, n, b)
 
     def _finish_step(self, n: int) -> np.ndarray:
         """The frame launched by `_step`, complete -> out rows [n, 18] int32."""
         self._sync()
+        if self.cuda is not None:
+            self.cuda.check()
         return self.out_host[:n].numpy().copy()

@@ -36,13 +36,14 @@ def bucket_for(n: int, sizes: list[int]) -> int:
 class StepGraphs:
     """predict[b] / advance[b] replay `step.predict(rows[:b])` / `step.advance(rows[:b])`; the
     caller fills rows[:b] (device, int64) first. predict=False: the advance graphs only (the
-    code-predictor half runs as the CUDA kernel, cuda_cp.py)."""
+    code-predictor half runs as a CUDA kernel, cuda_frame.py); rows: the engine's own device rows
+    buffer to replay from (default: a new one)."""
 
     def __init__(self, step: FrameStep, sizes: list[int], scratch_slot: int, warmup: int = 2,
-                 predict: bool = True):
+                 predict: bool = True, rows: torch.Tensor | None = None):
         dev = step.out.device
         self.sizes = sizes
-        self.rows = torch.full((sizes[-1],), scratch_slot, dtype=torch.int64, device=dev)
+        self.rows = rows if rows is not None else torch.full((sizes[-1],), scratch_slot, dtype=torch.int64, device=dev)
         self.predict: dict[int, torch.cuda.CUDAGraph] = {}
         self.advance: dict[int, torch.cuda.CUDAGraph] = {}
         torch.cuda.synchronize(dev)

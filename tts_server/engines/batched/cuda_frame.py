@@ -1,7 +1,8 @@
-"""The batched frame's code-predictor half as ONE persistent CUDA launch (csrc/batched/): the 15
-passes and 15 draws of every stream of a step, B = 1..256, batch-invariant (the same bits for a
-stream whatever shares its step). It replaces `FrameStep.predict`'s graph of ~700 kernels; the
-talker step (`advance`) stays a graph.
+"""The batched frame as two persistent CUDA launches (csrc/batched/): `predict` makes the 15
+code-predictor passes and draws of every stream of a step (the frame's codes), `advance` the
+talker step after them (28 layers over the paged KV pool, the code-0 draw, the slots' commit),
+B = 1..256, batch-invariant (the same bits for a stream whatever shares its step). They replace
+`FrameStep.predict`'s and `FrameStep.advance`'s graphs of ~700 and ~250 kernels.
 
 The library is a plain C ABI (csrc/libqwen_batched.so, `make kernel`) loaded with ctypes. Nothing
 of csrc/batched/ is retyped here: the parameter block is filled by field name at the offsets the
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import torch
 
+from ...model.lm import rope_cos_sin
+from .kv_pool import PagedKV
 from .params import FrameParams
-from .state import CODE0, N_SAMPLED, SUB_DO_SAMPLE, SUB_TEMPERATURE, SUB_TOP_K, SUB_TOP_P, SlotState
+from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, PENALTY, POS, SUB_DO_SAMPLE, SUB_TEMPERATURE,
+                    SUB_TOP_K, SUB_TOP_P, TEMPERATURE, TEXT_STEP, TOP_K, TOP_P, SlotState)
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_batched.so"
-ABI_VERSION = 1  # csrc/batched/predict.cu QBK_ABI_VERSION
+ABI_VERSION = 2  # csrc/batched/abi.cu QBK_ABI_VERSION
 DEFAULT_REG_MAX_M = 16  # products of at most this many rows take the register path (a sweep's choice)
 TIMEOUT_NS = 2_000_000_000  # a grid-barrier wait longer than this ends the launch with an error
 
@@ -49,6 +53,7 @@ class BatchedKernelLibrary:
         lib.qbk_error_string.restype = ctypes.c_char_p
         lib.qbk_grid_size.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
         lib.qbk_predict.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.qbk_advance.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         self.lib = lib
         self.fields = {lib.qbk_param_name(i).decode(): (int(lib.qbk_param_offset(i)), chr(lib.qbk_param_kind(i)))
                        for i in range(lib.qbk_param_count())}
@@ -79,6 +84,12 @@ class BatchedKernelLibrary:
 
 def check_shapes(p: FrameParams, lib: BatchedKernelLibrary) -> None:
     """The weights are the shapes the library was built for (ValueError naming the difference)."""
+    t = p.talker.cfg
+    got = (t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size)
+    if got != tuple(getattr(lib, k) for k in ("H", "NH", "NKV", "HD", "I")) or not 1 <= t.num_layers <= lib.TLAYERS:
+        raise ValueError(f"the batched kernels are built for talker layers of {lib.H} hidden, {lib.NH}/{lib.NKV} "
+                         f"heads of {lib.HD}, {lib.I} intermediate (1..{lib.TLAYERS} layers), got "
+                         f"{t.num_layers} layers of {got}")
     c, ids = p.predictor.cfg, p.ids
     got = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
            ids.predictor_vocab_size, ids.vocab_size, ids.num_code_groups)
@@ -102,26 +113,31 @@ def parts_floats(lib: BatchedKernelLibrary, max_rows: int) -> int:
     return max(lib.PARTS_REG_PER_ROW * min(r2, lib.REG_MAX_M), lib.PARTS_SMEM_PER_ROW * r2)
 
 
-def scratch_bytes(max_rows: int, lib: BatchedKernelLibrary | None = None) -> int:
-    """Device bytes a CudaPredictor allocates beside the engine (the code-predictor K/V are the
-    frame's own cp_k / cp_v)."""
+def scratch_bytes(max_rows: int, max_positions: int, lib: BatchedKernelLibrary | None = None) -> int:
+    """Device bytes a CudaFrame allocates beside the engine (the code-predictor K/V are the
+    frame's own cp_k / cp_v, the talker's the engine's pool)."""
     lib = lib or BatchedKernelLibrary()
     r2 = 2 * max_rows
     return (r2 * lib.H * 4 + r2 * 2 * lib.KMAX * 2 + parts_floats(lib, max_rows) * 4 + max_rows * 4
-            + lib.SYNC_WORDS * 4)
+            + lib.SYNC_WORDS * 4 + max_rows * lib.APART_PER_ROW * 4 + 2 * max_positions * lib.HD * 4)
 
 
-class CudaPredictor:
-    """`predict(rows, n, bpad)`: the frame's 16 codes of rows[:n] into frame.out[:n, :16] and their
-    error bits into out[:n, 17] (frame.py's layout; rows n..bpad-1 of out get codes 0), and with
-    a dump buffer each pass's logits into dump[:n, k]. Launched on the current stream, no host wait."""
+class CudaFrame:
+    """The frame of a step's rows in two launches on the current stream, no host wait (frame.py's
+    buffers and layout):
+    - `predict(rows, n, bpad)`: the frame's 16 codes of rows[:n] into frame.out[:n, :16], their
+      error bits into out[:n, 17] (rows n..bpad-1 of out get codes 0), with a dump buffer each
+      pass's logits into dump[:n, k];
+    - `advance(rows, n)`: the talker step after them: out[:n, 16] the next code 0, bit 15 of
+      out[:n, 17] its error, dump[:n, 15] the talker's logits, and the slots' state committed
+      (position, code 0, draws, text step, history byte, past_hidden, the new K/V in the pool)."""
 
-    def __init__(self, params: FrameParams, state: SlotState, out: torch.Tensor, cp_k: torch.Tensor,
-                 cp_v: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, dump: torch.Tensor | None,
+    def __init__(self, params: FrameParams, state: SlotState, kv: PagedKV, frame, max_positions: int,
                  lib: BatchedKernelLibrary | None = None, reg_max_m: int = DEFAULT_REG_MAX_M):
         self.lib = lib or BatchedKernelLibrary()
         check_shapes(params, self.lib)
         L = self.lib
+        out, cp_k, cp_v, dump = frame.out, frame.cp_k, frame.cp_v, frame.dump
         dev = out.device
         self.max_rows = out.shape[0]
         if self.max_rows > L.MAX_ROWS:
@@ -136,24 +152,34 @@ class CudaPredictor:
         self.parts = torch.empty(parts_floats(L, self.max_rows), dtype=torch.float32, device=dev)
         self.flags = torch.zeros(self.max_rows, dtype=torch.int32, device=dev)
         self.sync = torch.zeros(L.SYNC_WORDS, dtype=torch.int32, device=dev)
-        self.err_host = torch.zeros(1, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        self.rope = (rope_cos.float().contiguous(), rope_sin.float().contiguous())
+        # the error word after predict (0) and after advance (1), copied behind each launch
+        self.err_host = torch.zeros(2, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self.rope = (frame.cp_cos.float().contiguous(), frame.cp_sin.float().contiguous())
         assert tuple(self.rope[0].shape) == (L.POS, L.HD)
+        tcfg = params.talker.cfg
+        cos, sin = rope_cos_sin(torch.arange(max_positions, device=dev)[None], tcfg, torch.float32)
+        self.t_rope = (cos[0].contiguous(), sin[0].contiguous())  # [max_positions, HD]
+        self.apart = torch.empty(self.max_rows, L.APART_PER_ROW, dtype=torch.float32, device=dev)
+        assert kv.k.is_contiguous() and kv.table.is_contiguous() and kv.k.dtype in (torch.bfloat16, torch.float32)
         blocks = ctypes.c_int(0)
         index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" else 0)
         rc = L.lib.qbk_grid_size(index, ctypes.byref(blocks))
         if rc != 0:
             raise RuntimeError(f"batched kernel: no cooperative grid on {dev}: {L.error_string(rc)}")
         self.blocks = blocks.value
-        sp, cfg = params.predictor, params.predictor.cfg
+        sp, cfg, tp = params.predictor, params.predictor.cfg, params.talker
         ptr = lambda t: t.data_ptr()  # noqa: E731
         v: dict[str, int | float] = {}
-        for name, seq in (("in_norm", sp.in_norm), ("wqkv", sp.wqkv), ("q_norm", sp.q_norm), ("k_norm", sp.k_norm),
-                          ("wo", sp.wo), ("post_norm", sp.post_norm), ("gate", sp.gate), ("up", sp.up),
-                          ("down", sp.down), ("head", params.predictor_heads)):
-            for i, t in enumerate(seq):
-                assert t.is_contiguous() and t.device == dev, name
-                v[f"{name}[{i}]"] = ptr(t)
+        for pre, stack, size in (("", sp, L.LAYERS), ("t_", tp, L.TLAYERS)):
+            for name in ("in_norm", "wqkv", "q_norm", "k_norm", "wo", "post_norm", "gate", "up", "down"):
+                seq = getattr(stack, name)
+                for i in range(size):  # a smaller test model leaves its unused layers null
+                    t = seq[i] if i < len(seq) else None
+                    assert t is None or (t.is_contiguous() and t.device == dev), name
+                    v[f"{pre}{name}[{i}]"] = ptr(t) if t is not None else 0
+        for i, t in enumerate(params.predictor_heads):
+            assert t.is_contiguous() and t.device == dev
+            v[f"head[{i}]"] = ptr(t)
         assert params.predictor_embedding_stack.is_contiguous() and params.codec_embedding.is_contiguous()
         v.update(final_norm=ptr(sp.final_norm), emb=ptr(params.predictor_embedding_stack),
                  codec_emb=ptr(params.codec_embedding), rope_cos=ptr(self.rope[0]), rope_sin=ptr(self.rope[1]),
@@ -167,36 +193,48 @@ class CudaPredictor:
                  x=ptr(self.x), hs=ptr(self.hs), parts=ptr(self.parts), cpk=ptr(cp_k), cpv=ptr(cp_v),
                  flags=ptr(self.flags), sync=ptr(self.sync), max_rows=self.max_rows, eps=float(cfg.rms_norm_eps),
                  scale=float(cfg.head_dim ** -0.5), timeout_ns=TIMEOUT_NS if dev.type == "cuda" else 10**15,
-                 reg_max_m=reg_max_m, num_layers=cfg.num_layers, num_passes=params.num_passes)
-        for name in ("in_norm", "wqkv", "q_norm", "k_norm", "wo", "post_norm", "gate", "up", "down"):
-            for i in range(cfg.num_layers, L.LAYERS):  # a smaller test model's unused layers
-                v[f"{name}[{i}]"] = 0
+                 reg_max_m=reg_max_m, num_layers=cfg.num_layers, num_passes=params.num_passes,
+                 f_pos=POS, f_text_step=TEXT_STEP, f_n_trailing=N_TRAILING, f_eos_from=EOS_FROM,
+                 f_t_do_sample=DO_SAMPLE, f_t_top_k=TOP_K, f_t_temperature=TEMPERATURE, f_t_top_p=TOP_P,
+                 f_penalty=PENALTY, seen=ptr(state.seen), trailing=ptr(state.trailing), pad_embed=ptr(state.pad_embed),
+                 max_trailing=state.max_trailing, eos=params.ids.eos, suppress_start=params.ids.suppress_start,
+                 min_new_tokens=params.ids.min_new_tokens, t_final_norm=ptr(tp.final_norm),
+                 codec_head=ptr(params.codec_head), t_rope_cos=ptr(self.t_rope[0]), t_rope_sin=ptr(self.t_rope[1]),
+                 t_num_layers=tcfg.num_layers, kv_k=ptr(kv.k), kv_v=ptr(kv.v),
+                 kv_fp32=int(kv.k.dtype == torch.float32), kv_blocks=kv.k.shape[1], kv_block_size=kv.block_size,
+                 block_table=ptr(kv.table), table_stride=kv.table.stride(0), apart=ptr(self.apart))
+        assert state.trailing.dtype == torch.bfloat16 and state.pad_embed.dtype == torch.bfloat16
+        assert state.seen.dtype == torch.uint8 and params.codec_head.is_contiguous()
         self.buf = L.pack(v)
         self._rows_off = L.fields["rows"][0]
-        self._regm_off = L.fields["reg_max_m"][0]
-        self._passes_off = L.fields["num_passes"][0]
-        self._keep = (params, state, out, cp_k, cp_v, dump)  # the block holds raw pointers into these
+        self._keep = (params, state, kv, frame)  # the block holds raw pointers into these
+
+    def _knob(self, name: str, value: int | None = None, low: int = 0, high: int = 0) -> int:
+        """Read an int64 field of the parameter block, or set it to value (low..high)."""
+        off = self.lib.fields[name][0]
+        if value is not None:
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+            struct.pack_into("<q", self.buf, off, value)
+        return struct.unpack_from("<q", self.buf, off)[0]
 
     @property
     def reg_max_m(self) -> int:
-        return struct.unpack_from("<q", self.buf, self._regm_off)[0]
+        """Products of at most this many rows take the register path (same bits either way)."""
+        return self._knob("reg_max_m")
 
     @reg_max_m.setter
     def reg_max_m(self, m: int) -> None:
-        if not 0 <= m <= self.lib.REG_MAX_M:
-            raise ValueError(f"reg_max_m must be in 0..{self.lib.REG_MAX_M}")
-        struct.pack_into("<q", self.buf, self._regm_off, m)
+        self._knob("reg_max_m", m, 0, self.lib.REG_MAX_M)
 
     @property
     def num_passes(self) -> int:
-        return struct.unpack_from("<q", self.buf, self._passes_off)[0]
+        """Tests and bisection: run only the first passes (codes of later groups are 0)."""
+        return self._knob("num_passes")
 
     @num_passes.setter
     def num_passes(self, n: int) -> None:
-        """Tests and bisection: run only the first n passes (codes of later groups are 0)."""
-        if not 1 <= n <= self.lib.PASSES:
-            raise ValueError(f"num_passes must be in 1..{self.lib.PASSES}")
-        struct.pack_into("<q", self.buf, self._passes_off, n)
+        self._knob("num_passes", n, 1, self.lib.PASSES)
 
     def predict(self, rows: torch.Tensor, n: int, bpad: int | None = None) -> None:
         """rows: int64 tensor (on the kernel's device) whose first n entries are the step's slots."""
@@ -207,13 +245,26 @@ class CudaPredictor:
         rc = self.lib.lib.qbk_predict(self.buf, n, bpad, self.blocks, stream)
         if rc != 0:
             raise RuntimeError(f"batched kernel launch failed: {self.lib.error_string(rc)}")
-        self.err_host.copy_(self.sync[self.lib.SYNC_ERR:self.lib.SYNC_ERR + 1], non_blocking=True)
+        self.err_host[0:1].copy_(self.sync[self.lib.SYNC_ERR:self.lib.SYNC_ERR + 1], non_blocking=True)
 
-    def check(self) -> None:
-        """After the launch is complete (the caller synchronized): raise if a grid wait timed out."""
-        if int(self.err_host[0]):
-            raise RuntimeError(f"batched kernel: a grid barrier wait exceeded {TIMEOUT_NS / 1e9:.0f} s "
-                               f"(error {int(self.err_host[0])})")
+    def advance(self, rows: torch.Tensor, n: int) -> None:
+        """The talker step of rows[:n] (after `predict` of the same rows), no host wait. A launch
+        error raises; a grid-barrier timeout shows in `check("advance")`."""
+        assert rows.dtype == torch.int64 and rows.device == self.x.device and rows.is_contiguous()
+        struct.pack_into("<Q", self.buf, self._rows_off, rows.data_ptr())
+        stream = torch.cuda.current_stream(rows.device).cuda_stream if rows.is_cuda else None
+        rc = self.lib.lib.qbk_advance(self.buf, n, self.blocks, stream)
+        if rc != 0:
+            raise RuntimeError(f"batched talker kernel launch failed: {self.lib.error_string(rc)}")
+        self.err_host[1:2].copy_(self.sync[self.lib.SYNC_ERR:self.lib.SYNC_ERR + 1], non_blocking=True)
+
+    def check(self, half: str | None = None) -> None:
+        """Once the launch (`half`: "predict" or "advance"; None: both) is complete on the host's
+        side: raise if one of its grid-barrier waits timed out (its results are not valid)."""
+        for i, name in enumerate(("predict", "advance")):
+            if half in (None, name) and int(self.err_host[i]):
+                raise RuntimeError(f"batched {name} kernel: a grid barrier wait exceeded {TIMEOUT_NS / 1e9:.0f} s "
+                                   f"(error {int(self.err_host[i])})")
 
 
 def is_available() -> bool:
