@@ -226,8 +226,9 @@ def _restore(eng: BatchedEngine, n: int, st) -> None:
 def test_talker_step_matches_the_reference(emu_lib, small_weights, kv_dtype, reg_max_m, greedy, lengths):
     """The talker step of streams with 1 to 17 64-key units of context (up to 9 chunks of 2 units)
     on the KV pool's type, through either product path: the next code 0, the state commit
-    (position, code 0, draws, text step, history byte), past_hidden and the new K/V as the
-    reference's, the logits within 1e-4, no error bit."""
+    (position, code 0, draws, text step, history byte) as the reference's, past_hidden and the
+    logits within 1e-4 (fp32 KV; 5e-3 with bf16 KV, where a new key's rounding can flip by one
+    bf16 step), no error bit."""
     n = len(lengths)
     eng = _admitted(small_weights, lengths, kv_dtype, greedy, max_positions=1100 if max(lengths) > 200 else 256)
     before = _talker_state(eng, n)
@@ -240,7 +241,8 @@ def test_talker_step_matches_the_reference(emu_lib, small_weights, kv_dtype, reg
     got = _talker_state(eng, n)
     assert torch.equal(got[5][:, 16], want[5][:, 16]) and torch.equal(got[5][:, 17], want[5][:, 17]), (got[5], want[5])
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
-    assert _rel_err(got[1], want[1]) < 1e-4 and _rel_err(got[6], want[6]) < 1e-4
+    bound = 1e-4 if kv_dtype == torch.float32 else 5e-3
+    assert _rel_err(got[1], want[1]) < bound and _rel_err(got[6], want[6]) < bound
     # the new K/V at each stream's position (= its prompt length): within 1e-4 in fp32, within one
     # bf16 step in a bf16 pool (a ~1e-6 difference can cross a rounding boundary), plus 1e-5 of
     # the largest value (RoPE's cancellations leave small values with the large ones' error)
@@ -250,6 +252,30 @@ def test_talker_step_matches_the_reference(emu_lib, small_weights, kv_dtype, reg
         for a, b in ((got[3], want[3]), (got[4], want[4])):
             ga, wb = a[:, blk, :, off].float(), b[:, blk, :, off].float()
             assert ((ga - wb).abs() <= tol * wb.abs() + 1e-5 * wb.abs().max()).all(), (i, "new K/V")
+
+
+def test_many_input_tiles(emu_lib, small_weights):
+    """B = 40 (the first pass's products have 80 input rows: several shared-memory tiles of
+    inputs, partial last tiles): both kernels as the reference, 2 passes (fp32 KV: no bf16
+    rounding flips of the new keys, so 1e-4 holds)."""
+    b = 40
+    eng = _admitted(small_weights, [3 + (7 * i) % 60 for i in range(b)], torch.float32, max_positions=128)
+    want_codes, want_logits = _reference(eng, b)
+    before = _talker_state(eng, b)
+    cp = _predictor(eng, emu_lib)
+    cp.num_passes = 2
+    codes, logits = _kernel(eng, cp, list(range(b)))
+    assert torch.equal(codes[:b, :3], want_codes[:b, :3])
+    assert _rel_err(logits[:b, :2, :2048], want_logits[:b, :2, :2048]) < 1e-4
+    _restore(eng, b, before)
+    eng.frame.advance(torch.arange(b))
+    want = _talker_state(eng, b)
+    _restore(eng, b, before)
+    cp.advance(torch.arange(b), b)
+    cp.check()
+    got = _talker_state(eng, b)
+    assert torch.equal(got[5][:, 16], want[5][:, 16]) and torch.equal(got[0], want[0])
+    assert _rel_err(got[6], want[6]) < 1e-4
 
 
 def test_engine_frames_with_both_kernels_are_batch_invariant(emu_lib, small_weights, monkeypatch):

@@ -11,49 +11,53 @@ using namespace qbk;
 
 namespace {
 
-// The draw of pass `pass` for every stream (a warp each), then the next pass's input rows
-// (codebook pass + 1's embedding of the drawn code, RMSNorm) by the block that drew them.
+// The draw of pass `pass` for every stream (a warp each; a block takes WARPS streams a round),
+// then the next pass's input rows (codebook pass + 1's embedding of the drawn code, RMSNorm) by
+// the block that drew them.
 __device__ __noinline__ void phase_sample(const QbkParams& P, int pass, int B, int np, float* red, int* codes,
                                          uint8_t* smem) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int m = blockIdx.x * WARPS + warp;
-  if (m < B) {
-    const int64_t slot = P.rows[m];
-    const int64_t ns = P.num_slots;
-    float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
-    const size_t ps = (size_t)B * VC;
-    for (int i = 0; i < VC / 32; ++i) {
-      const size_t off = (size_t)m * VC + lane + 32 * i;
-      float v = __ldcg(P.parts + off);
-      for (int p = 1; p < np; ++p) v += __ldcg(P.parts + p * ps + off);
-      xs[lane + 32 * i] = v;
-      if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + lane + 32 * i] = v;
+  const bool last = pass + 1 == P.num_passes;
+  for (int base = blockIdx.x * WARPS; base < B; base += gridDim.x * WARPS) {
+    const int m = base + warp;
+    if (m < B) {
+      const int64_t slot = P.rows[m];
+      const int64_t ns = P.num_slots;
+      float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
+      const size_t ps = (size_t)B * VC;
+      for (int i = 0; i < VC / 32; ++i) {
+        const size_t off = (size_t)m * VC + lane + 32 * i;
+        float v = __ldcg(P.parts + off);
+        for (int p = 1; p < np; ++p) v += __ldcg(P.parts + p * ps + off);
+        xs[lane + 32 * i] = v;
+        if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + lane + 32 * i] = v;
+      }
+      const Draw dr{P.ints[P.f_do_sample * ns + slot], P.floats[P.f_temperature * ns + slot],
+                    P.ints[P.f_top_k * ns + slot],     P.floats[P.f_top_p * ns + slot],
+                    P.seed[slot],                       (int64_t)P.ints[P.f_n_sampled * ns + slot],
+                    pass + 1};
+      bool finite;
+      int code = warp_sample<VC / 32>(xs, dr, finite);
+      code = code < 0 ? 0 : code >= VC ? VC - 1 : code;
+      if (lane == 0) {
+        int32_t* o = P.out + m * P.out_stride;
+        o[pass + 1] = code;
+        const int32_t f = __ldcg(P.flags + m) | (finite ? 0 : 1 << pass);
+        P.flags[m] = f;
+        if (last) o[P.out_err] = f;
+        codes[warp] = code;
+      }
     }
-    const Draw dr{P.ints[P.f_do_sample * ns + slot], P.floats[P.f_temperature * ns + slot],
-                  P.ints[P.f_top_k * ns + slot],     P.floats[P.f_top_p * ns + slot],
-                  P.seed[slot],                       (int64_t)P.ints[P.f_n_sampled * ns + slot],
-                  pass + 1};
-    bool finite;
-    int code = warp_sample<VC / 32>(xs, dr, finite);
-    code = code < 0 ? 0 : code >= VC ? VC - 1 : code;
-    if (lane == 0) {
-      int32_t* o = P.out + m * P.out_stride;
-      o[pass + 1] = code;
-      const int32_t f = __ldcg(P.flags + m) | (finite ? 0 : 1 << pass);
-      P.flags[m] = f;
-      if (pass + 1 == P.num_passes) o[P.out_err] = f;
-      codes[warp] = code;
+    if (last) continue;
+    __syncthreads();
+    const int d = threadIdx.x * 4;
+    for (int w = 0; w < WARPS && base + w < B; ++w) {
+      const int mm = base + w;
+      const float4 x = ld_bf4(P.emb + ((size_t)pass * VC + codes[w]) * H + d);
+      *reinterpret_cast<float4*>(P.x + (size_t)mm * H + d) = x;
+      norm_store(P, mm, x, P.in_norm[0], red);
     }
-  }
-  if (pass + 1 == P.num_passes) return;
-  __syncthreads();
-  const int d = threadIdx.x * 4;
-  for (int w = 0; w < WARPS; ++w) {
-    const int mm = blockIdx.x * WARPS + w;
-    if (mm >= B) break;
-    const float4 x = ld_bf4(P.emb + ((size_t)pass * VC + codes[w]) * H + d);
-    *reinterpret_cast<float4*>(P.x + (size_t)mm * H + d) = x;
-    norm_store(P, mm, x, P.in_norm[0], red);
+    __syncthreads();  // the logits and codes of this round are read; the next round reuses them
   }
 }
 

@@ -188,15 +188,13 @@ __device__ __noinline__ inline void phase_talker_combine(const QbkParams& P, int
   }
 }
 
-// One warp per stream: the codec head's logits (dumped raw), the talker's processors (repetition
-// penalty over the slot's code-0 history, ids from suppress_start on masked except EOS, EOS masked
-// before min_new_tokens draws or while the text track is open), the draw (stream 0, counter = the
-// draws so far) and the commit: position, code 0, draws, text step, the history byte, out[16] and
-// the talker's error bit (bit 15 of out's error column).
-__device__ __noinline__ inline void phase_talker_draw(const QbkParams& P, int B, int np, uint8_t* smem) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int m = blockIdx.x * WARPS + warp;
-  if (m >= B) return;
+// Stream m's draw, by one warp: the codec head's logits (dumped raw), the talker's processors
+// (repetition penalty over the slot's code-0 history, ids from suppress_start on masked except
+// EOS, EOS masked before min_new_tokens draws or while the text track is open), the draw (stream
+// 0, counter = the draws so far) and the commit: position, code 0, draws, text step, the history
+// byte, out[16] and the talker's error bit (bit 15 of out's error column).
+__device__ __forceinline__ void talker_draw_row(const QbkParams& P, int m, int B, int np, uint8_t* smem, int warp,
+                                                int lane) {
   const int64_t slot = P.rows[m], ns = P.num_slots;
   const int nsamp = ival(P, P.f_n_sampled, slot);
   const int gate = nsamp >= ival(P, P.f_eos_from, slot) ? nsamp : -1;
@@ -232,6 +230,12 @@ __device__ __noinline__ inline void phase_talker_draw(const QbkParams& P, int B,
     P.ints[P.f_n_sampled * ns + slot] = nsamp + 1;
     P.ints[P.f_text_step * ns + slot] += 1;
   }
+}
+
+// Every stream's draw, a warp each (a block takes WARPS streams a round).
+__device__ __noinline__ inline void phase_talker_draw(const QbkParams& P, int B, int np, uint8_t* smem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int m = blockIdx.x * WARPS + warp; m < B; m += gridDim.x * WARPS) talker_draw_row(P, m, B, np, smem, warp, lane);
 }
 
 }  // namespace qbk
