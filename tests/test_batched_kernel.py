@@ -57,12 +57,14 @@ def _predictor(eng: BatchedEngine, lib: BatchedKernelLibrary, **kw) -> CudaFrame
 
 
 def _fill(eng: BatchedEngine, n: int, sampling: list[SamplingConfig], seed: int = 0) -> None:
-    """Slots 0..n-1 with random past hidden states and codes 0 (all the predict half reads)."""
-    g = torch.Generator().manual_seed(seed)
+    """Slots 0..n-1 with random past hidden states and codes 0 (all the predict half reads), on
+    the engine's device."""
+    dev = eng.device
+    g = torch.Generator(device=dev).manual_seed(seed)
     eng.state.admit_many(list(range(n)), sampling, [10] * n, [torch.zeros(0, H)] * n, [torch.zeros(H)] * n,
-                         torch.randn(n, H, generator=g), [0] * n)
-    eng.state.ints[CODE0, :n] = torch.randint(0, 2048, (n,), generator=g, dtype=torch.int32)
-    eng.state.ints[N_SAMPLED, :n] = torch.randint(1, 40, (n,), generator=g, dtype=torch.int32)
+                         torch.randn(n, H, generator=g, device=dev), [0] * n)
+    eng.state.ints[CODE0, :n] = torch.randint(0, 2048, (n,), generator=g, dtype=torch.int32, device=dev)
+    eng.state.ints[N_SAMPLED, :n] = torch.randint(1, 40, (n,), generator=g, dtype=torch.int32, device=dev)
 
 
 def _reference(eng: BatchedEngine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,7 +329,7 @@ def test_gpu_kernel_matches_triton_predict(gpu_setup):
     """64 greedy streams: the kernel's pass-0 logits within 1e-4 of the Triton predict's, and
     (away from near-ties) the same 16 codes."""
     eng, cp = gpu_setup
-    _fill_cuda(eng, 64, greedy=True)
+    _fill(eng, 64, [SamplingConfig(seed=i, subtalker_do_sample=False) for i in range(64)], seed=64)
     eng.frame.predict(torch.arange(64, device="cuda"))
     want_codes, want_logits = eng.frame.out[:64].clone(), eng.frame.dump[:64].clone()
     codes, logits = _gpu_kernel(eng, cp, list(range(64)))
@@ -339,7 +341,7 @@ def test_gpu_kernel_matches_triton_predict(gpu_setup):
 @pytest.mark.gpu
 def test_gpu_batch_invariance_is_bitwise(gpu_setup):
     eng, cp = gpu_setup
-    _fill_cuda(eng, 64, greedy=False)
+    _fill(eng, 64, [SamplingConfig(seed=i) for i in range(64)], seed=64)
     target, ref = 5, None
     for b in (1, 3, 17, 64):
         for regm in (16, 0, 64):
@@ -353,10 +355,17 @@ def test_gpu_batch_invariance_is_bitwise(gpu_setup):
     cp.reg_max_m = 16
 
 
-def _fill_cuda(eng, n: int, greedy: bool) -> None:
-    g = torch.Generator(device="cuda").manual_seed(n)
-    samp = [SamplingConfig(seed=i, subtalker_do_sample=not greedy) for i in range(n)]
-    eng.state.admit_many(list(range(n)), samp, [10] * n, [torch.zeros(0, H)] * n, [torch.zeros(H)] * n,
-                         torch.randn(n, H, device="cuda", generator=g), [0] * n)
-    eng.state.ints[CODE0, :n] = torch.randint(0, 2048, (n,), device="cuda", generator=g, dtype=torch.int32)
-    eng.state.ints[N_SAMPLED, :n] = 1
+@pytest.mark.gpu
+def test_gpu_engine_frames_with_both_kernels(gpu_setup):
+    """The engine with frame_kernel="cuda" on random full-size weights: bitwise invariance over 16
+    frames (B 1/3/17/64, greedy and sampled) and teacher-forced fidelity with both KV types."""
+    w = checks.random_weights("cuda")
+    eng = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True, frame_kernel="cuda")
+    p = checks.random_prompt(0, 12, H, device="cuda")
+    for s in (checks.GREEDY, SamplingConfig(seed=7)):
+        res = checks.invariance(eng, p, s, sizes=(1, 3, 17, 64), frames=16)
+        assert all(r["codes_equal"] and r["logits_equal"] for r in res.values()), res
+    for kv in (torch.bfloat16, torch.float32):
+        e2 = BatchedEngine(w, max_streams=8, max_positions=256, dump_logits=True, kv_dtype=kv, frame_kernel="cuda")
+        r = checks.teacher_forced(e2, w, [checks.random_prompt(i, 12 + i, H, device="cuda") for i in range(8)], 32)
+        assert r["rel_err_max"] <= 1e-2 and r["top1"] >= 0.995, r
