@@ -134,11 +134,6 @@ def time_steps(eng: BatchedEngine, slots: list[int], iters: int) -> float:
     return 1e3 * float(np.median(ts))
 
 
-def mixed_lengths(b: int) -> list[int]:
-    """Pairs symmetric about 500 (every even prefix has mean 500; B = 1 gets 500)."""
-    return [500 + (1 if i % 2 == 0 else -1) * ((i // 2) * 197 % 490) for i in range(b)]
-
-
 def bench(w, deadline: float, iters: int = 30) -> dict:
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1, **ENGINE_KW)
     wbytes, macs = frame_weight_bytes(eng)
@@ -152,7 +147,7 @@ def bench(w, deadline: float, iters: int = 30) -> dict:
             if time.perf_counter() > deadline:
                 res["truncated"] = True
                 return res
-            lengths = mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
+            lengths = checks.mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
             slots = fake_admit(eng, lengths, margin=64)
             ms = time_replays(eng, slots, iters)
             step_ms = time_steps(eng, slots, 10)
@@ -182,7 +177,7 @@ def unfused_cp(w, fused: BatchedEngine, iters: int) -> dict:
     other = BatchedEngine(w, max_streams=64, max_positions=2048, num_blocks=64 * 17 + 1, fused_cp=False)
     out = {}
     for b in (1, 64):
-        t = [time_replays(e, fake_admit(e, mixed_lengths(b), margin=64), iters) for e in (fused, other)]
+        t = [time_replays(e, fake_admit(e, checks.mixed_lengths(b), margin=64), iters) for e in (fused, other)]
         out[b] = dict(default_ms=t[0], unfused_cp_ms=t[1])
         log(f"B {b} mixed: default {t[0]:.3f} ms, code-predictor unfused {t[1]:.3f} ms")
     return out

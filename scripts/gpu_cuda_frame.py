@@ -65,11 +65,6 @@ def fake_streams(eng: BatchedEngine, lengths: list[int], greedy: bool = False, s
     eng.kv.sync()
 
 
-def mixed_lengths(b: int) -> list[int]:
-    """Pairs symmetric about 500 (every even prefix has mean 500; B = 1 gets 500)."""
-    return [500 + (1 if i % 2 == 0 else -1) * ((i // 2) * 197 % 490) for i in range(b)]
-
-
 def run(eng, cf: CudaFrame, slots: list[int], half: str) -> None:
     rows = torch.tensor(slots, dtype=torch.int64, device="cuda")
     if half == "predict":
@@ -100,7 +95,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def vs_triton(eng, cf, b: int = 64) -> dict:
     """Greedy, same state: each kernel vs the Triton half (eager) it replaces."""
-    fake_streams(eng, mixed_lengths(b), greedy=True, seed=11)
+    fake_streams(eng, checks.mixed_lengths(b), greedy=True, seed=11)
     rows = torch.arange(b, dtype=torch.int64, device="cuda")
     eng.frame.predict(rows)
     torch.cuda.synchronize()
@@ -144,7 +139,7 @@ def invariance(eng, cf, w) -> dict:
         for b in (1, 3, 17, 64, 256):
             for regm in ((16, 0, 64) if b <= 64 else (16,)):
                 cf.reg_max_m = regm
-                fake_streams(eng, mixed_lengths(256), greedy=greedy, seed=3)
+                fake_streams(eng, checks.mixed_lengths(256), greedy=greedy, seed=3)
                 others = [s for s in range(256) if s != target][(7 * b) % 3:][: b - 1]
                 row = b // 2
                 slots = others[:row] + [target] + others[row:]
@@ -185,7 +180,7 @@ def bench(w) -> dict:
     rows = []
     for ctx in ("mixed", "1000"):
         for b in SIZES:
-            lengths = mixed_lengths(b) if ctx == "mixed" else [1000] * b
+            lengths = checks.mixed_lengths(b) if ctx == "mixed" else [1000] * b
             fake_streams(eng, lengths, seed=5)
             nb = bucket_for(b, eng.sizes)
             eng.rows_dev[:b] = torch.arange(b, device="cuda")
@@ -202,7 +197,7 @@ def bench(w) -> dict:
             log(f"ctx {ctx:>5} B {b:3d}: predict kernel {kp:7.3f} / Triton {tp:7.3f} ms   advance kernel {ka:7.3f} "
                 f"/ Triton {ta:7.3f} ms   frame {kp + ka:7.3f} / {tp + ta:7.3f} ms")
     sweep = []
-    fake_streams(eng, mixed_lengths(32), seed=6)
+    fake_streams(eng, checks.mixed_lengths(32), seed=6)
     for b in (1, 2, 4, 8, 16, 32):
         eng.rows_dev[:b] = torch.arange(b, device="cuda")
         row = dict(B=b)

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_batched_engine import fake_admit, mixed_lengths  # noqa: E402
+from gpu_batched_engine import fake_admit  # noqa: E402
+from tts_server.engines.batched.checks import mixed_lengths  # noqa: E402
 
 from tts_server.engines.batched import checks, ops, ops_ref, tk_attention  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_batched_engine import fake_admit, first_frame, load_weights, log, mixed_lengths, time_replays  # noqa: E402
+from gpu_batched_engine import fake_admit, first_frame, load_weights, log, time_replays  # noqa: E402
+from tts_server.engines.batched.checks import mixed_lengths  # noqa: E402
 
 from tts_server.api import SamplingConfig  # noqa: E402
 from tts_server.engines.batched import checks  # noqa: E402

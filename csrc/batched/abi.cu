@@ -91,6 +91,8 @@ static bool bad_talker_args(const QbkParams& p, int B, int blocks) {
 }
 
 #ifdef QBK_EMU
+constexpr int kInvalid = 1;
+
 // The emulator (tools/simt/simt.h): QBK_EMU_BLOCKS blocks (default 2); the launch runs to its end
 // on the calling thread.
 int qbk_grid_size(int, int* blocks) {
@@ -99,95 +101,81 @@ int qbk_grid_size(int, int* blocks) {
   return 0;
 }
 
-int qbk_predict(const void* params, int B, int Bpad, int blocks, void*) {
-  QbkParams p;
-  memcpy(&p, params, sizeof p);
-  if (bad_args(p, B, Bpad, blocks)) return 1;
+extern "C++" {
+// Zero the sync words, then kernel(p, rest...) on `blocks` emulated blocks.
+template <class... A>
+static int launch(void (*kernel)(QbkParams, A...), QbkParams& p, int blocks, void*, A... rest) {
   memset(p.sync, 0, SYNC_WORDS * sizeof(uint32_t));
   try {
-    simt::launch(blocks, THREADS, SMEM_TOTAL, [&] { qbk_predict_kernel(p, B, Bpad); });
+    simt::launch(blocks, THREADS, SMEM_TOTAL, [&] { kernel(p, rest...); });
   } catch (const std::exception& e) {
-    fprintf(stderr, "qbk_predict (emulated): %s\n", e.what());
+    fprintf(stderr, "qbk (emulated): %s\n", e.what());
     return 2;
   }
   return 0;
 }
-
-// The talker step of rows[0..B) (after qbk_predict made their codes).
-int qbk_advance(const void* params, int B, int blocks, void*) {
-  QbkParams p;
-  memcpy(&p, params, sizeof p);
-  if (bad_talker_args(p, B, blocks)) return 1;
-  memset(p.sync, 0, SYNC_WORDS * sizeof(uint32_t));
-  try {
-    simt::launch(blocks, THREADS, SMEM_TOTAL, [&] { qbk_advance_kernel(p, B); });
-  } catch (const std::exception& e) {
-    fprintf(stderr, "qbk_advance (emulated): %s\n", e.what());
-    return 2;
-  }
-  return 0;
-}
+}  // extern "C++"
 
 const char* qbk_error_string(int code) {
   return code == 0 ? "no error" : code == 1 ? "invalid argument" : "emulated launch failed (deadlock)";
 }
 #else
-// Blocks for `device`: one per SM, checked co-resident with the kernel's shared memory. Returns a
-// cudaError_t (0 = ok).
+constexpr int kInvalid = cudaErrorInvalidValue;
+
+// Blocks for `device`: one per SM, checked co-resident with each kernel's shared memory. Returns
+// a cudaError_t (0 = ok).
 int qbk_grid_size(int device, int* blocks) {
   cudaDeviceProp prop;
   cudaError_t e = cudaGetDeviceProperties(&prop, device);
   if (e != cudaSuccess) return e;
   if (!prop.cooperativeLaunch) return cudaErrorNotSupported;
-  e = cudaFuncSetAttribute(qbk_predict_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
-  if (e != cudaSuccess) return e;
-  int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qbk_predict_kernel, THREADS, SMEM_TOTAL);
-  if (e != cudaSuccess) return e;
-  if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
-  e = cudaFuncSetAttribute(qbk_advance_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
-  if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qbk_advance_kernel, THREADS, SMEM_TOTAL);
-  if (e != cudaSuccess) return e;
-  if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
+  for (const void* k : {reinterpret_cast<const void*>(qbk_predict_kernel), reinterpret_cast<const void*>(qbk_advance_kernel)}) {
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
+    if (e != cudaSuccess) return e;
+    int per_sm = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, SMEM_TOTAL);
+    if (e != cudaSuccess) return e;
+    if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
+  }
   *blocks = prop.multiProcessorCount;
   return cudaSuccess;
 }
 
-// The code-predictor half of one frame for rows[0..B) (params: a QbkParams the host filled by
-// name), rows B..Bpad-1 of `out` zeroed (a graph bucket's padding), on `stream`: zero the sync
-// words, then one cooperative launch. A wait past the timeout lands in sync[SYNC_ERR].
-int qbk_predict(const void* params, int B, int Bpad, int blocks, void* stream) {
-  QbkParams p;
-  memcpy(&p, params, sizeof p);
-  if (bad_args(p, B, Bpad, blocks)) return cudaErrorInvalidValue;
+extern "C++" {
+// On `stream`: zero the sync words, then one cooperative launch of kernel(p, rest...). A wait
+// past the timeout lands in sync[SYNC_ERR].
+template <class... A>
+static int launch(void (*kernel)(QbkParams, A...), QbkParams& p, int blocks, void* stream, A... rest) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t e = cudaFuncSetAttribute(qbk_predict_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
+  cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
   if (e != cudaSuccess) return e;
   e = cudaMemsetAsync(p.sync, 0, SYNC_WORDS * sizeof(uint32_t), s);
   if (e != cudaSuccess) return e;
-  void* args[] = {&p, &B, &Bpad};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qbk_predict_kernel), dim3(blocks), dim3(THREADS),
-                                     args, SMEM_TOTAL, s);
+  void* args[] = {&p, &rest...};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(THREADS), args,
+                                     SMEM_TOTAL, s);
 }
-
-// The talker step of rows[0..B) on `stream` (after qbk_predict made their codes): zero the sync
-// words, then one cooperative launch.
-int qbk_advance(const void* params, int B, int blocks, void* stream) {
-  QbkParams p;
-  memcpy(&p, params, sizeof p);
-  if (bad_talker_args(p, B, blocks)) return cudaErrorInvalidValue;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t e = cudaFuncSetAttribute(qbk_advance_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_TOTAL);
-  if (e != cudaSuccess) return e;
-  e = cudaMemsetAsync(p.sync, 0, SYNC_WORDS * sizeof(uint32_t), s);
-  if (e != cudaSuccess) return e;
-  void* args[] = {&p, &B};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(qbk_advance_kernel), dim3(blocks), dim3(THREADS),
-                                     args, SMEM_TOTAL, s);
-}
+}  // extern "C++"
 
 const char* qbk_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 #endif
+
+// The code-predictor half of one frame for rows[0..B) (params: a QbkParams the host filled by
+// name), rows B..Bpad-1 of `out` zeroed (a graph bucket's padding).
+int qbk_predict(const void* params, int B, int Bpad, int blocks, void* stream) {
+  QbkParams p;
+  memcpy(&p, params, sizeof p);
+  if (bad_args(p, B, Bpad, blocks)) return kInvalid;
+  return launch(qbk_predict_kernel, p, blocks, stream, B, Bpad);
+}
+
+// The talker step of rows[0..B) (after qbk_predict made their codes).
+int qbk_advance(const void* params, int B, int blocks, void* stream) {
+  QbkParams p;
+  memcpy(&p, params, sizeof p);
+  if (bad_talker_args(p, B, blocks)) return kInvalid;
+  return launch(qbk_advance_kernel, p, blocks, stream, B);
+}
 
 }  // extern "C"

@@ -26,9 +26,7 @@ __device__ __noinline__ void phase_sample(const QbkParams& P, int pass, int B, i
       float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
       const size_t ps = (size_t)B * VC;
       for (int i = 0; i < VC / 32; ++i) {
-        const size_t off = (size_t)m * VC + lane + 32 * i;
-        float v = __ldcg(P.parts + off);
-        for (int p = 1; p < np; ++p) v += __ldcg(P.parts + p * ps + off);
+        const float v = sum_parts(P.parts, np, ps, (size_t)m * VC + lane + 32 * i);
         xs[lane + 32 * i] = v;
         if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + lane + 32 * i] = v;
       }

@@ -17,6 +17,13 @@ __device__ __forceinline__ float4 sum_parts4(const float* parts, int np, size_t 
   return y;
 }
 
+// The same for one output.
+__device__ __forceinline__ float sum_parts(const float* parts, int np, size_t pstride, size_t off) {
+  float y = __ldcg(parts + off);
+  for (int p = 1; p < np; ++p) y += __ldcg(parts + p * pstride + off);
+  return y;
+}
+
 __device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { return P.hs + (size_t)r * 2 * KMAX; }
 
 // Block-wide, thread t owning dims 4t..4t+3 of a row x: hs row r = split(w * (x * rsqrt(mean(x^2)

@@ -204,9 +204,7 @@ __device__ __forceinline__ void talker_draw_row(const QbkParams& P, int m, int B
   const size_t ps = (size_t)B * VT;
   for (int i = 0; i < VT / 32; ++i) {
     const int v = lane + 32 * i;
-    const size_t off = (size_t)m * VT + v;
-    float x = __ldcg(P.parts + off);
-    for (int p = 1; p < np; ++p) x += __ldcg(P.parts + p * ps + off);
+    float x = sum_parts(P.parts, np, ps, (size_t)m * VT + v);
     if (P.dump != nullptr) P.dump[m * P.dump_stride + PASSES * P.dump_pass + v] = x;
     if (seen[v]) x = x < 0.f ? x * pen : __fdiv_rn(x, pen);
     if (v >= P.suppress_start && v != P.eos) x = -INFINITY;

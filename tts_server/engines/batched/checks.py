@@ -60,6 +60,12 @@ def random_prompt(seed: int, length: int, hidden: int, n_trailing: int = 8, devi
     return Prompt(embeds=r(length, hidden), trailing=r(n_trailing, hidden), pad_embed=r(hidden))
 
 
+def mixed_lengths(b: int) -> list[int]:
+    """Talker contexts of b benchmark streams: pairs symmetric about 500 (every even prefix has
+    mean 500; B = 1 gets 500)."""
+    return [500 + (1 if i % 2 == 0 else -1) * ((i // 2) * 197 % 490) for i in range(b)]
+
+
 def step_codes(eng, slots: list[int], frames: int, admit: tuple = (), on_step=None) -> dict[int, np.ndarray]:
     """Run `frames` steps of `slots` (admissions in the first); -> slot -> codes [F, 16]."""
     got = {s: [] for s in slots}
