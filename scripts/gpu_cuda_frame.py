@@ -50,7 +50,7 @@ def fake_streams(eng: BatchedEngine, lengths: list[int], greedy: bool = False, s
     for length + 8), random past hidden states, codes 0, seeds: all a frame reads."""
     n = len(lengths)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for s in list(eng.positions):
+    for s in sorted(eng.positions, reverse=True):  # back onto the free list in reverse: the same blocks again
         eng.release(s)
     for s, m in enumerate(lengths):
         assert eng.kv.ensure(s, m + 8), "pool too small"
@@ -137,8 +137,8 @@ def invariance(eng, cf, w) -> dict:
         rr = {}
         target, ref = 5, None
         for b in (1, 3, 17, 64, 256):
-            for regm in ((16, 0, 64) if b <= 64 else (16,)):
-                cf.reg_max_m = regm
+            for regm, split in (((16, 0), (0, 1), (0, 2), (64, 0)) if b <= 64 else ((16, 0), (0, 2))):
+                cf.reg_max_m, cf.split_mode = regm, split
                 fake_streams(eng, checks.mixed_lengths(256), greedy=greedy, seed=3)
                 others = [s for s in range(256) if s != target][(7 * b) % 3:][: b - 1]
                 row = b // 2
@@ -148,8 +148,8 @@ def invariance(eng, cf, w) -> dict:
                 got = (eng.frame.out[row].clone(), eng.frame.dump[row, :15, :2048].clone(),
                        eng.frame.dump[row, 15].clone(), eng.state.past_hidden[target].clone())
                 ref = ref or got
-                rr[f"B{b}_reg{regm}"] = dict(row=row, bitwise=all(torch.equal(a, c) for a, c in zip(got, ref)))
-        cf.reg_max_m = 16
+                rr[f"B{b}_reg{regm}_split{split}"] = dict(row=row, bitwise=all(torch.equal(a, c) for a, c in zip(got, ref)))
+        cf.reg_max_m, cf.split_mode = 16, 0
         res[name] = rr
         log("invariance", name, rr)
     e2 = BatchedEngine(w, max_streams=64, max_positions=256, dump_logits=True, frame_kernel="cuda")

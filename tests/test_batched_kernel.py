@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tts_server.engines.batched import checks
-from tts_server.engines.batched.cuda_frame import BatchedKernelLibrary, CudaFrame
+from tts_server.engines.batched.cuda_frame import BatchedKernelLibrary, CudaFrame, barrier_phases
 from tts_server.engines.batched.engine import BatchedEngine
 from tts_server.engines.batched.state import CODE0, N_SAMPLED
 from tts_server.engines.contract import Admission, SamplingConfig, StepPlan
@@ -141,20 +141,22 @@ def test_full_code_predictor_one_stream(emu_lib):
 
 def test_batch_invariance_is_bitwise(emu_lib, small_weights):
     """One stream in another row of launches of B = 1, 3, 7, 12 with other neighbours, through
-    either product path: bitwise the same logits (every pass) and codes."""
+    every product schedule (registers; shared memory over all of K or split by pieces): bitwise
+    the same logits (every pass) and codes."""
     eng = _engine(small_weights, 12)
     _fill(eng, 12, [SamplingConfig(seed=100 + i) for i in range(12)], seed=1)
     cp = _predictor(eng, emu_lib)
     cp.num_passes = 2
     target, ref = 5, None
-    for b, regm in ((1, 16), (1, 0), (3, 16), (3, 0), (7, 16), (7, 0), (12, 64), (12, 0)):
-        cp.reg_max_m = regm
+    for b, regm, split in ((1, 16, 0), (1, 0, 1), (1, 0, 2), (3, 16, 0), (3, 0, 2), (7, 16, 0), (7, 0, 1),
+                           (12, 64, 0), (12, 0, 2)):
+        cp.reg_max_m, cp.split_mode = regm, split
         others = [s for s in range(12) if s != target][(3 * b) % 4:][: b - 1]
         row = b // 2
         codes, logits = _kernel(eng, cp, others[:row] + [target] + others[row:])
         got = (codes[row, :18].clone(), logits[row, :2, :2048].clone())
         ref = ref or got
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (b, regm)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (b, regm, split)
 
 
 def test_padding_rows_and_a_failing_stream(emu_lib, small_weights):
@@ -280,6 +282,23 @@ def test_many_input_tiles(emu_lib, small_weights):
     assert _rel_err(got[6], want[6]) < 1e-4
 
 
+def test_talker_step_split_schedule_same_bits(emu_lib, small_weights):
+    """The talker step's products through the shared-memory path over all of K and split into
+    pieces (the consumer adds them): bitwise the same state commit, past_hidden, logits and K/V."""
+    b = 3
+    eng = _admitted(small_weights, [5, 70, 130], torch.bfloat16, max_positions=256)
+    before = _talker_state(eng, b)
+    cp = _predictor(eng, emu_lib, reg_max_m=0)
+    got = []
+    for split in (1, 2):
+        _restore(eng, b, before)
+        cp.split_mode = split
+        cp.advance(torch.arange(b), b)
+        cp.check()
+        got.append(_talker_state(eng, b))
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+
+
 def test_engine_frames_with_both_kernels_are_batch_invariant(emu_lib, small_weights, monkeypatch):
     """Whole engine steps with frame_kernel="cuda" (admissions, the two kernels) on the emulator:
     a stream's codes and every logit are bitwise the same alone and among neighbours, 3 frames."""
@@ -369,3 +388,25 @@ def test_gpu_engine_frames_with_both_kernels(gpu_setup):
         e2 = BatchedEngine(w, max_streams=8, max_positions=256, dump_logits=True, kv_dtype=kv, frame_kernel="cuda")
         r = checks.teacher_forced(e2, w, [checks.random_prompt(i, 12 + i, H, device="cuda") for i in range(8)], 32)
         assert r["rel_err_max"] <= 1e-2 and r["top1"] >= 0.995, r
+
+
+def test_barrier_trace(emu_lib, small_weights):
+    """The profiling trace (CudaFrame.set_trace): one arrival and exit per grid barrier and block,
+    as many barriers as barrier_phases names for each launch, and the barrier holds: no block
+    leaves barrier e before the last block has arrived at it, nor arrives at e + 1 before leaving e."""
+    eng = _admitted(small_weights, [5, 70], torch.float32, False, max_positions=256)
+    cp = _predictor(eng, emu_lib)
+    cp.num_passes = 2
+    rows = torch.arange(2)
+    for half, layers in (("predict", 1), ("advance", 1)):
+        names = barrier_phases(half, layers, passes=2)
+        tr = torch.zeros(cp.blocks, len(names) + 3, 2, dtype=torch.int64)
+        cp.set_trace(tr)
+        cp.predict(rows, 2) if half == "predict" else cp.advance(rows, 2)
+        cp.check()
+        cp.set_trace(None)
+        t = tr.numpy()
+        assert (t[:, : len(names)] > 0).all() and (t[:, len(names):] == 0).all(), half
+        arrive, leave = t[:, : len(names), 0], t[:, : len(names), 1]
+        assert (leave >= arrive.max(axis=0)).all(), half
+        assert (arrive[:, 1:] >= leave[:, :-1]).all(), half

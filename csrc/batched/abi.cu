@@ -60,8 +60,8 @@ const Const kConsts[] = {
 #else
     {"EMULATED", 0},
 #endif
-    // product outputs per row of M: the register path's K / PIECE parts of the widest (gate|up)
-    {"PARTS_REG_PER_ROW", (long long)(H / PIECE) * NMAX}, {"PARTS_SMEM_PER_ROW", NMAX},
+    // product outputs per row of M: the K / PIECE parts of the widest product (gate|up)
+    {"PARTS_PER_ROW", (long long)(H / PIECE) * NMAX},
     {"TLAYERS", TLAYERS}, {"MAXCH", MAXCH}, {"ATT_UNIT", ATT_UNIT},
     {"APART_PER_ROW", (long long)NKV * MAXCH * 2 * APART},
     {"sizeof(QbkParams)", (long long)sizeof(QbkParams)},

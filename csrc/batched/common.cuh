@@ -19,13 +19,23 @@ struct Grid {
   uint64_t timeout_ns;
   uint32_t epoch;
   int* flag;  // shared
+  uint64_t* trace;   // optional: barrier e's arrival and exit times of this block at [e][0..1]
+  uint32_t trace_events;
 
-  __device__ bool sync() {
+  // The two halves of sync(): work between them (loads that need nothing of the other blocks)
+  // overlaps the wait.
+  __device__ void arrive() {
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (trace != nullptr && epoch < trace_events) trace[2 * epoch] = globaltimer();
       epoch += 1;
-      const uint32_t target = epoch * gridDim.x;
       red_release_add(bar, 1u);
+    }
+  }
+
+  __device__ bool wait() {
+    if (threadIdx.x == 0) {
+      const uint32_t target = epoch * gridDim.x;
       const uint64_t t0 = globaltimer();
       int bad = 0;
       for (uint32_t spin = 1;; ++spin) {
@@ -40,9 +50,15 @@ struct Grid {
         }
       }
       *flag = bad;
+      if (trace != nullptr && epoch - 1 < trace_events) trace[2 * (epoch - 1) + 1] = globaltimer();
     }
     __syncthreads();
     return *flag == 0;
+  }
+
+  __device__ bool sync() {
+    arrive();
+    return wait();
   }
 };
 

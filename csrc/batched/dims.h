@@ -41,6 +41,11 @@ constexpr int STAGE_BYTES = MAX_RB * CHUNK * 2 + MAX_TB * 2 * CHUNK * 2;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;  // the pipeline's (and the draws' logits) share
 constexpr int SMEM_TOTAL = SMEM_BYTES + 128;       // + block sums, the barrier flag, drawn codes
 constexpr int REG_MAX_M = 64;    // the register path takes at most this many rows
+constexpr int REG_STAGE_BYTES = 16 * PIECE * 2;  // a warp's first register-path task: 16 rows x PIECE
+static_assert(WARPS * REG_STAGE_BYTES <= SMEM_BYTES, "register path: every warp's first task staged");
+#ifndef QBK_ISSUE_AFTER_ARRIVE
+#define QBK_ISSUE_AFTER_ARRIVE 1  // the register path's weight copies: 1 after the barrier arrival, 0 before
+#endif
 
 // Talker attention: a stream's keys in chunks of whole 64-key units, at most MAXCH chunks (the
 // chunking depends on the stream's own length only); each chunk's softmax state is merged in
@@ -58,7 +63,8 @@ static_assert(PIECE % CHUNK == 0 && CHUNK == 64, "pipeline stage: 64 columns");
 static_assert(H == 4 * THREADS, "row phases: 4 dims per thread");
 static_assert(HD == 128 && NH == 2 * NKV, "attention: 4 dims per lane, 2 q heads per kv head");
 static_assert(VC % 32 == 0 && VT % 32 == 0, "sampling: whole logits per lane");
-static_assert(WARPS * VT * 4 <= SMEM_BYTES, "sampling: a warp's logits in shared memory");
+constexpr int KEPT_MAX = 256;     // a draw's list of kept ids (more: scored in place)
+static_assert(WARPS * (VT + KEPT_MAX) * 4 <= SMEM_BYTES, "sampling: a warp's logits and kept ids in shared memory");
 static_assert(QKV % 16 == 0 && I % 16 == 0 && VC % 16 == 0, "rows: whole 16-row tiles");
 
 }  // namespace qbk

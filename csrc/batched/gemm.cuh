@@ -6,9 +6,11 @@
 // m16n8k16 per block), hi and lo parts in their own accumulator columns, added at the piece's end;
 // the pieces' values are added left to right. The register path (few rows) gives each warp one
 // (16-row tile, piece) and leaves the pieces to the consumer, which adds them left to right
-// (nparts = K / PIECE); the shared-memory path (many rows) tiles rows x inputs, walks the whole K
-// and adds the pieces itself, in the same order (nparts = 1). The same value either way, for any
-// M and any tile: which inputs share an mma never changes an output's bits.
+// (nparts = K / PIECE); the shared-memory path (many rows) tiles rows x inputs and either walks
+// the whole K, adding the pieces itself in the same order (nparts = 1), or, where that leaves too
+// few items for the grid, makes each piece an item and leaves the pieces to the consumer too.
+// The same value every way, for any M and any tile: which inputs share an mma never changes an
+// output's bits.
 //
 // Fragments. In a 32-column block, lane (g = lane / 4, tq = lane % 4) loads 16 bytes = columns
 // 8 tq .. 8 tq + 7 of weight rows g and g + 8 and of its input row (input m = 4 i + g / 2,
@@ -30,8 +32,9 @@ struct Gemm {
   float* out;               // [nparts][M][N]
   bool reg;                 // the register path
   int rb, tb;               // the shared-memory path's tile: rows x inputs
+  bool split;               // the shared-memory path: one item per piece, its value a part
 
-  __device__ int nparts() const { return reg ? K / PIECE : 1; }
+  __device__ int nparts() const { return reg || split ? K / PIECE : 1; }
   __device__ const __nv_bfloat16* wrow(int n) const {
     return (w2 != nullptr && n >= n1) ? w2 + (size_t)(n - n1) * K : w + (size_t)n * K;
   }
@@ -41,28 +44,37 @@ struct Gemm {
   __device__ int ntasks() const { return (N / 16) * (K / PIECE); }
 };
 
-// The shared-memory tile for an N x M product on G blocks: the fewest modelled cycles over
-// (rows, inputs) in {128, 64, 32} x {64, 32} (L2 bytes at ~24 B/clk per SM against mma at ~1 per
-// clock, times the rounds of items over the grid). The same choice in every block.
-__device__ __forceinline__ void choose_tile(int N, int M, int K, int G, int& rb, int& tb) {
+// The shared-memory schedule for an N x M product on G blocks: the fewest modelled cycles over
+// tiles (rows, inputs) in {128, 64, 32} x {64, 32}, each item walking all of K or one piece of it
+// (split: the K / PIECE piece values are parts, added by the consumer as the register path's);
+// L2 bytes at ~24 B/clk per SM against mma at ~1 per clock, times the rounds of items over the
+// grid, plus the consumer's reads of the extra parts. The same choice in every block.
+// split_mode (tests, tuning; the same bits every way): 0 the model's choice, 1 never split, 2 split
+// wherever K has several pieces.
+__device__ __forceinline__ void choose_tile(int N, int M, int K, int G, int split_mode, int& rb, int& tb, bool& split) {
   const int cand[6][2] = {{128, 64}, {64, 64}, {128, 32}, {64, 32}, {32, 64}, {32, 32}};
+  const int P = K / PIECE;
   float best = 3.4e38f;
-  rb = 32, tb = 32;
+  rb = 32, tb = 32, split = false;
 #pragma unroll
-  for (int i = 0; i < 6; ++i) {
-    const int r = cand[i][0], t = cand[i][1];
-    if (N % r) continue;
-    const int items = (N / r) * ((M + t - 1) / t);
-    const float bytes = (float)(r * 2 + t * 4) * K, mmas = (float)(r / 16) * (t / 4) * (K / 16);
-    const float cost = (float)((items + G - 1) / G) * fmaxf(bytes / 24.f, mmas);
-    if (cost < best) { best = cost; rb = r; tb = t; }
+  for (int i = 0; i < 12; ++i) {
+    const int r = cand[i % 6][0], t = cand[i % 6][1];
+    const bool sp = i >= 6;
+    if (N % r || (sp && P == 1) || (split_mode == 1 && sp) || (split_mode == 2 && P > 1 && !sp)) continue;
+    const int kk = sp ? PIECE : K;
+    const int items = (N / r) * ((M + t - 1) / t) * (sp ? P : 1);
+    const float bytes = (float)(r * 2 + t * 4) * kk, mmas = (float)(r / 16) * (t / 4) * (kk / 16);
+    const float extra = sp ? (float)(P - 1) * M * N * 8.f / (float)G / 24.f : 0.f;  // written and read again
+    const float cost = (float)((items + G - 1) / G) * fmaxf(bytes / 24.f, mmas) + extra;
+    if (cost < best) { best = cost; rb = r; tb = t; split = sp; }
   }
 }
 
 __device__ __forceinline__ Gemm make_gemm(const __nv_bfloat16* w, const __nv_bfloat16* w2, int n1, int N, int K, int M,
-                                          int a0, int astep, const __nv_bfloat16* hs, float* out, int reg_max_m) {
-  Gemm g{w, w2, n1, N, K, M, a0, astep, hs, out, M <= reg_max_m, 0, 0};
-  if (!g.reg) choose_tile(N, M, K, gridDim.x, g.rb, g.tb);
+                                          int a0, int astep, const __nv_bfloat16* hs, float* out, int reg_max_m,
+                                          int split_mode) {
+  Gemm g{w, w2, n1, N, K, M, a0, astep, hs, out, M <= reg_max_m, 0, 0, false};
+  if (!g.reg) choose_tile(N, M, K, gridDim.x, split_mode, g.rb, g.tb, g.split);
   return g;
 }
 
@@ -71,29 +83,45 @@ struct WFrag {
   uint4 a[PIECE / 32], b[PIECE / 32];  // a piece of weight rows g and g + 8
 };
 
-// The weights of register task `task` (16-row tile task / P, piece task % P) into registers: needs
-// nothing of the previous phase, so it is issued before the grid barrier.
-__device__ __forceinline__ void reg_load_w(const Gemm& g, int task, WFrag& f) {
+// The weights of register task `task` (16-row tile task / P, piece task % P): lane l's fragments
+// j (weight row g, then g + 8) at st[32 (2 j + r)] (st: this lane's first unit in its warp's
+// area). Needs nothing of the previous phase, so it is issued before the grid barrier.
+__device__ __forceinline__ void reg_stage_w(const Gemm& g, int task, uint4* st) {
   const int P = g.K / PIECE, rt = task / P, p = task % P;
   const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
   const __nv_bfloat16* r0 = g.wrow(16 * rt + gid) + PIECE * p + 8 * tq;
   const __nv_bfloat16* r8 = g.wrow(16 * rt + gid + 8) + PIECE * p + 8 * tq;
 #pragma unroll
   for (int j = 0; j < PIECE / 32; ++j) {
-    f.a[j] = ldg16(r0 + 32 * j);
-    f.b[j] = ldg16(r8 + 32 * j);
+    cp_async16(st + 32 * (2 * j), r0 + 32 * j, 16);
+    cp_async16(st + 32 * (2 * j + 1), r8 + 32 * j, 16);
   }
 }
 
-// Every task of this warp (the first one's weights already in f): all M inputs, 4 per mma.
-__device__ inline void reg_run(const Gemm& g, WFrag& f) {
+// Every task of this warp (the first one's weights staged at st): all M inputs, 4 per mma.
+__device__ inline void reg_run(const Gemm& g, const uint4* st) {
   const int P = g.K / PIECE, ntask = g.ntasks();
   const int nw = gridDim.x * WARPS;
   const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
   const int ngrp = (g.M + 3) >> 2;
   for (int task = global_warp(); task < ntask; task += nw) {
-    if (task != global_warp()) reg_load_w(g, task, f);
     const int rt = task / P, p = task % P;
+    uint4 wa[PIECE / 32], wb[PIECE / 32];
+    if (task == global_warp()) {
+#pragma unroll
+      for (int j = 0; j < PIECE / 32; ++j) {
+        wa[j] = st[32 * (2 * j)];
+        wb[j] = st[32 * (2 * j + 1)];
+      }
+    } else {
+      const __nv_bfloat16* r0 = g.wrow(16 * rt + gid) + PIECE * p + 8 * tq;
+      const __nv_bfloat16* r8 = g.wrow(16 * rt + gid + 8) + PIECE * p + 8 * tq;
+#pragma unroll
+      for (int j = 0; j < PIECE / 32; ++j) {
+        wa[j] = ldg16(r0 + 32 * j);
+        wb[j] = ldg16(r8 + 32 * j);
+      }
+    }
     for (int tg = 0; tg < ngrp; ++tg) {
       const int m = 4 * tg + (gid >> 1);
       uint4 xv[PIECE / 32];
@@ -107,7 +135,7 @@ __device__ inline void reg_run(const Gemm& g, WFrag& f) {
       }
       float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < PIECE / 32; ++j) mma_k32(d, f.a[j], f.b[j], xv[j]);
+      for (int j = 0; j < PIECE / 32; ++j) mma_k32(d, wa[j], wb[j], xv[j]);
       const int mo = 4 * tg + tq;
       if (mo < g.M) {
         float* o = g.out + ((size_t)p * g.M + mo) * g.N + 16 * rt + gid;
@@ -123,15 +151,16 @@ __device__ inline void reg_run(const Gemm& g, WFrag& f) {
 // quarter warp (rows g, g + 1 of two lane groups, units 4h + tq) hit 8 distinct units.
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) | ((r >> 1) & 3); }
 
-// Items (rb x tb tiles of rows x inputs, all of K) of this block; a ring of STAGES stages, each a
+// Items (rb x tb tiles of rows x inputs, all of K or, split, one piece) of this block; a ring of STAGES stages, each a
 // 64-column chunk of the tile's weight rows (A: [RB][64]) and input rows (B: [2 TB][64], row
 // 2 t + part). GW: input groups of 4 per warp (= RB TB / 512).
 template <int GW>
 __device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
   const int RB = g.rb, TB = g.tb;
   const int rtiles = RB / 16;
-  const int nrb = g.N / RB, ntb = (g.M + TB - 1) / TB, nitems = nrb * ntb;
-  const int nchunk = g.K / CHUNK;
+  const int kp = g.split ? g.K / PIECE : 1;  // items per tile: its pieces, or all of K
+  const int nrb = g.N / RB, ntb = (g.M + TB - 1) / TB, nitems = nrb * ntb * kp;
+  const int nchunk = (g.split ? PIECE : g.K) / CHUNK;
   const int G = gridDim.x;
   const int myitems = (int)blockIdx.x < nitems ? (nitems - 1 - (int)blockIdx.x) / G + 1 : 0;
   const int total = myitems * nchunk;
@@ -143,8 +172,8 @@ __device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
     if (q < total) {
       uint8_t* st = smem + (q % STAGES) * STAGE_BYTES;
       const int item = blockIdx.x + (q / nchunk) * G, j = q % nchunk;
-      const int rb = item % nrb, tb = item / nrb;
-      const int k0 = j * CHUNK;
+      const int rb = (item / kp) % nrb, tb = item / kp / nrb;
+      const int k0 = (item % kp) * PIECE + j * CHUNK;
       for (int seg = threadIdx.x; seg < RB * 8; seg += THREADS) {
         const int r = seg >> 3, c = seg & 7;
         cp_async16(st + (r * 8 + (c ^ swz(r))) * 16, g.wrow(rb * RB + r) + k0 + 8 * c, 16);
@@ -169,7 +198,7 @@ __device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     const int item = blockIdx.x + (q / nchunk) * G, j = q % nchunk;
-    const int tb = item / nrb;
+    const int tb = item / kp / nrb;
     const int mbase = tb * TB + wt * 4 * GW;  // this warp's first input
     if ((j & 3) == 0) {
 #pragma unroll
@@ -199,12 +228,13 @@ __device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
       }
     }
     if (j == nchunk - 1) {
-      const int n = (item % nrb) * RB + 16 * wr + gid;
+      const int n = ((item / kp) % nrb) * RB + 16 * wr + gid;
+      const size_t part = kp > 1 ? (size_t)(item % kp) * g.M : 0;
 #pragma unroll
       for (int i = 0; i < GW; ++i) {
         const int m = mbase + 4 * i + tq;
         if (m < g.M) {
-          float* o = g.out + (size_t)m * g.N + n;
+          float* o = g.out + (part + m) * g.N + n;
           o[0] = run[i][0];
           o[8] = run[i][1];
         }

@@ -14,17 +14,38 @@ namespace qbk {
 
 // A product phase: register-path weights of the warp's first task are loaded before the grid
 // barrier (they do not depend on the previous phase); then the product runs.
-__device__ __noinline__ inline bool product(const Gemm& g, Grid& grid, uint8_t* smem) {
-  WFrag wf;
-  if (g.reg && global_warp() < g.ntasks()) reg_load_w(g, global_warp(), wf);
-  if (!grid.sync()) return false;
-  if (g.reg) reg_run(g, wf);
-  else smem_dispatch(g, smem);
+// The register path: this warp's first task's weights are copied into its 8 KB of shared memory
+// while the block waits at the barrier (issued after its arrival, so that the issue does not
+// delay it; each lane copies the fragments it will read, so it waits for its own copies only).
+__device__ __noinline__ inline bool product_reg(const Gemm& g, Grid& grid, uint8_t* smem) {
+  uint4* st = reinterpret_cast<uint4*>(smem + (threadIdx.x >> 5) * REG_STAGE_BYTES) + (threadIdx.x & 31);
+#if QBK_ISSUE_AFTER_ARRIVE
+  grid.arrive();  // also: the block's previous phase is done with shared memory
+  if (global_warp() < g.ntasks()) reg_stage_w(g, global_warp(), st);
+  cp_async_commit();
+#else
+  __syncthreads();  // the block's previous phase is done with shared memory
+  if (global_warp() < g.ntasks()) reg_stage_w(g, global_warp(), st);
+  cp_async_commit();
+  grid.arrive();
+#endif
+  if (!grid.wait()) return false;
+  cp_async_wait<0>();
+  reg_run(g, st);
   return true;
 }
 
-// Past the pipeline's stages (which the draws also use for their logits): block sums, the
-// barrier flag, a block's drawn codes.
+__device__ __noinline__ inline bool product_smem(const Gemm& g, Grid& grid, uint8_t* smem) {
+  if (!grid.sync()) return false;
+  smem_dispatch(g, smem);
+  return true;
+}
+
+// The barrier that makes the product's inputs visible, then the product.
+__device__ __forceinline__ bool product(const Gemm& g, Grid& grid, uint8_t* smem) {
+  return g.reg ? product_reg(g, grid, smem) : product_smem(g, grid, smem);
+}
+
 struct Misc {
   float* red;   // [WARPS]
   int* flag;

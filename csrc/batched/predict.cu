@@ -24,18 +24,25 @@ __device__ __noinline__ void phase_sample(const QbkParams& P, int pass, int B, i
       const int64_t slot = P.rows[m];
       const int64_t ns = P.num_slots;
       float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
+      int* kept = reinterpret_cast<int*>(smem) + WARPS * VC + warp * KEPT_MAX;
       const size_t ps = (size_t)B * VC;
-      for (int i = 0; i < VC / 32; ++i) {
-        const float v = sum_parts(P.parts, np, ps, (size_t)m * VC + lane + 32 * i);
-        xs[lane + 32 * i] = v;
-        if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + lane + 32 * i] = v;
+      for (int i0 = 0; i0 < VC / 32; i0 += GATHER) {
+        float g[GATHER];  // GATHER x nparts loads in flight
+#pragma unroll
+        for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(P.parts, np, ps, (size_t)m * VC + lane + 32 * (i0 + u));
+#pragma unroll
+        for (int u = 0; u < GATHER; ++u) {
+          const int v = lane + 32 * (i0 + u);
+          xs[v] = g[u];
+          if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + v] = g[u];
+        }
       }
       const Draw dr{P.ints[P.f_do_sample * ns + slot], P.floats[P.f_temperature * ns + slot],
                     P.ints[P.f_top_k * ns + slot],     P.floats[P.f_top_p * ns + slot],
                     P.seed[slot],                       (int64_t)P.ints[P.f_n_sampled * ns + slot],
                     pass + 1};
       bool finite;
-      int code = warp_sample<VC / 32>(xs, dr, finite);
+      int code = warp_sample<VC / 32>(xs, kept, dr, finite);
       code = code < 0 ? 0 : code >= VC ? VC - 1 : code;
       if (lane == 0) {
         int32_t* o = P.out + m * P.out_stride;
@@ -65,28 +72,29 @@ __global__ void __launch_bounds__(THREADS, 1) qbk_predict_kernel(const __grid_co
   QBK_DYNAMIC_SMEM(smem);
   const Misc ms(smem);
   float* red = ms.red;
-  Grid grid{P.sync + SYNC_BAR, P.sync + SYNC_ERR, (uint64_t)P.timeout_ns, 0u, ms.flag};
+  Grid grid{P.sync + SYNC_BAR, P.sync + SYNC_ERR, (uint64_t)P.timeout_ns, 0u, ms.flag,
+            P.trace != nullptr ? P.trace + 2 * (size_t)P.trace_events * blockIdx.x : nullptr, (uint32_t)P.trace_events};
   const int nlayers = (int)P.num_layers;
-  const int regm = (int)P.reg_max_m;
+  const int regm = (int)P.reg_max_m, sm = (int)P.split_mode;
   phase_init(P, B, Bpad, red);
   for (int pass = 0; pass < P.num_passes; ++pass) {
     const int R = pass == 0 ? 2 : 1, M = B * R;
     for (int L = 0; L < nlayers; ++L) {
-      const Gemm gq = make_gemm(P.wqkv[L], nullptr, QKV, QKV, H, M, 0, 1, P.hs, P.parts, regm);
+      const Gemm gq = make_gemm(P.wqkv[L], nullptr, QKV, QKV, H, M, 0, 1, P.hs, P.parts, regm, sm);
       if (!product(gq, grid, smem) || !grid.sync()) return;
       phase_attention(P, L, pass, B, R, gq.nparts());
-      const Gemm go = make_gemm(P.wo[L], nullptr, H, H, QD, M, 0, 1, P.hs, P.parts, regm);
+      const Gemm go = make_gemm(P.wo[L], nullptr, H, H, QD, M, 0, 1, P.hs, P.parts, regm, sm);
       if (!product(go, grid, smem) || !grid.sync()) return;
       phase_residual(P, M, go.nparts(), P.post_norm[L], red);
-      const Gemm gu = make_gemm(P.gate[L], P.up[L], I, 2 * I, H, M, 0, 1, P.hs, P.parts, regm);
+      const Gemm gu = make_gemm(P.gate[L], P.up[L], I, 2 * I, H, M, 0, 1, P.hs, P.parts, regm, sm);
       if (!product(gu, grid, smem) || !grid.sync()) return;
       phase_swiglu(P, M, gu.nparts());
-      const Gemm gd = make_gemm(P.down[L], nullptr, H, H, I, M, 0, 1, P.hs, P.parts, regm);
+      const Gemm gd = make_gemm(P.down[L], nullptr, H, H, I, M, 0, 1, P.hs, P.parts, regm, sm);
       if (!product(gd, grid, smem) || !grid.sync()) return;
       phase_residual(P, M, gd.nparts(), L + 1 < nlayers ? P.in_norm[L + 1] : P.final_norm, red);
     }
     // pass 0's head reads position 1 of each stream (hs rows 1, 3, 5, ...)
-    const Gemm gh = make_gemm(P.head[pass], nullptr, VC, VC, H, B, pass == 0 ? 1 : 0, R, P.hs, P.parts, regm);
+    const Gemm gh = make_gemm(P.head[pass], nullptr, VC, VC, H, B, pass == 0 ? 1 : 0, R, P.hs, P.parts, regm, sm);
     if (!product(gh, grid, smem) || !grid.sync()) return;
     phase_sample(P, pass, B, gh.nparts(), red, ms.codes, smem);
   }

@@ -10,17 +10,37 @@ namespace qbk {
 __device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
 __device__ __forceinline__ float4 mul4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
 
-// A product's 4 outputs at `off`: its nparts parts added left to right (gemm.cuh).
+constexpr int HP = H / PIECE;       // parts of a product over the hidden size (q|k|v, gate|up, heads)
+constexpr int GATHER = 8;          // logits per lane whose parts are loaded together in a draw
+
+// A product's 4 outputs at `off`: its np parts added left to right (gemm.cuh), loaded NP at a
+// time (one L2 latency per NP parts, not per part).
+template <int NP>
 __device__ __forceinline__ float4 sum_parts4(const float* parts, int np, size_t pstride, size_t off) {
-  float4 y = ldcg4(parts + off);
-  for (int p = 1; p < np; ++p) y = add4(y, ldcg4(parts + p * pstride + off));
+  float4 y;
+  for (int p0 = 0; p0 < np; p0 += NP) {
+    float4 v[NP];
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      if (p0 + p < np) v[p] = ldcg4(parts + (p0 + p) * pstride + off);
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      if (p0 + p < np) y = p0 + p == 0 ? v[p] : add4(y, v[p]);
+  }
   return y;
 }
 
-// The same for one output.
+// The same for one output (np <= NP: the heads' parts).
+template <int NP>
 __device__ __forceinline__ float sum_parts(const float* parts, int np, size_t pstride, size_t off) {
-  float y = __ldcg(parts + off);
-  for (int p = 1; p < np; ++p) y += __ldcg(parts + p * pstride + off);
+  float v[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p)
+    if (p < np) v[p] = __ldcg(parts + p * pstride + off);
+  float y = v[0];
+#pragma unroll
+  for (int p = 1; p < NP; ++p)
+    if (p < np) y += v[p];
   return y;
 }
 
@@ -32,9 +52,9 @@ __device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { re
 __device__ __forceinline__ void norm_store(const QbkParams& P, int r, float4 x, const float* w, float* red,
                                            float* hout = nullptr) {
   const int d = threadIdx.x * 4;
+  const float4 wv = __ldg(reinterpret_cast<const float4*>(w + d));  // in flight during the block sum
   const float ss = block_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w, red);
   const float rs = 1.0f / sqrtf(ss / (float)H + (float)P.eps);
-  const float4 wv = *reinterpret_cast<const float4*>(w + d);
   const float4 n = make_float4(wv.x * (x.x * rs), wv.y * (x.y * rs), wv.z * (x.z * rs), wv.w * (x.w * rs));
   __nv_bfloat16* h = hs_row(P, r);
   split_store4(h, h + KMAX, d, n);
@@ -82,7 +102,7 @@ __device__ __noinline__ inline void phase_residual(const QbkParams& P, int M, in
                                             bool to_hidden = false) {
   const int d = threadIdx.x * 4;
   for (int m = blockIdx.x; m < M; m += gridDim.x) {
-    const float4 y = sum_parts4(P.parts, np, (size_t)M * H, (size_t)m * H + d);
+    const float4 y = sum_parts4<HP>(P.parts, np, (size_t)M * H, (size_t)m * H + d);
     float* xr = P.x + (size_t)m * H + d;
     const float4 x = add4(ldcg4(xr), y);
     *reinterpret_cast<float4*>(xr) = x;
@@ -95,8 +115,8 @@ __device__ __noinline__ inline void phase_swiglu(const QbkParams& P, int M, int 
   const size_t ps = (size_t)M * NMAX;
   for (int e = blockIdx.x * THREADS + threadIdx.x; e < M * (I / 4); e += gridDim.x * THREADS) {
     const int m = e / (I / 4), i = (e % (I / 4)) * 4;
-    const float4 g = sum_parts4(P.parts, np, ps, (size_t)m * NMAX + i);
-    const float4 u = sum_parts4(P.parts, np, ps, (size_t)m * NMAX + I + i);
+    const float4 g = sum_parts4<HP>(P.parts, np, ps, (size_t)m * NMAX + i);
+    const float4 u = sum_parts4<HP>(P.parts, np, ps, (size_t)m * NMAX + I + i);
     const float4 a = make_float4(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y,
                                  g.z / (1.0f + expf(-g.z)) * u.z, g.w / (1.0f + expf(-g.w)) * u.w);
     __nv_bfloat16* h = hs_row(P, m);
@@ -141,14 +161,14 @@ __device__ __noinline__ inline void phase_attention(const QbkParams& P, int L, i
       const size_t row = (size_t)m * QKV + d;
       const float4 c = *reinterpret_cast<const float4*>(P.rope_cos + pos * HD + d);
       const float4 s = *reinterpret_cast<const float4*>(P.rope_sin + pos * HD + d);
-      const float4 k = norm_rope(sum_parts4(P.parts, np, ps, row + QD + kvh * HD), kw, eps, c, s, lane);
-      const float4 v = sum_parts4(P.parts, np, ps, row + QD + KVD + kvh * HD);
+      const float4 k = norm_rope(sum_parts4<HP>(P.parts, np, ps, row + QD + kvh * HD), kw, eps, c, s, lane);
+      const float4 v = sum_parts4<HP>(P.parts, np, ps, row + QD + KVD + kvh * HD);
       *reinterpret_cast<float4*>(kc + pos * HD) = k;
       *reinterpret_cast<float4*>(vc + pos * HD) = v;
 #pragma unroll 1
       for (int hh = 0; hh < 2; ++hh) {
         const int head = 2 * kvh + hh;
-        const float4 q = norm_rope(sum_parts4(P.parts, np, ps, row + head * HD), qw, eps, c, s, lane);
+        const float4 q = norm_rope(sum_parts4<HP>(P.parts, np, ps, row + head * HD), qw, eps, c, s, lane);
         // every cached key's and value's loads are issued before any is used (L2 latency once,
         // not per key); position pos comes from registers
         float4 kv[POS];

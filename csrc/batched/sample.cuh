@@ -51,11 +51,18 @@ struct Draw {
   int stream;
 };
 
+// Gumbel score of kept id `id` (x > -inf) of draw h.
+__device__ __forceinline__ double gumbel_score(float x, uint32_t id, uint32_t h) {
+  const uint32_t r = mix32(mix32(id + h) ^ h);
+  const double u = ((double)r + 0.5) * 2.3283064365386963e-10;
+  return (double)x - log(-log(u));
+}
+
 // xs: this warp's V = 32 SV logits in shared memory (id i at xs[i], lane l holding ids l + 32 j;
-// overwritten). Returns the code (same in every lane); finite: no NaN or +inf and not every logit
-// -inf.
+// overwritten); kept: this warp's KEPT_MAX ints of shared memory. Returns the code (same in every
+// lane); finite: no NaN or +inf and not every logit -inf.
 template <int SV>
-__device__ int warp_sample(float* xs, const Draw& dr, bool& finite) {
+__device__ int warp_sample(float* xs, int* kept, const Draw& dr, bool& finite) {
   constexpr int V = 32 * SV;
   const int lane = threadIdx.x & 31;
 #define X(i) xs[lane + 32 * (i)]
@@ -85,17 +92,22 @@ __device__ int warp_sample(float* xs, const Draw& dr, bool& finite) {
 #pragma unroll 4
   for (int i = 0; i < SV; ++i) X(i) = __fdiv_rn(X(i), dr.temperature);
   if (dr.top_k > 0 && dr.top_k < V) {  // the k-th largest order key: the largest t with count(key >= t) >= k
+    // the keys in registers for the 32 counting rounds (they fit in 32 bits: no NaN here)
+    int32_t key[SV];
+#pragma unroll
+    for (int i = 0; i < SV; ++i) key[i] = (int32_t)order_key(X(i));
     int64_t lo = -0x7F800000LL, hi = 0x7F800001LL;
     for (int it = 0; it < 32; ++it) {
       const int64_t mid = (lo + hi) >> 1;
+      const int32_t m32 = (int32_t)mid;  // |mid| < 2^31
       int c = 0;
-#pragma unroll 4
-      for (int i = 0; i < SV; ++i) c += order_key(X(i)) >= mid;
+#pragma unroll
+      for (int i = 0; i < SV; ++i) c += key[i] >= m32;
       if (warp_count(c) >= dr.top_k) lo = mid; else hi = mid;
     }
-#pragma unroll 4
+#pragma unroll
     for (int i = 0; i < SV; ++i)
-      if (order_key(X(i)) < lo) X(i) = -INFINITY;
+      if (key[i] < (int32_t)lo) X(i) = -INFINITY;
   }
   if (dr.top_p < 1.0f) {
     float m = -INFINITY;
@@ -125,15 +137,38 @@ __device__ int warp_sample(float* xs, const Draw& dr, bool& finite) {
   h = mix32(h ^ (uint32_t)(dr.counter & 0xFFFFFFFF));
   h = mix32(h ^ (uint32_t)(dr.counter >> 32));
   h = mix32(h ^ (uint32_t)dr.stream);
+  // The score's two fp64 logarithms only for the ids the filters kept (top-k's 50 of 2048 by
+  // default): their ids listed in id order, 32 at a time; the largest score, first id among ties,
+  // whatever the order (a removed id scores -inf and never wins).
+  int nk = 0;
+#pragma unroll 4
+  for (int i = 0; i < SV; ++i) nk += __popc(__ballot_sync(0xffffffffu, X(i) > -INFINITY));
   double bv = -INFINITY;
   int bi = lane;
+  if (nk <= KEPT_MAX) {
+    int base = 0;
+    const uint32_t below = (1u << lane) - 1u;
 #pragma unroll 4
-  for (int i = 0; i < SV; ++i) {
-    const uint32_t id = lane + 32 * i;
-    const uint32_t r = mix32(mix32(id + h) ^ h);
-    const double u = ((double)r + 0.5) * 2.3283064365386963e-10;
-    const double sc = (double)X(i) - log(-log(u));
-    if (sc > bv) { bv = sc; bi = (int)id; }
+    for (int i = 0; i < SV; ++i) {
+      const bool k = X(i) > -INFINITY;
+      const uint32_t msk = __ballot_sync(0xffffffffu, k);
+      if (k) kept[base + __popc(msk & below)] = lane + 32 * i;
+      base += __popc(msk);
+    }
+    __syncwarp();
+    for (int t = lane; t < nk; t += 32) {
+      const int id = kept[t];
+      const double sc = gumbel_score(xs[id], (uint32_t)id, h);
+      if (sc > bv || (sc == bv && id < bi)) { bv = sc; bi = id; }
+    }
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < SV; ++i) {
+      if (!(X(i) > -INFINITY)) continue;
+      const int id = lane + 32 * i;
+      const double sc = gumbel_score(X(i), (uint32_t)id, h);
+      if (sc > bv) { bv = sc; bi = id; }
+    }
   }
   return warp_argmax(bv, bi);
 #undef X

@@ -2,6 +2,8 @@
 // pool in chunks with their merge, and the code-0 draw with the slot's state commit. Like every
 // phase here, a row's values depend on that row alone, in a fixed order.
 #pragma once
+#include <type_traits>
+
 #include "rows.cuh"
 #include "sample.cuh"
 
@@ -72,24 +74,60 @@ struct Pool {
   }
 };
 
-constexpr int KG = 8;  // keys whose loads are in flight together
+// Keys whose loads are in flight together: a group (8 from a bf16 pool, 4 from an fp32 one; two
+// groups in registers at a time). A group never spans a pool block (block sizes are multiples of 8).
+template <bool F32>
+constexpr int kg() { return F32 ? 4 : 8; }
 
 __device__ __forceinline__ float* apart_at(const QbkParams& P, int m, int kvh, int c, int h) {
   return P.apart + ((((size_t)m * NKV + kvh) * MAXCH + c) * 2 + h) * APART;
+}
+
+// A group's keys and values as loaded (the pool's type: 4 fp32 or 4 bf16 per lane and key).
+template <bool F32>
+struct KVGroup {
+  using Raw = typename std::conditional<F32, float4, uint2>::type;
+  Raw k[kg<F32>()], v[kg<F32>()];
+  __device__ static float4 f(const float4& r) { return r; }
+  __device__ static float4 f(const uint2& r) { return make_float4(lo_bf(r.x), hi_bf(r.x), lo_bf(r.y), hi_bf(r.y)); }
+};
+
+// Keys j .. j + kg - 1 (< j1; the new position pos is not read: it is the caller's kn / vn) of
+// (slot, kv head), one block-table read for the group.
+template <bool F32>
+__device__ __forceinline__ void load_group(const Pool& pool, int64_t slot, int kvh, int j, int j1, int pos, int d,
+                                           KVGroup<F32>& g) {
+  using Raw = typename KVGroup<F32>::Raw;
+  const size_t at = pool.at(slot, kvh, j, d);
+  const Raw* kb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_k) + at);
+  const Raw* vb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_v) + at);
+  constexpr int step = HD / 4;  // Raw units per key row
+#pragma unroll
+  for (int u = 0; u < kg<F32>(); ++u) {
+    if (j + u < j1 && j + u != pos) {
+      g.k[u] = __ldcg(kb + u * step);
+      g.v[u] = __ldcg(vb + u * step);
+    } else {
+      g.k[u] = g.v[u] = Raw{};
+    }
+  }
 }
 
 // One warp per (row m, kv head, chunk c) that exists: the two q heads (q|k|v parts, q-norm, RoPE
 // at the stream's position) over the chunk's keys, in order, as an online softmax; the chunk that
 // holds the new position first stores that position's k (k-norm, RoPE) and v into the pool, in
 // the pool's type, and uses the stored values. Each chunk's state (o, max, sum) per head goes to
-// apart.
-__device__ __noinline__ inline void phase_talker_attention(const QbkParams& P, int L, int B, int np) {
+// apart. The keys go in groups of kg, the next group's loads issued before the current group's
+// arithmetic (the first group's before the q|k|v sums).
+template <bool F32>
+__device__ __noinline__ void talker_attention(const QbkParams& P, int L, int B, int np) {
   const size_t ps = (size_t)B * QKV;
   const int lane = threadIdx.x & 31, d = 4 * lane;
   const float eps = (float)P.eps, scale = (float)P.scale;
   const float4 qw = *reinterpret_cast<const float4*>(P.t_q_norm[L] + d);
   const float4 kw = *reinterpret_cast<const float4*>(P.t_k_norm[L] + d);
   const Pool pool{P, L};
+  constexpr int KG = kg<F32>();
   for (int item = global_warp(); item < B * NKV * MAXCH; item += gridDim.x * WARPS) {
     const int c = item % MAXCH, kvh = (item / MAXCH) % NKV, m = item / (MAXCH * NKV);
     const int64_t slot = P.rows[m];
@@ -97,44 +135,32 @@ __device__ __noinline__ inline void phase_talker_attention(const QbkParams& P, i
     const Chunks ch = chunks_of(pos + 1);
     if (c >= ch.n) continue;
     const int j0 = c * ch.per * ATT_UNIT, j1 = pos + 1 < j0 + ch.per * ATT_UNIT ? pos + 1 : j0 + ch.per * ATT_UNIT;
+    KVGroup<F32> cur, nxt;
+    load_group<F32>(pool, slot, kvh, j0, j1, pos, d, cur);
     const size_t row = (size_t)m * QKV + d;
     const float4 cs = *reinterpret_cast<const float4*>(P.t_rope_cos + (size_t)pos * HD + d);
     const float4 sn = *reinterpret_cast<const float4*>(P.t_rope_sin + (size_t)pos * HD + d);
     float4 q[2];
     for (int h = 0; h < 2; ++h)
-      q[h] = norm_rope(sum_parts4(P.parts, np, ps, row + (2 * kvh + h) * HD), qw, eps, cs, sn, lane);
+      q[h] = norm_rope(sum_parts4<HP>(P.parts, np, ps, row + (2 * kvh + h) * HD), qw, eps, cs, sn, lane);
     float4 kn = make_float4(0.f, 0.f, 0.f, 0.f), vn = kn;
     if (j1 == pos + 1) {
       const size_t at = pool.at(slot, kvh, pos, d);
-      kn = pool.store(P.kv_k, at, norm_rope(sum_parts4(P.parts, np, ps, row + QD + kvh * HD), kw, eps, cs, sn, lane));
-      vn = pool.store(P.kv_v, at, sum_parts4(P.parts, np, ps, row + QD + KVD + kvh * HD));
+      kn = pool.store(P.kv_k, at, norm_rope(sum_parts4<HP>(P.parts, np, ps, row + QD + kvh * HD), kw, eps, cs, sn, lane));
+      vn = pool.store(P.kv_v, at, sum_parts4<HP>(P.parts, np, ps, row + QD + KVD + kvh * HD));
     }
-    // keys in groups of KG from j0: the group's K and V loads are issued first (one memory latency
-    // per group), then its scores, one softmax rescale per group, its values in order
+    // per group: its scores, one softmax rescale, its values in order
     float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     for (int j = j0; j < j1; j += KG) {
-      float4 kk[KG], vv[KG];
-#pragma unroll
-      for (int u = 0; u < KG; ++u) {
-        const int jj = j + u;
-        kk[u] = vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (jj < j1 && jj != pos) {
-          const size_t at = pool.at(slot, kvh, jj, d);
-          kk[u] = pool.load(P.kv_k, at);
-          vv[u] = pool.load(P.kv_v, at);
-        } else if (jj == pos) {
-          kk[u] = kn;
-          vv[u] = vn;
-        }
-      }
+      if (j + KG < j1) load_group<F32>(pool, slot, kvh, j + KG, j1, pos, d, nxt);
       const int nk = j1 - j < KG ? j1 - j : KG;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float s[KG], gm = -INFINITY;
 #pragma unroll
         for (int u = 0; u < KG; ++u) {
-          s[u] = u < nk ? warp_sum(dot4(q[h], kk[u])) * scale : -INFINITY;
+          s[u] = u < nk ? warp_sum(dot4(q[h], j + u == pos ? kn : KVGroup<F32>::f(cur.k[u]))) * scale : -INFINITY;
           gm = fmaxf(gm, s[u]);
         }
         const float mn = fmaxf(mx[h], gm), a = expf(mx[h] - mn);
@@ -144,13 +170,15 @@ __device__ __noinline__ inline void phase_talker_attention(const QbkParams& P, i
         for (int u = 0; u < KG; ++u) {
           if (u >= nk) break;
           const float p = expf(s[u] - mn);
+          const float4 vu = j + u == pos ? vn : KVGroup<F32>::f(cur.v[u]);
           lsum += p;
-          acc = make_float4(acc.x + p * vv[u].x, acc.y + p * vv[u].y, acc.z + p * vv[u].z, acc.w + p * vv[u].w);
+          acc = make_float4(acc.x + p * vu.x, acc.y + p * vu.y, acc.z + p * vu.z, acc.w + p * vu.w);
         }
         o[h] = acc;
         l[h] = lsum;
         mx[h] = mn;
       }
+      cur = nxt;
     }
     for (int h = 0; h < 2; ++h) {
       float* st = apart_at(P, m, kvh, c, h);
@@ -163,9 +191,15 @@ __device__ __noinline__ inline void phase_talker_attention(const QbkParams& P, i
   }
 }
 
+__device__ __forceinline__ void phase_talker_attention(const QbkParams& P, int L, int B, int np) {
+  if (P.kv_fp32) talker_attention<true>(P, L, B, np);
+  else talker_attention<false>(P, L, B, np);
+}
+
 // One warp per (row m, kv head): its chunks' states merged in chunk order -> the two heads'
 // attention outputs into hs (o_proj's input).
 __device__ __noinline__ inline void phase_talker_combine(const QbkParams& P, int B) {
+  constexpr int CB = 4;
   const int lane = threadIdx.x & 31, d = 4 * lane;
   for (int item = global_warp(); item < B * NKV; item += gridDim.x * WARPS) {
     const int m = item / NKV, kvh = item % NKV;
@@ -173,14 +207,27 @@ __device__ __noinline__ inline void phase_talker_combine(const QbkParams& P, int
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY, l = 0.f;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int c = 0; c < ch.n; ++c) {
-        const float* st = apart_at(P, m, kvh, c, h);
-        const float mc = __ldcg(st + HD), lc = __ldcg(st + HD + 1);
-        const float4 oc = ldcg4(st + d);
-        const float mn = fmaxf(mx, mc), a = expf(mx - mn), b = expf(mc - mn);
-        o = make_float4(o.x * a + oc.x * b, o.y * a + oc.y * b, o.z * a + oc.z * b, o.w * a + oc.w * b);
-        l = l * a + lc * b;
-        mx = mn;
+      for (int c0 = 0; c0 < ch.n; c0 += CB) {  // CB chunks' loads in flight at once
+        float4 os[CB];
+        float2 ml[CB];
+#pragma unroll
+        for (int u = 0; u < CB; ++u) {
+          if (c0 + u < ch.n) {
+            const float* st = apart_at(P, m, kvh, c0 + u, h);
+            os[u] = ldcg4(st + d);
+            ml[u] = __ldcg(reinterpret_cast<const float2*>(st + HD));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < CB; ++u) {
+          if (c0 + u >= ch.n) break;
+          const float mc = ml[u].x, lc = ml[u].y;
+          const float4 oc = os[u];
+          const float mn = fmaxf(mx, mc), a = expf(mx - mn), b = expf(mc - mn);
+          o = make_float4(o.x * a + oc.x * b, o.y * a + oc.y * b, o.z * a + oc.z * b, o.w * a + oc.w * b);
+          l = l * a + lc * b;
+          mx = mn;
+        }
       }
       __nv_bfloat16* hr = hs_row(P, m);
       split_store4(hr, hr + KMAX, (2 * kvh + h) * HD + d, make_float4(o.x / l, o.y / l, o.z / l, o.w / l));
@@ -201,22 +248,29 @@ __device__ __forceinline__ void talker_draw_row(const QbkParams& P, int m, int B
   const float pen = P.floats[P.f_penalty * ns + slot];
   const uint8_t* seen = P.seen + slot * VT;
   float* xs = reinterpret_cast<float*>(smem) + warp * VT;
+  int* kept = reinterpret_cast<int*>(smem) + WARPS * VT + warp * KEPT_MAX;
   const size_t ps = (size_t)B * VT;
-  for (int i = 0; i < VT / 32; ++i) {
-    const int v = lane + 32 * i;
-    float x = sum_parts(P.parts, np, ps, (size_t)m * VT + v);
-    if (P.dump != nullptr) P.dump[m * P.dump_stride + PASSES * P.dump_pass + v] = x;
-    if (seen[v]) x = x < 0.f ? x * pen : __fdiv_rn(x, pen);
-    if (v >= P.suppress_start && v != P.eos) x = -INFINITY;
-    if (v == P.eos && gate < P.min_new_tokens) x = -INFINITY;
-    xs[v] = x;
+  for (int i0 = 0; i0 < VT / 32; i0 += GATHER) {
+    float g[GATHER];  // GATHER x nparts loads in flight
+#pragma unroll
+    for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(P.parts, np, ps, (size_t)m * VT + lane + 32 * (i0 + u));
+#pragma unroll
+    for (int u = 0; u < GATHER; ++u) {
+      const int v = lane + 32 * (i0 + u);
+      float x = g[u];
+      if (P.dump != nullptr) P.dump[m * P.dump_stride + PASSES * P.dump_pass + v] = x;
+      if (seen[v]) x = x < 0.f ? x * pen : __fdiv_rn(x, pen);
+      if (v >= P.suppress_start && v != P.eos) x = -INFINITY;
+      if (v == P.eos && gate < P.min_new_tokens) x = -INFINITY;
+      xs[v] = x;
+    }
   }
   const Draw dr{ival(P, P.f_t_do_sample, slot), P.floats[P.f_t_temperature * ns + slot],
                 ival(P, P.f_t_top_k, slot),     P.floats[P.f_t_top_p * ns + slot],
                 P.seed[slot],                    (int64_t)nsamp,
                 0};
   bool finite;
-  int code = warp_sample<VT / 32>(xs, dr, finite);
+  int code = warp_sample<VT / 32>(xs, kept, dr, finite);
   code = code < 0 ? 0 : code >= VT ? VT - 1 : code;
   if (lane == 0) {
     int32_t* o = P.out + m * P.out_stride;

@@ -32,6 +32,7 @@
 struct uint3 { unsigned x, y, z; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -235,6 +236,19 @@ inline int __any_sync(unsigned, int pred) {
   simt::barrier(w.bar, 32);
   return any;
 }
+
+inline unsigned __ballot_sync(unsigned, int pred) {
+  simt::WarpState& w = simt::warp();
+  const int l = simt::lane();
+  w.slot[l][0] = pred != 0;
+  simt::barrier(w.bar, 32);
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m |= (w.slot[i][0] ? 1u : 0u) << i;
+  simt::barrier(w.bar, 32);
+  return m;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { simt::barrier(simt::warp().bar, 32); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 // ---- csrc/batched/arch.cuh's primitives ----------------------------------------------------------
 namespace qbk {

@@ -107,10 +107,9 @@ def check_shapes(p: FrameParams, lib: BatchedKernelLibrary) -> None:
 
 
 def parts_floats(lib: BatchedKernelLibrary, max_rows: int) -> int:
-    """Floats of the product-output buffer: the register path's K / PIECE parts of the widest
-    product for at most REG_MAX_M rows, or one part for all 2 max_rows rows of the first pass."""
-    r2 = 2 * max_rows
-    return max(lib.PARTS_REG_PER_ROW * min(r2, lib.REG_MAX_M), lib.PARTS_SMEM_PER_ROW * r2)
+    """Floats of the product-output buffer: the K / PIECE parts of the widest product (either
+    path may leave its pieces to the consumer) for all 2 max_rows rows of the first pass."""
+    return lib.PARTS_PER_ROW * 2 * max_rows
 
 
 def scratch_bytes(max_rows: int, max_positions: int, lib: BatchedKernelLibrary | None = None) -> int:
@@ -193,7 +192,7 @@ class CudaFrame:
                  x=ptr(self.x), hs=ptr(self.hs), parts=ptr(self.parts), cpk=ptr(cp_k), cpv=ptr(cp_v),
                  flags=ptr(self.flags), sync=ptr(self.sync), max_rows=self.max_rows, eps=float(cfg.rms_norm_eps),
                  scale=float(cfg.head_dim ** -0.5), timeout_ns=TIMEOUT_NS if dev.type == "cuda" else 10**15,
-                 reg_max_m=reg_max_m, num_layers=cfg.num_layers, num_passes=params.num_passes,
+                 reg_max_m=reg_max_m, split_mode=0, num_layers=cfg.num_layers, num_passes=params.num_passes,
                  f_pos=POS, f_text_step=TEXT_STEP, f_n_trailing=N_TRAILING, f_eos_from=EOS_FROM,
                  f_t_do_sample=DO_SAMPLE, f_t_top_k=TOP_K, f_t_temperature=TEMPERATURE, f_t_top_p=TOP_P,
                  f_penalty=PENALTY, seen=ptr(state.seen), trailing=ptr(state.trailing), pad_embed=ptr(state.pad_embed),
@@ -202,7 +201,8 @@ class CudaFrame:
                  codec_head=ptr(params.codec_head), t_rope_cos=ptr(self.t_rope[0]), t_rope_sin=ptr(self.t_rope[1]),
                  t_num_layers=tcfg.num_layers, kv_k=ptr(kv.k), kv_v=ptr(kv.v),
                  kv_fp32=int(kv.k.dtype == torch.float32), kv_blocks=kv.k.shape[1], kv_block_size=kv.block_size,
-                 block_table=ptr(kv.table), table_stride=kv.table.stride(0), apart=ptr(self.apart))
+                 block_table=ptr(kv.table), table_stride=kv.table.stride(0), apart=ptr(self.apart),
+                 trace=0, trace_events=0)
         assert state.trailing.dtype == torch.bfloat16 and state.pad_embed.dtype == torch.bfloat16
         assert state.seen.dtype == torch.uint8 and params.codec_head.is_contiguous()
         self.buf = L.pack(v)
@@ -228,6 +228,15 @@ class CudaFrame:
         self._knob("reg_max_m", m, 0, self.lib.REG_MAX_M)
 
     @property
+    def split_mode(self) -> int:
+        """The shared-memory path's K split: 0 its cost model, 1 never, 2 always (same bits)."""
+        return self._knob("split_mode")
+
+    @split_mode.setter
+    def split_mode(self, mode: int) -> None:
+        self._knob("split_mode", mode, 0, 2)
+
+    @property
     def num_passes(self) -> int:
         """Tests and bisection: run only the first passes (codes of later groups are 0)."""
         return self._knob("num_passes")
@@ -235,6 +244,17 @@ class CudaFrame:
     @num_passes.setter
     def num_passes(self, n: int) -> None:
         self._knob("num_passes", n, 1, self.lib.PASSES)
+
+    def set_trace(self, trace: torch.Tensor | None) -> None:
+        """Profiling: with a [blocks, events, 2] int64 tensor, every later launch writes each grid
+        barrier's arrival and exit time (globaltimer ns, per block, barriers in launch order) into
+        it, up to `events` barriers; None stops it."""
+        if trace is not None:
+            assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.device == self.x.device
+            assert trace.dim() == 3 and trace.shape[0] == self.blocks and trace.shape[2] == 2
+        struct.pack_into("<Q", self.buf, self.lib.fields["trace"][0], trace.data_ptr() if trace is not None else 0)
+        struct.pack_into("<q", self.buf, self.lib.fields["trace_events"][0], trace.shape[1] if trace is not None else 0)
+        self._trace = trace
 
     def predict(self, rows: torch.Tensor, n: int, bpad: int | None = None) -> None:
         """rows: int64 tensor (on the kernel's device) whose first n entries are the step's slots."""
@@ -265,6 +285,24 @@ class CudaFrame:
             if half in (None, name) and int(self.err_host[i]):
                 raise RuntimeError(f"batched {name} kernel: a grid barrier wait exceeded {TIMEOUT_NS / 1e9:.0f} s "
                                    f"(error {int(self.err_host[i])})")
+
+
+def barrier_phases(half: str, layers: int, passes: int = 15) -> list[str]:
+    """The phase that ends at each grid barrier of a `half` ("predict" or "advance") launch, in
+    launch order, as predict.cu / advance.cu run them: names for `CudaFrame.set_trace`'s events."""
+    if half == "predict":
+        layer = ["res2", "qkv", "attn", "o", "res1", "gu", "swiglu", "down"]
+        out = []
+        for p in range(passes):
+            for L in range(layers):
+                out += (["init" if p == 0 else "sample"] if L == 0 else ["res2"]) + layer[1:]
+            out += ["res2", "head"]
+        return out
+    layer = ["res2", "qkv", "attn", "combine", "o", "res1", "gu", "swiglu", "down"]
+    out = []
+    for L in range(layers):
+        out += (["input"] if L == 0 else ["res2"]) + layer[1:]
+    return out + ["res2", "head"]
 
 
 def is_available() -> bool:
