@@ -23,8 +23,8 @@ eng.run(StepPlan(admit=tuple(Admission(i, checks.random_prompt(i, 20 + 9 * i, 10
                                        SamplingConfig(seed=i)) for i in range(8))))
 cf = CudaFrame(eng.p, eng.state, eng.kv, eng.frame, eng.max_positions)
 rows = torch.arange(8, dtype=torch.int64, device="cuda")
-for regm in (16, 0):  # both product paths
-    cf.reg_max_m = regm
+for regm, split in ((16, 0), (0, 1), (0, 2)):  # every product schedule: registers, shared memory whole-K and split
+    cf.reg_max_m, cf.split_mode = regm, split
     cf.predict(rows, 8)
     cf.advance(rows, 8)
     torch.cuda.synchronize()
