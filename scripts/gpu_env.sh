@@ -2,7 +2,7 @@
 # run_bench_gpu.sh): repo root as the working directory, $OUT for results, unbuffered Python, and
 # the wheels carried in .whl/ (packages the GPU image lacks) installed into /tmp/site.
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[1]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # this file is in scripts/
 cd "$ROOT"
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
