@@ -141,9 +141,12 @@ __device__ __forceinline__ float4 norm_rope(float4 v, float4 w, float eps, float
 
 __device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
-// One warp per (stream b, kv head): for each of the stream's R rows (pass 0: positions 0 and 1,
-// else position pass + 1): q|k|v from the q|k|v product's parts, q/k norm + RoPE, k/v into the
-// frame's code-predictor cache, both q heads over positions 0..pos -> hs (o_proj's input).
+// One warp per (stream b, q head): for each of the stream's R rows (pass 0: positions 0 and 1,
+// else position pass + 1): its q and its kv head's k, v from the q|k|v product's parts (q/k norm,
+// RoPE), the head over positions 0..pos -> hs (o_proj's input); the kv head's first q head's warp
+// stores k/v into the frame's code-predictor cache. Keys and values of earlier passes come from
+// the cache, all loads issued before the first is used; pass 0's row 1 takes position 0 from
+// registers (another warp may still be writing it).
 __device__ __noinline__ inline void phase_attention(const QbkParams& P, int L, int pass, int B, int R, int np) {
   const int M = B * R;
   const size_t ps = (size_t)M * QKV;
@@ -151,52 +154,56 @@ __device__ __noinline__ inline void phase_attention(const QbkParams& P, int L, i
   const float eps = (float)P.eps, scale = (float)P.scale;
   const float4 qw = *reinterpret_cast<const float4*>(P.q_norm[L] + d);
   const float4 kw = *reinterpret_cast<const float4*>(P.k_norm[L] + d);
-  for (int item = global_warp(); item < B * NKV; item += gridDim.x * WARPS) {
-    const int b = item / NKV, kvh = item % NKV;
+  for (int item = global_warp(); item < B * NH; item += gridDim.x * WARPS) {
+    const int b = item / NH, head = item % NH, kvh = head / 2;
     const size_t cbase = (((size_t)L * P.max_rows + b) * NKV + kvh) * POS * HD + d;
     float* kc = P.cpk + cbase;
     float* vc = P.cpv + cbase;
+    float4 k0 = make_float4(0.f, 0.f, 0.f, 0.f), v0 = k0;  // pass 0: row 0's key and value
     for (int r = 0; r < R; ++r) {
       const int m = b * R + r, pos = pass == 0 ? r : pass + 1;
       const size_t row = (size_t)m * QKV + d;
+      const float4 yk = sum_parts4<HP>(P.parts, np, ps, row + QD + kvh * HD);
+      const float4 v = sum_parts4<HP>(P.parts, np, ps, row + QD + KVD + kvh * HD);
+      const float4 yq = sum_parts4<HP>(P.parts, np, ps, row + head * HD);
+      float4 kf[POS];
+#pragma unroll
+      for (int j = 0; j < POS; ++j) kf[j] = j < pos && pass > 0 ? ldcg4(kc + j * HD) : k0;
       const float4 c = *reinterpret_cast<const float4*>(P.rope_cos + pos * HD + d);
       const float4 s = *reinterpret_cast<const float4*>(P.rope_sin + pos * HD + d);
-      const float4 k = norm_rope(sum_parts4<HP>(P.parts, np, ps, row + QD + kvh * HD), kw, eps, c, s, lane);
-      const float4 v = sum_parts4<HP>(P.parts, np, ps, row + QD + KVD + kvh * HD);
-      *reinterpret_cast<float4*>(kc + pos * HD) = k;
-      *reinterpret_cast<float4*>(vc + pos * HD) = v;
-#pragma unroll 1
-      for (int hh = 0; hh < 2; ++hh) {
-        const int head = 2 * kvh + hh;
-        const float4 q = norm_rope(sum_parts4<HP>(P.parts, np, ps, row + head * HD), qw, eps, c, s, lane);
-        // every cached key's and value's loads are issued before any is used (L2 latency once,
-        // not per key); position pos comes from registers
-        float4 kv[POS];
-#pragma unroll
-        for (int j = 0; j < POS; ++j) kv[j] = j < pos ? ldcg4(kc + j * HD) : k;
-        float sc[POS];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < POS; ++j) {
-          if (j > pos) break;
-          sc[j] = warp_sum(dot4(q, kv[j])) * scale;
-          mx = fmaxf(mx, sc[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < POS; ++j) kv[j] = j < pos ? ldcg4(vc + j * HD) : v;
-        float l = 0.f;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int j = 0; j < POS; ++j) {
-          if (j > pos) break;
-          const float p = expf(sc[j] - mx);
-          l += p;
-          o = make_float4(o.x + p * kv[j].x, o.y + p * kv[j].y, o.z + p * kv[j].z, o.w + p * kv[j].w);
-        }
-        o = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
-        __nv_bfloat16* h = hs_row(P, m);
-        split_store4(h, h + KMAX, head * HD + d, o);
+      const float4 k = norm_rope(yk, kw, eps, c, s, lane);
+      if ((head & 1) == 0) {
+        *reinterpret_cast<float4*>(kc + pos * HD) = k;
+        *reinterpret_cast<float4*>(vc + pos * HD) = v;
       }
+      k0 = k;
+#pragma unroll
+      for (int j = 0; j < POS; ++j) kf[j] = j < pos ? kf[j] : k;
+      const float4 q = norm_rope(yq, qw, eps, c, s, lane);
+      float sc[POS];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < POS; ++j) {
+        if (j > pos) break;
+        sc[j] = warp_sum(dot4(q, kf[j])) * scale;
+        mx = fmaxf(mx, sc[j]);
+      }
+      float4 vf[POS];  // the values' loads, after the keys' (their registers)
+#pragma unroll
+      for (int j = 0; j < POS; ++j) vf[j] = j < pos ? (pass > 0 ? ldcg4(vc + j * HD) : v0) : v;
+      v0 = v;
+      float l = 0.f;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < POS; ++j) {
+        if (j > pos) break;
+        const float p = expf(sc[j] - mx);
+        l += p;
+        o = make_float4(o.x + p * vf[j].x, o.y + p * vf[j].y, o.z + p * vf[j].z, o.w + p * vf[j].w);
+      }
+      o = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
+      __nv_bfloat16* h = hs_row(P, m);
+      split_store4(h, h + KMAX, head * HD + d, o);
     }
   }
 }

@@ -74,10 +74,15 @@ struct Pool {
   }
 };
 
-// Keys whose loads are in flight together: a group (8 from a bf16 pool, 4 from an fp32 one; two
-// groups in registers at a time). A group never spans a pool block (block sizes are multiples of 8).
+// Keys whose loads are in flight together: a group (QBK_KG_BF16 from a bf16 pool, 4 from an fp32
+// one; two groups in registers at a time). A group never spans a pool block (the host requires
+// block sizes that are multiples of 16).
+#ifndef QBK_KG_BF16
+#define QBK_KG_BF16 8
+#endif
+static_assert(16 % QBK_KG_BF16 == 0, "key groups tile a pool block");
 template <bool F32>
-constexpr int kg() { return F32 ? 4 : 8; }
+constexpr int kg() { return F32 ? 4 : QBK_KG_BF16; }
 
 __device__ __forceinline__ float* apart_at(const QbkParams& P, int m, int kvh, int c, int h) {
   return P.apart + ((((size_t)m * NKV + kvh) * MAXCH + c) * 2 + h) * APART;
@@ -98,7 +103,7 @@ template <bool F32>
 __device__ __forceinline__ void load_group(const Pool& pool, int64_t slot, int kvh, int j, int j1, int pos, int d,
                                            KVGroup<F32>& g) {
   using Raw = typename KVGroup<F32>::Raw;
-  const size_t at = pool.at(slot, kvh, j, d);
+  const size_t at = j < j1 ? pool.at(slot, kvh, j, d) : 0;  // past the chunk: nothing is read
   const Raw* kb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_k) + at);
   const Raw* vb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_v) + at);
   constexpr int step = HD / 4;  // Raw units per key row
@@ -153,7 +158,7 @@ __device__ __noinline__ void talker_attention(const QbkParams& P, int L, int B, 
     float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     for (int j = j0; j < j1; j += KG) {
-      if (j + KG < j1) load_group<F32>(pool, slot, kvh, j + KG, j1, pos, d, nxt);
+      load_group<F32>(pool, slot, kvh, j + KG, j1, pos, d, nxt);  // (all zeros past the chunk)
       const int nk = j1 - j < KG ? j1 - j : KG;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

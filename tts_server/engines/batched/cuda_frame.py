@@ -160,6 +160,8 @@ class CudaFrame:
         self.t_rope = (cos[0].contiguous(), sin[0].contiguous())  # [max_positions, HD]
         self.apart = torch.empty(self.max_rows, L.APART_PER_ROW, dtype=torch.float32, device=dev)
         assert kv.k.is_contiguous() and kv.table.is_contiguous() and kv.k.dtype in (torch.bfloat16, torch.float32)
+        if kv.block_size % 16:  # the talker attention's key groups never span a block
+            raise ValueError(f"the batched kernel needs a KV block size that is a multiple of 16, got {kv.block_size}")
         blocks = ctypes.c_int(0)
         index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" else 0)
         rc = L.lib.qbk_grid_size(index, ctypes.byref(blocks))
