@@ -10,6 +10,7 @@ under --out): the code-predictor half (`predict`) and the talker step (`advance`
                engine steps (frame_kernel="cuda") with checks.invariance (B 1/3/17/64, 64 frames)
   bench        predict and advance times vs B at mixed contexts (mean 500) and 1000 (CUDA events,
                median) beside the Triton graphs; the register-path threshold sweep
+  tiles        the shared-memory path's tile and K-split choices against its default (B 32..256)
 
   PYTHONPATH=. python3 scripts/gpu_cuda_frame.py --out $OUT [--sections smoke,vs_triton,...]
 """
@@ -172,6 +173,34 @@ def time_ms(fn, iters: int = 20, warm: int = 3) -> float:
     return float(np.median([e0.elapsed_time(e1) for e0, e1 in ev]))
 
 
+def tiles(w) -> dict:
+    """The shared-memory path's schedules against its default: predict and advance times (ms)
+    at B = 32..256 (mixed contexts, register path off) for every tile candidate (1..6: rows x
+    inputs 128x64, 64x64, 128x32, 64x32, 32x64, 32x32) whole-K (split 1) or split (2), and the
+    default choice (tile 0, split 0)."""
+    eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1, use_graphs=False)
+    cf = CudaFrame(eng.p, eng.state, eng.kv, eng.frame, eng.max_positions)
+    out = {}
+    for b in (32, 64, 128, 256):
+        fake_streams(eng, checks.mixed_lengths(b), seed=5)
+        rows = torch.arange(b, device="cuda")
+        pos0 = eng.state.ints[POS].clone()
+        cf.reg_max_m = 16
+        r = {}
+        for tile, split in [(0, 0)] + [(t, sp) for t in range(1, 7) for sp in (1, 2)]:
+            cf.tile, cf.split_mode = tile, split
+            kp = time_ms(lambda: cf.predict(rows, b), iters=5, warm=1)
+            ka = time_ms(lambda: (eng.state.ints[POS].copy_(pos0), cf.advance(rows, b)), iters=5, warm=1)
+            r[f"t{tile}s{split}"] = (round(kp, 3), round(ka, 3))
+        eng.state.ints[POS].copy_(pos0)
+        cf.tile, cf.split_mode = 0, 0
+        best_p = min(r.items(), key=lambda kv: kv[1][0])
+        best_a = min(r.items(), key=lambda kv: kv[1][1])
+        out[b] = dict(times=r, model=r["t0s0"], best_predict=best_p, best_advance=best_a)
+        log(f"tiles B {b}: model {r['t0s0']}  best predict {best_p}  best advance {best_a}")
+    return out
+
+
 def bench(w) -> dict:
     """The Triton graphs and the kernels over the same state (an engine with graphs, a CudaFrame
     on its buffers); positions restored before every timing."""
@@ -244,6 +273,7 @@ def main() -> None:
     del eng, cf
     torch.cuda.empty_cache()
     section("bench", lambda: bench(w))
+    section("tiles", lambda: tiles(w))
     log("done")
 
 

@@ -66,5 +66,7 @@ static_assert(VC % 32 == 0 && VT % 32 == 0, "sampling: whole logits per lane");
 constexpr int KEPT_MAX = 256;     // a draw's list of kept ids (more: scored in place)
 static_assert(WARPS * (VT + KEPT_MAX) * 4 <= SMEM_BYTES, "sampling: a warp's logits and kept ids in shared memory");
 static_assert(QKV % 16 == 0 && I % 16 == 0 && VC % 16 == 0, "rows: whole 16-row tiles");
+static_assert(QKV % 128 == 0 && H % 128 == 0 && (2 * I) % 128 == 0 && VC % 128 == 0 && VT % 128 == 0,
+              "shared-memory path: whole 128-row tiles");
 
 }  // namespace qbk

@@ -44,37 +44,28 @@ struct Gemm {
   __device__ int ntasks() const { return (N / 16) * (K / PIECE); }
 };
 
-// The shared-memory schedule for an N x M product on G blocks: the fewest modelled cycles over
-// tiles (rows, inputs) in {128, 64, 32} x {64, 32}, each item walking all of K or one piece of it
-// (split: the K / PIECE piece values are parts, added by the consumer as the register path's);
-// L2 bytes at ~24 B/clk per SM against mma at ~1 per clock, times the rounds of items over the
-// grid, plus the consumer's reads of the extra parts. The same choice in every block.
-// split_mode (tests, tuning; the same bits every way): 0 the model's choice, 1 never split, 2 split
-// wherever K has several pieces.
-__device__ __forceinline__ void choose_tile(int N, int M, int K, int G, int split_mode, int& rb, int& tb, bool& split) {
+// The shared-memory schedule of an N x M product: a tile of rows x inputs and whether each item
+// walks all of K or one piece of it (split: the K / PIECE piece values are parts, added by the
+// consumer as the register path's). Measured on an H100 over every candidate (session 15,
+// scripts/gpu_cuda_frame.py --sections tiles): splitting always paid, and the best tile went
+// 128 x 32 (M <= 32), 64 x 64 (M <= 128), 128 x 64 (more); a bytes-vs-mma cost model picked
+// tiles up to 1.3x slower. Tuning knobs (the same bits every way): split_mode 1 never splits,
+// 2 (and 0) split wherever K has several pieces; tile 1..6 forces one candidate where N allows.
+__device__ __forceinline__ void choose_tile(int N, int M, int K, int split_mode, int tile, int& rb, int& tb,
+                                            bool& split) {
   const int cand[6][2] = {{128, 64}, {64, 64}, {128, 32}, {64, 32}, {32, 64}, {32, 32}};
-  const int P = K / PIECE;
-  float best = 3.4e38f;
-  rb = 32, tb = 32, split = false;
-#pragma unroll
-  for (int i = 0; i < 12; ++i) {
-    const int r = cand[i % 6][0], t = cand[i % 6][1];
-    const bool sp = i >= 6;
-    if (N % r || (sp && P == 1) || (split_mode == 1 && sp) || (split_mode == 2 && P > 1 && !sp)) continue;
-    const int kk = sp ? PIECE : K;
-    const int items = (N / r) * ((M + t - 1) / t) * (sp ? P : 1);
-    const float bytes = (float)(r * 2 + t * 4) * kk, mmas = (float)(r / 16) * (t / 4) * (kk / 16);
-    const float extra = sp ? (float)(P - 1) * M * N * 8.f / (float)G / 24.f : 0.f;  // written and read again
-    const float cost = (float)((items + G - 1) / G) * fmaxf(bytes / 24.f, mmas) + extra;
-    if (cost < best) { best = cost; rb = r; tb = t; split = sp; }
-  }
+  int c = M <= 32 ? 2 : M <= 128 ? 1 : 0;
+  if (tile > 0 && N % cand[tile - 1][0] == 0) c = tile - 1;
+  rb = cand[c][0];
+  tb = cand[c][1];
+  split = split_mode != 1 && K > PIECE;
 }
 
 __device__ __forceinline__ Gemm make_gemm(const __nv_bfloat16* w, const __nv_bfloat16* w2, int n1, int N, int K, int M,
                                           int a0, int astep, const __nv_bfloat16* hs, float* out, int reg_max_m,
-                                          int split_mode) {
+                                          int split_mode, int tile = 0) {
   Gemm g{w, w2, n1, N, K, M, a0, astep, hs, out, M <= reg_max_m, 0, 0, false};
-  if (!g.reg) choose_tile(N, M, K, gridDim.x, split_mode, g.rb, g.tb, g.split);
+  if (!g.reg) choose_tile(N, M, K, split_mode, tile, g.rb, g.tb, g.split);
   return g;
 }
 

@@ -102,7 +102,8 @@ typedef __nv_bfloat16 qbk_bf16;
   F(double, scale)                                                                                \
   F(int64_t, timeout_ns)                                                                          \
   F(int64_t, reg_max_m)   /* products of at most this many rows take the register path */       \
-  F(int64_t, split_mode)  /* shared-memory path: 0 cost model, 1 never split K, 2 always (gemm.cuh) */ \
+  F(int64_t, split_mode)  /* shared-memory path: 1 never split K; 0, 2 split (gemm.cuh) */ \
+  F(int64_t, tile)        /* shared-memory path's tile: 0 by M, 1..6 one candidate (tuning) */ \
   F(int64_t, num_layers)  /* code-predictor layers (<= LAYERS; tests may build smaller models) */ \
   F(int64_t, num_passes)  /* passes to run (<= PASSES; later codes are 0): tests, bisection */ \
   F(uint64_t*, trace)     /* optional [blocks][trace_events][2]: each grid barrier's arrival and exit */ \

@@ -75,26 +75,26 @@ __global__ void __launch_bounds__(THREADS, 1) qbk_predict_kernel(const __grid_co
   Grid grid{P.sync + SYNC_BAR, P.sync + SYNC_ERR, (uint64_t)P.timeout_ns, 0u, ms.flag,
             P.trace != nullptr ? P.trace + 2 * (size_t)P.trace_events * blockIdx.x : nullptr, (uint32_t)P.trace_events};
   const int nlayers = (int)P.num_layers;
-  const int regm = (int)P.reg_max_m, sm = (int)P.split_mode;
+  const int regm = (int)P.reg_max_m, sm = (int)P.split_mode, tl = (int)P.tile;
   phase_init(P, B, Bpad, red);
   for (int pass = 0; pass < P.num_passes; ++pass) {
     const int R = pass == 0 ? 2 : 1, M = B * R;
     for (int L = 0; L < nlayers; ++L) {
-      const Gemm gq = make_gemm(P.wqkv[L], nullptr, QKV, QKV, H, M, 0, 1, P.hs, P.parts, regm, sm);
+      const Gemm gq = make_gemm(P.wqkv[L], nullptr, QKV, QKV, H, M, 0, 1, P.hs, P.parts, regm, sm, tl);
       if (!product(gq, grid, smem) || !grid.sync()) return;
       phase_attention(P, L, pass, B, R, gq.nparts());
-      const Gemm go = make_gemm(P.wo[L], nullptr, H, H, QD, M, 0, 1, P.hs, P.parts, regm, sm);
+      const Gemm go = make_gemm(P.wo[L], nullptr, H, H, QD, M, 0, 1, P.hs, P.parts, regm, sm, tl);
       if (!product(go, grid, smem) || !grid.sync()) return;
       phase_residual(P, M, go.nparts(), P.post_norm[L], red);
-      const Gemm gu = make_gemm(P.gate[L], P.up[L], I, 2 * I, H, M, 0, 1, P.hs, P.parts, regm, sm);
+      const Gemm gu = make_gemm(P.gate[L], P.up[L], I, 2 * I, H, M, 0, 1, P.hs, P.parts, regm, sm, tl);
       if (!product(gu, grid, smem) || !grid.sync()) return;
       phase_swiglu(P, M, gu.nparts());
-      const Gemm gd = make_gemm(P.down[L], nullptr, H, H, I, M, 0, 1, P.hs, P.parts, regm, sm);
+      const Gemm gd = make_gemm(P.down[L], nullptr, H, H, I, M, 0, 1, P.hs, P.parts, regm, sm, tl);
       if (!product(gd, grid, smem) || !grid.sync()) return;
       phase_residual(P, M, gd.nparts(), L + 1 < nlayers ? P.in_norm[L + 1] : P.final_norm, red);
     }
     // pass 0's head reads position 1 of each stream (hs rows 1, 3, 5, ...)
-    const Gemm gh = make_gemm(P.head[pass], nullptr, VC, VC, H, B, pass == 0 ? 1 : 0, R, P.hs, P.parts, regm, sm);
+    const Gemm gh = make_gemm(P.head[pass], nullptr, VC, VC, H, B, pass == 0 ? 1 : 0, R, P.hs, P.parts, regm, sm, tl);
     if (!product(gh, grid, smem) || !grid.sync()) return;
     phase_sample(P, pass, B, gh.nparts(), red, ms.codes, smem);
   }

@@ -194,7 +194,7 @@ class CudaFrame:
                  x=ptr(self.x), hs=ptr(self.hs), parts=ptr(self.parts), cpk=ptr(cp_k), cpv=ptr(cp_v),
                  flags=ptr(self.flags), sync=ptr(self.sync), max_rows=self.max_rows, eps=float(cfg.rms_norm_eps),
                  scale=float(cfg.head_dim ** -0.5), timeout_ns=TIMEOUT_NS if dev.type == "cuda" else 10**15,
-                 reg_max_m=reg_max_m, split_mode=0, num_layers=cfg.num_layers, num_passes=params.num_passes,
+                 reg_max_m=reg_max_m, split_mode=0, tile=0, num_layers=cfg.num_layers, num_passes=params.num_passes,
                  f_pos=POS, f_text_step=TEXT_STEP, f_n_trailing=N_TRAILING, f_eos_from=EOS_FROM,
                  f_t_do_sample=DO_SAMPLE, f_t_top_k=TOP_K, f_t_temperature=TEMPERATURE, f_t_top_p=TOP_P,
                  f_penalty=PENALTY, seen=ptr(state.seen), trailing=ptr(state.trailing), pad_embed=ptr(state.pad_embed),
@@ -231,12 +231,21 @@ class CudaFrame:
 
     @property
     def split_mode(self) -> int:
-        """The shared-memory path's K split: 0 its cost model, 1 never, 2 always (same bits)."""
+        """The shared-memory path's K split: 1 never, 0 (default) and 2 wherever K has several pieces (same bits)."""
         return self._knob("split_mode")
 
     @split_mode.setter
     def split_mode(self, mode: int) -> None:
         self._knob("split_mode", mode, 0, 2)
+
+    @property
+    def tile(self) -> int:
+        """Tuning: the shared-memory path's tile, 0 by M (gemm.cuh's measured rule) or 1..6 one candidate."""
+        return self._knob("tile")
+
+    @tile.setter
+    def tile(self, t: int) -> None:
+        self._knob("tile", t, 0, 6)
 
     @property
     def num_passes(self) -> int:
