@@ -141,22 +141,22 @@ def test_full_code_predictor_one_stream(emu_lib):
 
 def test_batch_invariance_is_bitwise(emu_lib, small_weights):
     """One stream in another row of launches of B = 1, 3, 7, 12 with other neighbours, through
-    every product schedule (registers; shared memory over all of K or split by pieces): bitwise
-    the same logits (every pass) and codes."""
+    every product schedule (registers; shared memory over all of K or split by pieces, several
+    tiles): bitwise the same logits (every pass) and codes."""
     eng = _engine(small_weights, 12)
     _fill(eng, 12, [SamplingConfig(seed=100 + i) for i in range(12)], seed=1)
     cp = _predictor(eng, emu_lib)
     cp.num_passes = 2
     target, ref = 5, None
-    for b, regm, split in ((1, 16, 0), (1, 0, 1), (1, 0, 2), (3, 16, 0), (3, 0, 2), (7, 16, 0), (7, 0, 1),
-                           (12, 64, 0), (12, 0, 2)):
-        cp.reg_max_m, cp.split_mode = regm, split
+    for b, regm, split, tile in ((1, 16, 0, 0), (1, 0, 1, 0), (1, 0, 2, 0), (3, 16, 0, 0), (3, 0, 2, 5),
+                                 (7, 16, 0, 0), (7, 0, 1, 4), (12, 64, 0, 0), (12, 0, 2, 6), (12, 0, 1, 1)):
+        cp.reg_max_m, cp.split_mode, cp.tile = regm, split, tile
         others = [s for s in range(12) if s != target][(3 * b) % 4:][: b - 1]
         row = b // 2
         codes, logits = _kernel(eng, cp, others[:row] + [target] + others[row:])
         got = (codes[row, :18].clone(), logits[row, :2, :2048].clone())
         ref = ref or got
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (b, regm, split)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (b, regm, split, tile)
 
 
 def test_padding_rows_and_a_failing_stream(emu_lib, small_weights):
