@@ -25,11 +25,9 @@ __device__ __noinline__ void phase_sample(const QbkParams& P, int pass, int B, i
       const int64_t ns = P.num_slots;
       float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
       int* kept = reinterpret_cast<int*>(smem) + WARPS * VC + warp * KEPT_MAX;
-      const size_t ps = (size_t)B * VC;
       for (int i0 = 0; i0 < VC / 32; i0 += GATHER) {
-        float g[GATHER];  // GATHER x nparts loads in flight
-#pragma unroll
-        for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(P.parts, np, ps, (size_t)m * VC + lane + 32 * (i0 + u));
+        float g[GATHER];
+        gather_logits<VC>(P.parts, np, B, m, i0, lane, g);
 #pragma unroll
         for (int u = 0; u < GATHER; ++u) {
           const int v = lane + 32 * (i0 + u);

@@ -44,6 +44,15 @@ __device__ __forceinline__ float sum_parts(const float* parts, int np, size_t ps
   return y;
 }
 
+// GATHER logits of row `row` of a head product (V per row), ids lane + 32 (i0 + u): every part of
+// every one loaded before the first is added.
+template <int V>
+__device__ __forceinline__ void gather_logits(const float* parts, int np, int B, int row, int i0, int lane,
+                                              float (&g)[GATHER]) {
+#pragma unroll
+  for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(parts, np, (size_t)B * V, (size_t)row * V + lane + 32 * (i0 + u));
+}
+
 __device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { return P.hs + (size_t)r * 2 * KMAX; }
 
 // Block-wide, thread t owning dims 4t..4t+3 of a row x: hs row r = split(w * (x * rsqrt(mean(x^2)

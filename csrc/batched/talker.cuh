@@ -254,11 +254,9 @@ __device__ __forceinline__ void talker_draw_row(const QbkParams& P, int m, int B
   const uint8_t* seen = P.seen + slot * VT;
   float* xs = reinterpret_cast<float*>(smem) + warp * VT;
   int* kept = reinterpret_cast<int*>(smem) + WARPS * VT + warp * KEPT_MAX;
-  const size_t ps = (size_t)B * VT;
   for (int i0 = 0; i0 < VT / 32; i0 += GATHER) {
-    float g[GATHER];  // GATHER x nparts loads in flight
-#pragma unroll
-    for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(P.parts, np, ps, (size_t)m * VT + lane + 32 * (i0 + u));
+    float g[GATHER];
+    gather_logits<VT>(P.parts, np, B, m, i0, lane, g);
 #pragma unroll
     for (int u = 0; u < GATHER; ++u) {
       const int v = lane + 32 * (i0 + u);

@@ -226,17 +226,6 @@ inline T shfl_xor(T v, int o) {
 inline void __syncthreads() { simt::barrier(simt::L().blocks[simt::cur()->block].bar, simt::L().block.x); }
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) { return simt::shfl_xor(v, o); }
-inline int __any_sync(unsigned, int pred) {
-  simt::WarpState& w = simt::warp();
-  const int l = simt::lane();
-  w.slot[l][0] = pred != 0;
-  simt::barrier(w.bar, 32);
-  int any = 0;
-  for (int i = 0; i < 32; ++i) any |= (int)w.slot[i][0];
-  simt::barrier(w.bar, 32);
-  return any;
-}
-
 inline unsigned __ballot_sync(unsigned, int pred) {
   simt::WarpState& w = simt::warp();
   const int l = simt::lane();
@@ -247,6 +236,7 @@ inline unsigned __ballot_sync(unsigned, int pred) {
   simt::barrier(w.bar, 32);
   return m;
 }
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0u; }
 inline void __syncwarp(unsigned = 0xffffffffu) { simt::barrier(simt::warp().bar, 32); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
