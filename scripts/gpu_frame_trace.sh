@@ -6,7 +6,7 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 make -C csrc libqwen_batched.so > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 timeout "${TRACE_TIMEOUT:-200}" $PY scripts/gpu_frame_trace.py --out "$OUT" --sizes "${SIZES:-1,8,64,256}" --variants "${VARIANTS:-}" 2>&1 | tee "$OUT/trace.log"
-if [ -n "${ALT_DEFS:-}" ]; then  # the same trace of a variant build, e.g. ALT_DEFS="-DQBK_ISSUE_AFTER_ARRIVE=0"
+if [ -n "${ALT_DEFS:-}" ]; then  # the same trace of a variant build: ALT_DEFS="-DSOME_SWITCH=1" for a switch under test
   mkdir -p csrc/build "$OUT/alt"
   make -C csrc BATCHED_LIB=build/alt.so DEFS="$ALT_DEFS" build/alt.so > "$OUT/alt/build.log" 2>&1 || { tail -30 "$OUT/alt/build.log"; exit 1; }
   echo "== variant $ALT_DEFS"

@@ -43,9 +43,6 @@ constexpr int SMEM_TOTAL = SMEM_BYTES + 128;       // + block sums, the barrier 
 constexpr int REG_MAX_M = 64;    // the register path takes at most this many rows
 constexpr int REG_STAGE_BYTES = 16 * PIECE * 2;  // a warp's first register-path task: 16 rows x PIECE
 static_assert(WARPS * REG_STAGE_BYTES <= SMEM_BYTES, "register path: every warp's first task staged");
-#ifndef QBK_ISSUE_AFTER_ARRIVE
-#define QBK_ISSUE_AFTER_ARRIVE 1  // the register path's weight copies: 1 after the barrier arrival, 0 before
-#endif
 
 // Talker attention: a stream's keys in chunks of whole 64-key units, at most MAXCH chunks (the
 // chunking depends on the stream's own length only); each chunk's softmax state is merged in
