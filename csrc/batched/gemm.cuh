@@ -6,11 +6,10 @@
 // m16n8k16 per block), hi and lo parts in their own accumulator columns, added at the piece's end;
 // the pieces' values are added left to right. The register path (few rows) gives each warp one
 // (16-row tile, piece) and leaves the pieces to the consumer, which adds them left to right
-// (nparts = K / PIECE); the shared-memory path (many rows) tiles rows x inputs and either walks
-// the whole K, adding the pieces itself in the same order (nparts = 1), or, where that leaves too
-// few items for the grid, makes each piece an item and leaves the pieces to the consumer too.
-// The same value every way, for any M and any tile: which inputs share an mma never changes an
-// output's bits.
+// (nparts = K / PIECE); the shared-memory path (many rows) tiles rows x inputs and makes each
+// piece an item, leaving the pieces to the consumer too (the default), or walks the whole K and
+// adds the pieces itself in the same order (nparts = 1). The same value every way, for any M and
+// any tile: which inputs share an mma never changes an output's bits.
 //
 // Fragments. In a 32-column block, lane (g = lane / 4, tq = lane % 4) loads 16 bytes = columns
 // 8 tq .. 8 tq + 7 of weight rows g and g + 8 and of its input row (input m = 4 i + g / 2,
@@ -70,13 +69,10 @@ __device__ __forceinline__ Gemm make_gemm(const __nv_bfloat16* w, const __nv_bfl
 }
 
 // ---- register path -----------------------------------------------------------------------------
-struct WFrag {
-  uint4 a[PIECE / 32], b[PIECE / 32];  // a piece of weight rows g and g + 8
-};
-
 // The weights of register task `task` (16-row tile task / P, piece task % P): lane l's fragments
 // j (weight row g, then g + 8) at st[32 (2 j + r)] (st: this lane's first unit in its warp's
-// area). Needs nothing of the previous phase, so it is issued before the grid barrier.
+// area). Needs nothing of the previous phase, so it is issued while the block waits at the grid
+// barrier.
 __device__ __forceinline__ void reg_stage_w(const Gemm& g, int task, uint4* st) {
   const int P = g.K / PIECE, rt = task / P, p = task % P;
   const int lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
@@ -142,9 +138,9 @@ __device__ inline void reg_run(const Gemm& g, const uint4* st) {
 // quarter warp (rows g, g + 1 of two lane groups, units 4h + tq) hit 8 distinct units.
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) | ((r >> 1) & 3); }
 
-// Items (rb x tb tiles of rows x inputs, all of K or, split, one piece) of this block; a ring of STAGES stages, each a
-// 64-column chunk of the tile's weight rows (A: [RB][64]) and input rows (B: [2 TB][64], row
-// 2 t + part). GW: input groups of 4 per warp (= RB TB / 512).
+// Items (rb x tb tiles of rows x inputs, one piece of K or, not split, all of it) of this block;
+// a ring of STAGES stages, each a 64-column chunk of the tile's weight rows (A: [RB][64]) and
+// input rows (B: [2 TB][64], row 2 t + part). GW: input groups of 4 per warp (= RB TB / 512).
 template <int GW>
 __device__ __noinline__ void smem_run(const Gemm& g, uint8_t* smem) {
   const int RB = g.rb, TB = g.tb;
