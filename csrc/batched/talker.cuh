@@ -100,9 +100,10 @@ template <bool F32>
 __device__ __forceinline__ void load_group(const Pool& pool, int64_t slot, int kvh, int j, int j1, int pos, int d,
                                            KVGroup<F32>& g) {
   using Raw = typename KVGroup<F32>::Raw;
+  using Elem = typename std::conditional<F32, float, __nv_bfloat16>::type;
   const size_t at = j < j1 ? pool.at(slot, kvh, j, d) : 0;  // past the chunk: nothing is read
-  const Raw* kb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_k) + at);
-  const Raw* vb = reinterpret_cast<const Raw*>(static_cast<const typename std::conditional<F32, float, __nv_bfloat16>::type*>(pool.P.kv_v) + at);
+  const Raw* kb = reinterpret_cast<const Raw*>(static_cast<const Elem*>(pool.P.kv_k) + at);
+  const Raw* vb = reinterpret_cast<const Raw*>(static_cast<const Elem*>(pool.P.kv_v) + at);
   constexpr int step = HD / 4;  // Raw units per key row
 #pragma unroll
   for (int u = 0; u < kg<F32>(); ++u) {
