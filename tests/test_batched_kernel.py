@@ -410,3 +410,16 @@ def test_barrier_trace(emu_lib, small_weights):
         arrive, leave = t[:, : len(names), 0], t[:, : len(names), 1]
         assert (leave >= arrive.max(axis=0)).all(), half
         assert (arrive[:, 1:] >= leave[:, :-1]).all(), half
+
+
+def test_knobs_are_bounded(emu_lib, small_weights):
+    """The parameter-block knobs read back what was set and refuse values outside their range,
+    naming the knob (bounds from the library's constants where they have one)."""
+    cp = _predictor(_engine(small_weights, 2), emu_lib)
+    cp.reg_max_m, cp.split_mode, cp.tile, cp.num_passes = emu_lib.REG_MAX_M, 2, 6, 1
+    assert (cp.reg_max_m, cp.split_mode, cp.tile, cp.num_passes) == (emu_lib.REG_MAX_M, 2, 6, 1)
+    for name, bad in (("reg_max_m", emu_lib.REG_MAX_M + 1), ("split_mode", 3), ("tile", -1), ("num_passes", 0),
+                      ("num_passes", emu_lib.PASSES + 1)):
+        with pytest.raises(ValueError, match=name):
+            setattr(cp, name, bad)
+    assert cp.num_passes == 1

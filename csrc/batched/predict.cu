@@ -25,16 +25,7 @@ __device__ __noinline__ void phase_sample(const QbkParams& P, int pass, int B, i
       const int64_t ns = P.num_slots;
       float* xs = reinterpret_cast<float*>(smem) + warp * VC;  // this warp's logits
       int* kept = reinterpret_cast<int*>(smem) + WARPS * VC + warp * KEPT_MAX;
-      for (int i0 = 0; i0 < VC / 32; i0 += GATHER) {
-        float g[GATHER];
-        gather_logits<VC>(P.parts, np, B, m, i0, lane, g);
-#pragma unroll
-        for (int u = 0; u < GATHER; ++u) {
-          const int v = lane + 32 * (i0 + u);
-          xs[v] = g[u];
-          if (P.dump != nullptr) P.dump[m * P.dump_stride + pass * P.dump_pass + v] = g[u];
-        }
-      }
+      gather_logits<VC>(P, np, B, m, pass * P.dump_pass, xs, [](int, float x) { return x; });
       const Draw dr{P.ints[P.f_do_sample * ns + slot], P.floats[P.f_temperature * ns + slot],
                     P.ints[P.f_top_k * ns + slot],     P.floats[P.f_top_p * ns + slot],
                     P.seed[slot],                       (int64_t)P.ints[P.f_n_sampled * ns + slot],

@@ -44,13 +44,25 @@ __device__ __forceinline__ float sum_parts(const float* parts, int np, size_t ps
   return y;
 }
 
-// GATHER logits of row `row` of a head product (V per row), ids lane + 32 (i0 + u): every part of
-// every one loaded before the first is added.
-template <int V>
-__device__ __forceinline__ void gather_logits(const float* parts, int np, int B, int row, int i0, int lane,
-                                              float (&g)[GATHER]) {
+// Row m of a head product (V logits per row, np parts) into xs (a warp's shared memory; lane l
+// holds ids l + 32 j): each logit's raw value into the dump at column dump_col (when dumping),
+// then f(id, value) into xs. The parts of GATHER logits per lane are loaded before the first is
+// added.
+template <int V, class F>
+__device__ __forceinline__ void gather_logits(const QbkParams& P, int np, int B, int m, int64_t dump_col, float* xs,
+                                              F f) {
+  const int lane = threadIdx.x & 31;
+  for (int i0 = 0; i0 < V / 32; i0 += GATHER) {
+    float g[GATHER];
 #pragma unroll
-  for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(parts, np, (size_t)B * V, (size_t)row * V + lane + 32 * (i0 + u));
+    for (int u = 0; u < GATHER; ++u) g[u] = sum_parts<HP>(P.parts, np, (size_t)B * V, (size_t)m * V + lane + 32 * (i0 + u));
+#pragma unroll
+    for (int u = 0; u < GATHER; ++u) {
+      const int v = lane + 32 * (i0 + u);
+      if (P.dump != nullptr) P.dump[m * P.dump_stride + dump_col + v] = g[u];
+      xs[v] = f(v, g[u]);
+    }
+  }
 }
 
 __device__ __forceinline__ __nv_bfloat16* hs_row(const QbkParams& P, int r) { return P.hs + (size_t)r * 2 * KMAX; }

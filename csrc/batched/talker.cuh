@@ -252,20 +252,12 @@ __device__ __forceinline__ void talker_draw_row(const QbkParams& P, int m, int B
   const uint8_t* seen = P.seen + slot * VT;
   float* xs = reinterpret_cast<float*>(smem) + warp * VT;
   int* kept = reinterpret_cast<int*>(smem) + WARPS * VT + warp * KEPT_MAX;
-  for (int i0 = 0; i0 < VT / 32; i0 += GATHER) {
-    float g[GATHER];
-    gather_logits<VT>(P.parts, np, B, m, i0, lane, g);
-#pragma unroll
-    for (int u = 0; u < GATHER; ++u) {
-      const int v = lane + 32 * (i0 + u);
-      float x = g[u];
-      if (P.dump != nullptr) P.dump[m * P.dump_stride + PASSES * P.dump_pass + v] = x;
-      if (seen[v]) x = x < 0.f ? x * pen : __fdiv_rn(x, pen);
-      if (v >= P.suppress_start && v != P.eos) x = -INFINITY;
-      if (v == P.eos && gate < P.min_new_tokens) x = -INFINITY;
-      xs[v] = x;
-    }
-  }
+  gather_logits<VT>(P, np, B, m, PASSES * P.dump_pass, xs, [&](int v, float x) {
+    if (seen[v]) x = x < 0.f ? x * pen : __fdiv_rn(x, pen);
+    if (v >= P.suppress_start && v != P.eos) x = -INFINITY;
+    if (v == P.eos && gate < P.min_new_tokens) x = -INFINITY;
+    return x;
+  });
   const Draw dr{ival(P, P.f_t_do_sample, slot), P.floats[P.f_t_temperature * ns + slot],
                 ival(P, P.f_t_top_k, slot),     P.floats[P.f_t_top_p * ns + slot],
                 P.seed[slot],                    (int64_t)nsamp,

@@ -121,6 +121,28 @@ def scratch_bytes(max_rows: int, max_positions: int, lib: BatchedKernelLibrary |
             + lib.SYNC_WORDS * 4 + max_rows * lib.APART_PER_ROW * 4 + 2 * max_positions * lib.HD * 4)
 
 
+class _Knob:
+    """An int64 field of a CudaFrame's parameter block (same name) as an attribute; a value set must
+    lie in low..high (high: a number or the name of a library constant)."""
+
+    def __init__(self, low: int, high: int | str, doc: str):
+        self.low, self.high, self.__doc__ = low, high, doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cf: "CudaFrame | None", owner=None):
+        if cf is None:
+            return self
+        return struct.unpack_from("<q", cf.buf, cf.lib.fields[self.name][0])[0]
+
+    def __set__(self, cf: "CudaFrame", value: int) -> None:
+        high = getattr(cf.lib, self.high) if isinstance(self.high, str) else self.high
+        if not self.low <= value <= high:
+            raise ValueError(f"{self.name} must be in {self.low}..{high}, got {value}")
+        struct.pack_into("<q", cf.buf, cf.lib.fields[self.name][0], value)
+
+
 class CudaFrame:
     """The frame of a step's rows in two launches on the current stream, no host wait (frame.py's
     buffers and layout):
@@ -211,50 +233,11 @@ class CudaFrame:
         self._rows_off = L.fields["rows"][0]
         self._keep = (params, state, kv, frame)  # the block holds raw pointers into these
 
-    def _knob(self, name: str, value: int | None = None, low: int = 0, high: int = 0) -> int:
-        """Read an int64 field of the parameter block, or set it to value (low..high)."""
-        off = self.lib.fields[name][0]
-        if value is not None:
-            if not low <= value <= high:
-                raise ValueError(f"{name} must be in {low}..{high}, got {value}")
-            struct.pack_into("<q", self.buf, off, value)
-        return struct.unpack_from("<q", self.buf, off)[0]
-
-    @property
-    def reg_max_m(self) -> int:
-        """Products of at most this many rows take the register path (same bits either way)."""
-        return self._knob("reg_max_m")
-
-    @reg_max_m.setter
-    def reg_max_m(self, m: int) -> None:
-        self._knob("reg_max_m", m, 0, self.lib.REG_MAX_M)
-
-    @property
-    def split_mode(self) -> int:
-        """The shared-memory path's K split: 1 never, 0 (default) and 2 wherever K has several pieces (same bits)."""
-        return self._knob("split_mode")
-
-    @split_mode.setter
-    def split_mode(self, mode: int) -> None:
-        self._knob("split_mode", mode, 0, 2)
-
-    @property
-    def tile(self) -> int:
-        """Tuning: the shared-memory path's tile, 0 by M (gemm.cuh's measured rule) or 1..6 one candidate."""
-        return self._knob("tile")
-
-    @tile.setter
-    def tile(self, t: int) -> None:
-        self._knob("tile", t, 0, 6)
-
-    @property
-    def num_passes(self) -> int:
-        """Tests and bisection: run only the first passes (codes of later groups are 0)."""
-        return self._knob("num_passes")
-
-    @num_passes.setter
-    def num_passes(self, n: int) -> None:
-        self._knob("num_passes", n, 1, self.lib.PASSES)
+    reg_max_m = _Knob(0, "REG_MAX_M", "Products of at most this many rows take the register path (same bits either way).")
+    split_mode = _Knob(0, 2, "The shared-memory path's K split: 1 never, 0 (default) and 2 wherever K has several "
+                             "pieces (same bits).")
+    tile = _Knob(0, 6, "Tuning: the shared-memory path's tile, 0 by M (gemm.cuh's measured rule) or 1..6 one candidate.")
+    num_passes = _Knob(1, "PASSES", "Tests and bisection: run only the first passes (codes of later groups are 0).")
 
     def set_trace(self, trace: torch.Tensor | None) -> None:
         """Profiling: with a [blocks, events, 2] int64 tensor, every later launch writes each grid
