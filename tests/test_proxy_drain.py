@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tts_client.bench import ServerProcess, free_port
 from tts_client.client import TTSClient, build_request
-from tts_server.config import ServerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -99,15 +98,13 @@ async def _paced_stream(client: TTSClient, i: int, started: asyncio.Event | None
 @pytest.fixture
 def cluster(tmp_path):
     """Three replicas and HAProxy; everything is stopped at teardown."""
-    extra_http = hasattr(ServerConfig(), "http_port")  # the HTTP speech API, where it exists
     replicas, env = [], dict(os.environ)
     for n in (1, 2, 3):
-        admin, http = free_port(), free_port()
+        admin = free_port()
         args = ["--device", "cpu", "--metrics-port", str(admin), "--max-buffer-s", "1",
                 "--drain-delay-s", str(DRAIN_DELAY_S), "--grace-period-s", "30"]
-        if extra_http:
-            args += ["--http-port", str(http)]
-        r = ServerProcess("synthetic-tiny", "torch", 8, args)
+        r = ServerProcess("synthetic-tiny", "torch", 8, args)  # it picks its HTTP port itself
+        http = r.http_port
         r.admin_port = admin
         replicas.append(r)
         env.update({f"TTS_R{n}_HOST": "127.0.0.1", f"TTS_R{n}_GRPC_PORT": str(r.port),

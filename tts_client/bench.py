@@ -52,10 +52,21 @@ class Progress:
             sys.stderr.flush()
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now and that this process has not handed out before.
+
+    Servers bind their ports seconds after they are given them, so without the memory two calls
+    in a row (one server's admin port, the next one's gRPC port) could get the same port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 class ServerProcess:
