@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "persistent CUDA launches for all streams (csrc/batched/, built by make "
                         "kernel): the code-predictor half only (cuda-predict) or both halves (cuda). "
                         "Experimental: checked on the CPU emulator, not yet measured on a GPU")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
+                   help="run the model and engines in a child process, fed over a socket pair, so "
+                        "that their Python and the RPC event loop's do not take turns on one GIL "
+                        "(default: off)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -157,17 +161,28 @@ def parse_args(argv=None) -> ServerConfig:
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
+        engine_process=a.engine_process, log_level=a.log_level, log_format=a.log_format,
         inject_fault=a.inject_fault)
 
 
 async def _serve(config: ServerConfig) -> int:
-    with quiet_imports():  # qwen-tts's import-time banner and its unused sox dependency's noise
-        import qwen_tts  # noqa: F401
-    from .app import build_app
     from .rpc.server import TTSServer
 
     log = logging.getLogger("tts_server")
-    app = await asyncio.to_thread(build_app, config)
+    if config.engine_process:
+        from .serving.remote import RemoteWorker
+
+        proc, conn = RemoteWorker.spawn(config)  # from the main thread: see spawn()
+        worker = await asyncio.to_thread(RemoteWorker.connect, proc, conn)
+        worker.start()
+        info = worker.info
+    else:
+        with quiet_imports():  # qwen-tts's import-time banner and its unused sox dependency's noise
+            import qwen_tts  # noqa: F401
+        from .app import build_app
+
+        app = await asyncio.to_thread(build_app, config)
+        worker, info = app.worker, app.info
     # The model, tokenizer, engine and codec leave ~500k long-lived Python objects, and a full
     # collection walks them all (~230 ms with the 0.6B model), stopping every stream mid-burst
     # (seen as 280-360 ms steps on the H100). Freeze them out of the collector: what serving
@@ -175,7 +190,6 @@ async def _serve(config: ServerConfig) -> int:
     gc.collect()
     gc.freeze()
     log.info("%d start-up objects frozen out of the garbage collector", gc.get_freeze_count())
-    info = app.info
     log.info("model %s (%s, %s) engine=%s device=%s dtype=%s voices=%s", info.name,
              info.model_type, info.model_size, info.engine, info.device, info.dtype,
              ",".join(info.voices) or "(clone from reference)")
@@ -185,9 +199,9 @@ async def _serve(config: ServerConfig) -> int:
         # Backstop for a hang the Python watchdog cannot act on (a thread holding the GIL): the
         # watchdog thread re-arms this on every poll; if it stops polling, faulthandler dumps
         # every thread's stack and exits the process.
-        app.worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
+        worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
             config.watchdog_s + 30.0, exit=True)
-    return await TTSServer(app.worker, info, config).serve_forever()
+    return await TTSServer(worker, info, config).serve_forever()
 
 
 def main(argv=None) -> None:

@@ -18,6 +18,10 @@ class InvalidRequest(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # pickled across the engine process's pipe
+        return type(self), (self.field, self.message)
 
 
 class Overloaded(RuntimeError):

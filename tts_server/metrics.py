@@ -46,10 +46,28 @@ class EngineMetrics:
     frames: Counter
 
 
+ENGINE_FAMILIES = ("tts_active_streams", "tts_queued_streams", "tts_paused_streams",
+                   "tts_stream_slots", "tts_engine_healthy", "tts_queue_wait_seconds",
+                   "tts_engine_step_seconds", "tts_frames")
+
+
 class Metrics:
-    def __init__(self):
+    """`engine_series=False`: the calls' series only; the engines' come from an engine process
+    (serving/remote.py registers a collector that serves its latest snapshot)."""
+
+    def __init__(self, engine_series: bool = True):
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU
+        self._http = None
+        self._calls(r)
+        if engine_series:
+            self._engines(r)
+
+    def engine_snapshot(self) -> list:
+        """The engines' metric families as they are now (picklable; for the server process)."""
+        return [m for m in self.registry.collect() if m.name in ENGINE_FAMILIES]
+
+    def _engines(self, r: CollectorRegistry) -> None:
         dev = ("device",)
         self.active_streams = Gauge("tts_active_streams", "Streams holding an engine slot", dev,
                                     registry=r)
@@ -69,6 +87,8 @@ class Metrics:
                               "their chunk decodes", dev, buckets=STEP_BUCKETS, registry=r)
         self.frames = Counter("tts_frames", "Codec frames generated (80 ms of audio each)", dev,
                               registry=r)
+
+    def _calls(self, r: CollectorRegistry) -> None:
         self.requests = Counter("tts_requests", "Finished Synthesize calls by gRPC status code",
                                 ["code"], registry=r)
         self.ttfc = Histogram("tts_time_to_first_chunk_seconds",
@@ -78,7 +98,6 @@ class Metrics:
                              buckets=RTF_BUCKETS, registry=r)
         self.audio_seconds = Counter("tts_audio_seconds", "Audio seconds streamed to clients",
                                      registry=r)
-        self._http = None
 
     def engine(self, device: str) -> EngineMetrics:
         """The series of the engine on `device` (its label); it starts healthy."""

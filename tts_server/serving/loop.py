@@ -164,10 +164,16 @@ class Worker:
         self._thread.join(timeout)
 
     def submit(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop) -> StreamHandle:
+        return self.enqueue(StreamHandle(request, loop, self._wake))
+
+    def enqueue(self, handle: StreamHandle) -> StreamHandle:
+        """submit() for a handle made by the caller (the engine process's, which posts to its
+        pipe); raises as submit() does."""
+        request = handle.request
+        handle._wake = self._wake
         if request.incremental and not self.texts.supported:
             raise Unsupported(f"the {self.engine.name} engine does not take incremental text; "
                               "use Synthesize, or --engine torch/batched")
-        handle = StreamHandle(request, loop, self._wake)
         if not request.incremental:  # (a StreamSynthesize context's text comes later)
             # tokenized here, in the caller's thread: the engine thread's time is the server's capacity
             handle.text_ids = self.preparer.text_ids(request.text)

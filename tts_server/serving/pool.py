@@ -14,6 +14,7 @@ import threading
 from typing import Sequence
 
 from ..api import EngineFailure, Overloaded, ShuttingDown
+from .streams import StreamHandle
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,15 @@ class EnginePool:
     def submit(self, request, loop):
         """The request's StreamHandle on the best engine that takes it; the pool's own
         Overloaded / ShuttingDown / EngineFailure when none does."""
+        return self.enqueue(StreamHandle(request, loop, None))
+
+    def enqueue(self, handle: StreamHandle) -> StreamHandle:
+        """submit() for a handle made by the caller (Worker.enqueue)."""
         loads = [(w.num_outstanding, w.max_streams, w.failure is None) for w in self.workers]
         refused = []
         for i in admission_order(loads):
             try:
-                return self.workers[i].submit(request, loop)
+                return self.workers[i].enqueue(handle)
             except (Overloaded, ShuttingDown, EngineFailure) as e:  # full, or it died just now
                 refused.append(e)
         if any(isinstance(e, ShuttingDown) for e in refused):

@@ -67,15 +67,22 @@ class StreamHandle:
             self._cancelled.set()
             self._wake()
 
-    def post(self, event: AudioChunk | StreamEnd | WordTiming | FlushAck) -> None:
-        """Engine thread -> event loop. Drops the event if the loop has closed, and anything
-        after the stream's end (a stream ended by the watchdog while its step was hung)."""
+    def account(self, event: AudioChunk | StreamEnd | WordTiming | FlushAck) -> bool:
+        """Counts a posted event (samples, the end); False for anything after the stream's end
+        (a stream ended by the watchdog while its step was hung), which is dropped."""
         if self.ended:
-            return
+            return False
         if isinstance(event, StreamEnd):
             self.ended = True
         elif isinstance(event, AudioChunk):
             self.posted_samples += event.samples.shape[0]
+        return True
+
+    def post(self, event: AudioChunk | StreamEnd | WordTiming | FlushAck) -> None:
+        """Engine thread -> event loop. Drops the event if the loop has closed, and anything
+        after the stream's end."""
+        if not self.account(event):
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:

@@ -1,0 +1,232 @@
+"""`--engine-process`: the engines in a child process behind the same gRPC server. Real loopback
+servers and a real child process (tiny model): the same bytes as the in-process server, the same
+refusals, cancellation that frees the engine's slot, incremental text, the engine's metrics on
+the server's port, a failed stream or engine reported as in-process, and a dead engine process
+ending every stream UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tts_client.client import TTSClient, build_request
+from tts_client.text_stream import ContextResult
+
+pytestmark = pytest.mark.slow
+
+
+def _config(**overrides):
+    from tts_server.config import ServerConfig
+
+    base = dict(model="synthetic-tiny", engine="torch", device="cpu", port=0, max_streams=4,
+                max_queue=1, metrics_port=0, engine_process=True)
+    return ServerConfig(**{**base, **overrides})
+
+
+async def _start(config):
+    from tts_server.rpc.server import TTSServer
+    from tts_server.serving.remote import RemoteWorker
+
+    proc, conn = RemoteWorker.spawn(config)
+    worker = await asyncio.to_thread(RemoteWorker.connect, proc, conn)
+    worker.start()
+    server = TTSServer(worker, worker.info, config)
+    await server.start()
+    return server, worker
+
+
+async def _stop(server, worker):
+    await server.stop(grace=0.5)
+    if worker.proc.poll() is None:
+        await asyncio.to_thread(worker.stop, 10.0)
+
+
+@pytest.fixture
+async def remote():
+    server, worker = await _start(_config())
+    yield f"127.0.0.1:{server.port}", worker, server
+    await _stop(server, worker)
+    assert worker.proc.returncode == 0, "the engine process did not exit cleanly"
+
+
+async def _audio(address, request):
+    async with TTSClient(address) as client:
+        return (await client.synthesize(request, timeout=120)).samples
+
+
+async def _outcome(address, request):
+    try:
+        async with TTSClient(address) as client:
+            return (await client.synthesize(request, timeout=60)).summary.num_frames
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+
+
+async def _wait_idle(worker, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while worker.num_outstanding and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert worker.num_outstanding == 0
+
+
+def _scrape(port) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_same_bytes_as_the_in_process_server_alone_and_among_others(remote, tiny_server):
+    address, worker, _ = remote
+    for rate in (0, 16000):
+        request = build_request("The same words, the same seed, the same audio.", seed=77,
+                                max_duration_s=1.6, sample_rate_hz=rate)
+        here = await _audio(tiny_server, request)
+        there = await _audio(address, request)
+        assert here.size > 0 and there.shape == here.shape
+        assert np.array_equal(there, here), f"{np.count_nonzero(there != here)} samples differ"
+        others = [asyncio.create_task(_audio(address, build_request(f"Neighbour {i}.", seed=i,
+                                                                    max_duration_s=1.2)))
+                  for i in range(3)]
+        crowded = await _audio(address, request)
+        await asyncio.gather(*others)
+        assert np.array_equal(crowded, here)
+    await _wait_idle(worker)
+
+
+async def test_refusals_are_decided_in_the_server_process(remote):
+    address, worker, _ = remote
+    # 4 slots + 1 queue place: the sixth concurrent request is refused at once
+    long = [asyncio.create_task(_outcome(address, build_request(f"Long stream {i}.", seed=i,
+                                                                max_duration_s=30)))
+            for i in range(5)]
+    deadline = time.monotonic() + 20
+    while worker.num_outstanding < 5 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    refused = await _outcome(address, build_request("One too many.", max_duration_s=0.2))
+    assert refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+    assert "busy" in refused[1]
+    bad = await _outcome(address, build_request("Hi.", voice="nobody"))
+    assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT and "voice" in bad[1], bad
+    for task in long:
+        task.cancel()
+    await asyncio.gather(*long, return_exceptions=True)
+    await _wait_idle(worker)
+    assert await _outcome(address, build_request("Still serving.", max_duration_s=0.4)) == 5
+
+
+async def test_a_client_hang_up_frees_the_engine_slot(remote):
+    address, worker, server = remote
+    async with TTSClient(address) as client:
+        call = client.chunks(build_request("A long stream the client abandons.", max_duration_s=60))
+        got = 0
+        async for msg in call:
+            got += msg.HasField("audio")
+            if got == 2:
+                break
+        await call.aclose()
+    await _wait_idle(worker)
+    deadline = time.monotonic() + 10  # the engine's series come every 0.5 s
+    while time.monotonic() < deadline:
+        m = _scrape(server.metrics_port)
+        if m.get(("tts_active_streams", (("device", "cpu"),))) == 0:
+            break
+        await asyncio.sleep(0.2)
+    assert m[("tts_active_streams", (("device", "cpu"),))] == 0
+    assert m[("tts_frames_total", (("device", "cpu"),))] >= 2
+    assert m[("tts_stream_slots", (("device", "cpu"),))] == 4
+    assert await _outcome(address, build_request("Next.", max_duration_s=0.4)) == 5
+
+
+async def _speak(address, pieces):
+    """One StreamSynthesize context fed `pieces`, then ended: its audio and its `done`."""
+    async with TTSClient(address) as client:
+        call = client.text_stream(timeout=120)
+        await call.open("c", greedy=True, seed=5, max_duration_s=2.0)
+        for piece in pieces:
+            await call.text("c", piece)
+        await call.end("c")
+        result = ContextResult()
+        async for msg in call:
+            result.add(msg)
+            if result.done is not None:
+                break
+        await call.close()
+        return result
+
+
+async def test_incremental_text_gives_the_in_process_bytes(remote, tiny_server):
+    address, worker, _ = remote
+    pieces = ["Words arr", "ive one ", "by one, ", "as an LLM", " writes them."]
+    here, there = await _speak(tiny_server, pieces), await _speak(address, pieces)
+    assert there.done.num_frames == here.done.num_frames > 0
+    assert there.audio.size > 0 and np.array_equal(there.audio, here.audio)
+    await _wait_idle(worker)
+
+
+async def test_a_failed_stream_and_a_failed_engine_as_in_process():
+    server, worker = await _start(_config(
+        inject_fault="stream_error:bad-1@3,device_error:dev-1@2", max_queue=4))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        ok, bad = await asyncio.gather(
+            _outcome(address, build_request("Fine.", max_duration_s=0.8, request_id="ok-1")),
+            _outcome(address, build_request("Broken.", max_duration_s=0.8, request_id="bad-1")))
+        assert ok == 10
+        assert bad[0] == grpc.StatusCode.INTERNAL and "non-finite" in bad[1], bad
+        assert worker.failure is None
+        bystander = asyncio.ensure_future(_outcome(address, build_request(
+            "A bystander.", max_duration_s=30, request_id="bystander")))
+        await asyncio.sleep(0.3)
+        dev = await _outcome(address, build_request("Boom.", max_duration_s=30, request_id="dev-1"))
+        for outcome in (dev, await bystander):
+            assert outcome[0] == grpc.StatusCode.UNAVAILABLE, outcome
+        assert "illegal memory access" in dev[1]
+        assert worker.failure is not None and server.failure is not None
+        async with grpc.aio.insecure_channel(address) as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await _stop(server, worker)
+
+
+async def test_an_engine_process_that_dies_ends_every_stream_unavailable():
+    server, worker = await _start(_config())
+    address = f"127.0.0.1:{server.port}"
+    try:
+        streams = [asyncio.ensure_future(_outcome(address, build_request(
+            f"Stream {i}.", max_duration_s=30, seed=i))) for i in range(2)]
+        deadline = time.monotonic() + 20
+        while worker.num_outstanding < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        for outcome in await asyncio.gather(*streams):
+            assert outcome[0] == grpc.StatusCode.UNAVAILABLE, outcome
+            assert "engine process ended" in outcome[1]
+        assert server.failure is not None and worker.num_outstanding == 0
+    finally:
+        await _stop(server, worker)
+
+
+def test_a_start_up_mistake_in_the_engine_process_is_one_line_and_status_2(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "tts-server")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tts_server"]
+    r = subprocess.run(cmd + ["--engine-process", "--model", "synthetic-tiny", "--device", "cpu",
+                              "--port", "0", "--http-port", "-1", "--metrics-port", "-1",
+                              "--default-voice", "nobody"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "cannot start: --default-voice nobody" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

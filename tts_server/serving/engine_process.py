@@ -1,0 +1,177 @@
+"""The engine process (`tts-server --engine-process`): the model, the engines and their threads
+in a process of their own, so that the engine thread's Python and the gRPC/HTTP event loop's
+(call set-up, chunk writes) no longer take turns on one GIL.
+
+Started by serving/remote.py as `python -m tts_server.serving.engine_process FD`; FD is its end
+of a Unix socket pair. The server sends the ServerConfig, then batches of
+("submit", sid, request, submitted_at) / ("cancel", sid) / ("text", sid, TextEvent) /
+("sent", sid, samples) / ("stop",); this process answers ("ready", info, facts) or
+("error", line) once, then batches of ("a", sid, float32 bytes, sample_offset, num_frames,
+sequence_number, timings) (an AudioChunk) / ("ev", sid, event) (any other event) /
+("fail", message) / ("metrics", families). It exits when the server's end of the pipe closes, or with the server
+(Linux parent-death signal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from ..api import AudioChunk, FinishReason, StreamEnd
+from ..memory_plan import StartupError
+from .ipc import Outbox, receive
+from .streams import StreamHandle
+
+log = logging.getLogger("tts_server")
+
+METRICS_PERIOD_S = 0.5
+
+
+class PipeHandle(StreamHandle):
+    """The engine's side of a stream whose caller is in the server process: events go to the
+    pipe (the loop argument of a StreamHandle is unused)."""
+
+    def __init__(self, request, sid: int, outbox: Outbox, table: dict):
+        super().__init__(request, None, None)
+        self.sid = sid
+        self._outbox = outbox
+        self._table = table
+
+    def post(self, event) -> None:
+        if not self.account(event):
+            return
+        if isinstance(event, AudioChunk) and event.samples.dtype == np.float32:
+            # as plain values: a step's few hundred chunks pickle in a fraction of the time
+            self._outbox.put(("a", self.sid, event.samples.tobytes(), event.sample_offset,
+                              event.num_frames, event.sequence_number, event.timings))
+            return
+        if isinstance(event, StreamEnd):
+            self._table.pop(self.sid, None)
+            if event.error is not None:
+                event = _picklable_end(event)
+        self._outbox.put(("ev", self.sid, event))
+
+
+def _picklable_end(end: StreamEnd) -> StreamEnd:
+    """The end as sent: an error that does not survive pickling becomes a RuntimeError that says
+    what it was."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(end.error))
+        return end
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return StreamEnd(end.finish_reason, end.num_frames, end.num_samples,
+                         RuntimeError(f"{type(end.error).__name__}: {end.error}"))
+
+
+class EngineProcess:
+    """Dispatches the server's messages to the Worker (or pool) and its events back."""
+
+    def __init__(self, conn: Connection, worker, outbox: Outbox):
+        self.conn = conn
+        self.worker = worker
+        self.outbox = outbox
+        self.handles: dict[int, PipeHandle] = {}
+        self.done = threading.Event()
+        worker.add_fatal_listener(lambda failure: outbox.put(("fail", str(failure))))
+
+    def on_batch(self, items: list) -> None:
+        for item in items:
+            kind, args = item[0], item[1:]
+            if kind == "submit":
+                self._submit(*args)
+            elif kind == "stop":
+                self.done.set()
+                return
+            else:
+                handle = self.handles.get(args[0])
+                if handle is None:  # already ended here: nothing to do
+                    continue
+                if kind == "cancel":
+                    handle.cancel()
+                elif kind == "text":
+                    handle.push_text(args[1])
+                elif kind == "sent":
+                    handle.mark_sent(args[1])
+
+    def _submit(self, sid: int, request, submitted_at: float) -> None:
+        handle = PipeHandle(request, sid, self.outbox, self.handles)  # enqueue sets its wake
+        handle.submitted_at = submitted_at  # the server's clock (CLOCK_MONOTONIC is system-wide)
+        self.handles[sid] = handle
+        try:
+            self.worker.enqueue(handle)
+        except Exception as e:  # noqa: BLE001 - refused here (the server checked first; a race)
+            handle.post(StreamEnd(FinishReason.ERROR, 0, 0, e))
+
+    def send_metrics(self) -> None:
+        while not self.done.wait(METRICS_PERIOD_S):
+            self.outbox.put(("metrics", self.worker.metrics.engine_snapshot()))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the server's process ends, however it ends."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    _die_with_parent()
+    conn = Connection(int(sys.argv[1]))
+    config = conn.recv()
+    from ..logs import quiet_imports, setup_logging
+
+    setup_logging(config.log_level, config.log_format)
+    try:
+        with quiet_imports():
+            import qwen_tts  # noqa: F401
+        from ..app import build_app
+
+        app = build_app(config)
+    except StartupError as e:
+        conn.send([("error", str(e))])
+        raise SystemExit(2) from None
+    except Exception as e:  # noqa: BLE001 - said in one line; the traceback in this log
+        log.exception("engine process: start-up failed")
+        conn.send([("error", f"{type(e).__name__}: {e}")])
+        raise SystemExit(2) from None
+    gc.collect()
+    gc.freeze()  # as the in-process server does: no full collections over the model's objects
+    worker = app.worker
+    if config.watchdog_s > 0:
+        # the backstop for a hang the Python watchdog cannot act on: the server sees the pipe end
+        worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
+            config.watchdog_s + 30.0, exit=True)
+    outbox = Outbox(conn, "tts-engine-pipe-out")
+    proc = EngineProcess(conn, worker, outbox)
+    facts = {"max_streams": worker.max_streams,
+             "max_outstanding": getattr(worker, "max_outstanding", None) or sum(
+                 w.max_outstanding for w in worker.workers),
+             "incremental": all(w.texts.supported for w in getattr(worker, "workers", [worker])),
+             "engine": app.info.engine, "labels": [w.label for w in getattr(worker, "workers", [worker])],
+             "pid": os.getpid()}
+    outbox.put(("ready", app.info, facts))
+    receive(conn, proc.on_batch, proc.done.set, "tts-engine-pipe-in")
+    threading.Thread(target=proc.send_metrics, name="tts-engine-metrics", daemon=True).start()
+    proc.done.wait()
+    # the server stops us after its drain, or has gone: end the streams still here, then leave
+    worker.stop(10.0)
+    outbox.close()
+    logging.shutdown()
+    os._exit(0)  # an engine thread stuck in a device call must not keep the process
+
+
+if __name__ == "__main__":
+    main()
