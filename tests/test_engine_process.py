@@ -30,7 +30,7 @@ def _config(**overrides):
     from tts_server.config import ServerConfig
 
     base = dict(model="synthetic-tiny", engine="torch", device="cpu", port=0, max_streams=4,
-                max_queue=1, metrics_port=0, engine_process=True)
+                max_queue=1, metrics_port=0, http_port=0, engine_process=True)
     return ServerConfig(**{**base, **overrides})
 
 
@@ -101,6 +101,27 @@ async def test_same_bytes_as_the_in_process_server_alone_and_among_others(remote
         crowded = await _audio(address, request)
         await asyncio.gather(*others)
         assert np.array_equal(crowded, here)
+    await _wait_idle(worker)
+
+
+async def test_the_http_api_gives_the_in_process_bytes(remote, tiny_custom):
+    import httpx
+
+    from http_helpers import start_server, stop_servers
+
+    address, worker, server = remote
+    body = {"model": "synthetic-tiny", "input": "Over HTTP too.", "voice": "ryan", "seed": 5,
+            "max_duration_s": 1.2, "response_format": "pcm"}
+    started = []
+    try:
+        base, _, _, _ = await start_server(tiny_custom, started)
+        async with httpx.AsyncClient(timeout=60) as client:
+            here = await client.post(base + "/v1/audio/speech", json=body)
+            there = await client.post(f"http://127.0.0.1:{server.http_port}/v1/audio/speech", json=body)
+    finally:
+        await stop_servers(started)
+    assert here.status_code == there.status_code == 200, there.text
+    assert len(there.content) > 0 and there.content == here.content
     await _wait_idle(worker)
 
 
@@ -230,3 +251,16 @@ def test_a_start_up_mistake_in_the_engine_process_is_one_line_and_status_2(tmp_p
     last = r.stderr.strip().splitlines()[-1]
     assert "cannot start: --default-voice nobody" in last, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_the_engine_process_is_the_default_on_a_gpu_only():
+    import torch
+
+    from tts_server.__main__ import parse_args, uses_engine_process
+
+    assert uses_engine_process(parse_args(["--device", "cuda:0"]))
+    assert uses_engine_process(parse_args(["--devices", "all"]))
+    assert not uses_engine_process(parse_args(["--device", "cpu"]))
+    assert not uses_engine_process(parse_args(["--device", "cuda", "--no-engine-process"]))
+    assert uses_engine_process(parse_args(["--device", "cpu", "--engine-process"]))
+    assert uses_engine_process(parse_args([])) == torch.cuda.is_available()

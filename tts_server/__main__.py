@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                    help="run the model and engines in a child process, fed over a socket pair, so "
                         "that their Python and the RPC event loop's do not take turns on one GIL "
-                        "(default: off)")
+                        "(default: on when serving on a GPU, where it starts 256 streams' first "
+                        "audio ~1.5x sooner; off on the CPU)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -165,11 +166,24 @@ def parse_args(argv=None) -> ServerConfig:
         inject_fault=a.inject_fault)
 
 
+def uses_engine_process(config: ServerConfig) -> bool:
+    """--engine-process as given, else on when the server's device is a GPU."""
+    if config.engine_process is not None:
+        return config.engine_process
+    if config.device.startswith("cuda") or config.devices:
+        return True
+    if config.device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 async def _serve(config: ServerConfig) -> int:
     from .rpc.server import TTSServer
 
     log = logging.getLogger("tts_server")
-    if config.engine_process:
+    if uses_engine_process(config):
         from .serving.remote import RemoteWorker
 
         proc, conn = RemoteWorker.spawn(config)  # from the main thread: see spawn()

@@ -40,8 +40,8 @@ class ServerConfig:
     tls_key: str | None = None  # PEM private key
     auth_token: str | None = None  # when set, every RPC but health needs "authorization: Bearer <token>"
     # the engines in a process of their own, fed over a socket pair (serving/remote.py), so that
-    # their Python and the RPC event loop's do not share one GIL
-    engine_process: bool = False
+    # their Python and the RPC event loop's do not share one GIL; None: on when serving on a GPU
+    engine_process: bool | None = None
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"
     inject_fault: str | None = None  # testing only: see engine/faults.py
