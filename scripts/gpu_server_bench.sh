@@ -26,7 +26,7 @@ SERVER_ARGS=${SERVER_ARGS:-}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/env.txt"
-echo "tree: ${COMMIT:-unknown (pass COMMIT=<hash> from your checkout: the device's git metadata may be stale)}" | tee -a "$OUT/env.txt"
+echo "tree: ${COMMIT:-unknown (pass COMMIT=<hash> from your checkout: the git metadata on the device may be stale)}" | tee -a "$OUT/env.txt"
 
 t0=$(date +%s)
 HTTP_PORT=${HTTP_PORT:-8077}
