@@ -264,3 +264,54 @@ def test_the_engine_process_is_the_default_on_a_gpu_only():
     assert not uses_engine_process(parse_args(["--device", "cuda", "--no-engine-process"]))
     assert uses_engine_process(parse_args(["--device", "cpu", "--engine-process"]))
     assert uses_engine_process(parse_args([])) == torch.cuda.is_available()
+
+
+def test_ctrl_c_to_the_process_group_drains_and_leaves_no_engine_process(tmp_path):
+    """Ctrl-C in a terminal signals the server and its engine process alike: the server drains
+    its in-flight stream and exits 0; the engine process ends with it."""
+    import re
+
+    from tts_client.bench import free_port
+
+    port, log_path = free_port(), tmp_path / "server.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tts_server", "--engine-process", "--model", "synthetic-tiny",
+             "--device", "cpu", "--port", str(port), "--http-port", "-1", "--metrics-port", "-1"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving tts.v1.TextToSpeechService" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.3)
+        engine_pid = int(re.search(r"engine process (\d+)", log_path.read_text()).group(1))
+
+        async def run():
+            async with TTSClient(f"127.0.0.1:{port}") as client:
+                msgs = []
+                async for msg in client.stream(build_request("Drain me.", max_duration_s=2.0, seed=1)):
+                    if not msgs:  # in flight: Ctrl-C
+                        os.killpg(proc.pid, signal.SIGINT)
+                    msgs.append(msg)
+                return msgs
+
+        msgs = asyncio.run(run())
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert msgs[-1].HasField("summary") and msgs[-1].summary.num_frames == 25
+    assert "draining" in log_path.read_text()
+
+    def alive(pid):  # a zombie (state Z) has ended
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(engine_pid), "the engine process outlived the server"

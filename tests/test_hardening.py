@@ -389,14 +389,15 @@ def test_json_log_lines_carry_the_request_id():
 
 # ---- watchdog (a real process: it must exit) -----------------------------------------------
 @pytest.mark.slow
-def test_hung_step_flips_health_and_exits_nonzero(tmp_path):
+@pytest.mark.parametrize("where", ["--no-engine-process", "--engine-process"])
+def test_hung_step_flips_health_and_exits_nonzero(tmp_path, where):
     port = free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tts_server", "--model", "synthetic-tiny", "--port", str(port),
              "--metrics-port", "-1", "--http-port", "-1", "--watchdog-s", "1.5", "--log-format", "json",
-             "--inject-fault", "hang:hang-1@3"], stdout=out, stderr=subprocess.STDOUT)
+             "--inject-fault", "hang:hang-1@3", where], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while "serving tts.v1.TextToSpeechService" not in log_path.read_text():

@@ -129,6 +129,10 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
+    # Ctrl-C reaches the terminal's whole process group, and a service manager may signal every
+    # process of the service: the server drains on them; this process ends when told (or with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     config = conn.recv()
     from ..logs import quiet_imports, setup_logging
