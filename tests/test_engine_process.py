@@ -166,6 +166,7 @@ async def test_a_client_hang_up_frees_the_engine_slot(remote):
     assert m[("tts_active_streams", (("device", "cpu"),))] == 0
     assert m[("tts_frames_total", (("device", "cpu"),))] >= 2
     assert m[("tts_stream_slots", (("device", "cpu"),))] == 4
+    assert m[("tts_engine_process_resident_memory_bytes", ())] > m[("process_resident_memory_bytes", ())] / 10
     assert await _outcome(address, build_request("Next.", max_duration_s=0.4)) == 5
 
 

@@ -23,6 +23,7 @@ import time
 from multiprocessing.connection import Connection
 
 import numpy as np
+from prometheus_client import ProcessCollector
 
 from ..api import (AudioChunk, EngineFailure, FinishReason, ModelInfo, Overloaded, ShuttingDown,
                    StreamEnd, Unsupported)
@@ -88,6 +89,8 @@ class RemoteWorker:
         self.metrics = Metrics(engine_series=False)
         self._series = _EngineSeries()
         self.metrics.registry.register(self._series)
+        # the engine process's memory, descriptors and CPU: tts_engine_process_resident_memory_bytes, ...
+        ProcessCollector(namespace="tts_engine", pid=lambda: proc.pid, registry=self.metrics.registry)
         self.failure: EngineFailure | None = None
         self.watchdog_tick = None  # the engine process runs its own watchdog and backstop
         self._fatal_listeners: list = []
