@@ -58,7 +58,8 @@ def test_admission_order_prefers_a_free_slot_then_the_lightest_load():
 
 
 class FakeWorker:
-    """The Worker interface the pool uses: submit with the real refusals, fatal listeners."""
+    """The Worker interface the pool uses: enqueue (a caller's handle) with the real refusals,
+    fatal listeners."""
 
     def __init__(self, label, slots, queue=0):
         self.label, self.max_streams, self.max_queue = label, slots, queue
@@ -73,7 +74,7 @@ class FakeWorker:
     def add_fatal_listener(self, fn):
         self.listeners.append(fn)
 
-    def submit(self, request, loop):
+    def enqueue(self, handle):
         if self.failure is not None:
             raise EngineFailure("dead")
         if self.stopping:
@@ -81,7 +82,7 @@ class FakeWorker:
         if self.num_outstanding >= self.max_streams + self.max_queue:
             raise Overloaded("full")
         self.num_outstanding += 1
-        return (self.label, request)
+        return (self.label, handle.request)
 
     def fail(self, why):
         self.failure = EngineFailure(why)

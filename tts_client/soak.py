@@ -60,6 +60,8 @@ class Window:
     rtf: list = field(default_factory=list)
     rss_mb: float | None = None
     open_fds: float | None = None
+    engine_rss_mb: float | None = None  # the engine process's, where it has one
+    engine_open_fds: float | None = None
     active_streams: float | None = None
 
     def summary(self) -> dict:
@@ -68,7 +70,12 @@ class Window:
                 "ttfc_p50_ms": _r(percentile(self.ttfc_ms, 50)),
                 "ttfc_p95_ms": _r(percentile(self.ttfc_ms, 95)),
                 "rtf_p50": _r(percentile(self.rtf, 50), 3), "rss_mb": _r(self.rss_mb),
-                "open_fds": self.open_fds, "active_streams": self.active_streams}
+                "open_fds": self.open_fds, "engine_rss_mb": _r(self.engine_rss_mb),
+                "engine_open_fds": self.engine_open_fds, "active_streams": self.active_streams}
+
+
+# the engine process's own memory and descriptors (tts-server --engine-process)
+ENGINE_RSS, ENGINE_FDS = "tts_engine_process_resident_memory_bytes", "tts_engine_process_open_fds"
 
 
 def _r(v, nd=1):
@@ -177,6 +184,9 @@ class Soak:
             return
         w.rss_mb = m.get("process_resident_memory_bytes", 0) / 2**20
         w.open_fds = m.get("process_open_fds")
+        if ENGINE_RSS in m:
+            w.engine_rss_mb = m[ENGINE_RSS] / 2**20
+            w.engine_open_fds = m.get(ENGINE_FDS)
         w.active_streams = m.get("tts_active_streams")
 
     async def close_window(self) -> Window:
@@ -230,6 +240,9 @@ class Soak:
             if first is not None:
                 leaks["rss_growth_mb"] = round(final["process_resident_memory_bytes"] / 2**20 - first.rss_mb, 1)
                 leaks["open_fds_growth"] = final.get("process_open_fds", 0) - (first.open_fds or 0)
+            if first is not None and first.engine_rss_mb is not None and ENGINE_RSS in final:
+                leaks["engine_rss_growth_mb"] = round(final[ENGINE_RSS] / 2**20 - first.engine_rss_mb, 1)
+                leaks["engine_open_fds_growth"] = final.get(ENGINE_FDS, 0) - (first.engine_open_fds or 0)
         ttfc_first = percentile(ws[0].ttfc_ms, 50)
         ttfc_last = percentile(ws[-1].ttfc_ms, 50)
         problems = []
@@ -241,6 +254,11 @@ class Soak:
             problems.append(f"open file descriptors grew by {leaks['open_fds_growth']:.0f}")
         if leaks.get("rss_growth_mb", 0) > a.max_rss_growth_mb:
             problems.append(f"server memory grew {leaks['rss_growth_mb']} MB (bound {a.max_rss_growth_mb})")
+        if leaks.get("engine_open_fds_growth", 0) > a.max_fd_growth:
+            problems.append(f"the engine process's descriptors grew by {leaks['engine_open_fds_growth']:.0f}")
+        if leaks.get("engine_rss_growth_mb", 0) > a.max_rss_growth_mb:
+            problems.append(f"the engine process's memory grew {leaks['engine_rss_growth_mb']} MB "
+                            f"(bound {a.max_rss_growth_mb})")
         if not final and self.metrics_url:
             problems.append("no metrics after the load")
         server_codes = {k.split("code=")[1].rstrip("}"): v for k, v in final.items()
@@ -272,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", help="engine of a self-started server")
     p.add_argument("--max-streams", type=int, default=4, help="of a self-started server")
     p.add_argument("--max-queue", type=int, default=4, help="of a self-started server")
+    p.add_argument("--engine-process", action="store_true",
+                   help="a self-started server runs its engine in a process of its own (as on a GPU)")
     p.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many")
     p.add_argument("--windows", type=int, default=10, help="report intervals (latency drift)")
@@ -306,7 +326,8 @@ def main(argv=None) -> int:
     else:
         mport = free_port()
         server = ServerProcess(a.model, a.engine, a.max_streams,
-                               ("--metrics-port", str(mport), "--max-queue-wait-s", "10"),
+                               ("--metrics-port", str(mport), "--max-queue-wait-s", "10")
+                               + (("--engine-process",) if a.engine_process else ()),
                                max_queue=a.max_queue)
         address, metrics_url = server.address, f"http://127.0.0.1:{mport}/metrics"
     try:

@@ -110,7 +110,10 @@ class RemoteWorker:
                                  str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         theirs.close()
         conn = Connection(ours.detach())
-        conn.send(config)
+        try:
+            conn.send(config)
+        except OSError:  # it died at once: connect() reports its exit status
+            pass
         return proc, conn
 
     @classmethod
@@ -129,6 +132,7 @@ class RemoteWorker:
             raise StartupError(rest[0])
         info, facts = rest
         worker = cls(proc, conn, info, facts)
+        worker._on_batch(first[1:])  # (whatever came with "ready": metrics)
         log.info("engine process %d: %s, %d slots", facts["pid"], worker.label, worker.max_streams)
         return worker
 
