@@ -316,3 +316,129 @@ def test_ctrl_c_to_the_process_group_drains_and_leaves_no_engine_process(tmp_pat
     while alive(engine_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(engine_pid), "the engine process outlived the server"
+
+
+# ---- several RPC processes (--rpc-processes) ----------------------------------------------
+class _Cli:
+    """`tts-server --rpc-processes N` on the CPU (tiny model, JSON logs) in its own session."""
+
+    def __init__(self, tmp_path, *args):
+        from tts_client.bench import free_port
+
+        self.port, self.metrics_port = free_port(), free_port()
+        self.log_path = tmp_path / "server.log"
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tts_server", "--model", "synthetic-tiny", "--device", "cpu",
+                 "--port", str(self.port), "--http-port", "-1", "--metrics-port", str(self.metrics_port),
+                 "--log-format", "json", *args],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while "more RPC processes on port" not in self.log_path.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.3)
+        time.sleep(1.0)  # the extra RPC processes bind the port a moment later
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def records(self) -> list[dict]:
+        import json
+
+        return [json.loads(line) for line in self.text().splitlines() if line.startswith("{")]
+
+    def pids(self) -> tuple[set[int], set[int]]:
+        """The engine process's and the extra RPC processes' pids, from the log."""
+        import re
+
+        engine, rpc = set(), set()
+        for r in self.records():
+            if m := re.match(r"engine process (\d+):", r["message"]):
+                engine.add(int(m.group(1)))
+            if m := re.search(r"RPC processes on port \d+: ([\d, ]+)", r["message"]):
+                rpc |= {int(p) for p in m.group(1).split(", ")}
+        return engine, rpc
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _alive(pid) -> bool:  # a zombie (state Z) has ended
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _on_own_channel(address, request, timeout=120):
+    """A call on a channel (and connection) of its own: the kernel picks its RPC process."""
+    try:
+        async with TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) as client:
+            return (await client.synthesize(request, timeout=timeout)).samples
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+
+
+async def test_two_rpc_processes_serve_the_same_bytes_count_every_call_and_drain(tmp_path, tiny_server):
+    request = build_request("Any process, the same audio.", seed=21, max_duration_s=0.4)
+    expected = await _audio(tiny_server, request)
+    cli = _Cli(tmp_path, "--rpc-processes", "2")
+    try:
+        address = f"127.0.0.1:{cli.port}"
+        got = await asyncio.gather(*(_on_own_channel(address, request) for _ in range(16)))
+        for samples in got:
+            assert isinstance(samples, np.ndarray) and np.array_equal(samples, expected), samples
+        done = {r["pid"] for r in cli.records() if r["message"].startswith("request ")
+                and " done: " in r["message"]}
+        assert len(done) == 2, f"calls were served by {len(done)} process(es)"  # 16 connections
+        deadline = time.monotonic() + 10  # the extra process's series come every 0.5 s
+        while _scrape(cli.metrics_port).get(("tts_requests_total", (("code", "OK"),))) != 16:
+            assert time.monotonic() < deadline, _scrape(cli.metrics_port)
+            await asyncio.sleep(0.2)
+        assert _scrape(cli.metrics_port)[("tts_time_to_first_chunk_seconds_count", ())] == 16
+        engine, rpc = cli.pids()
+        children = engine | rpc
+        assert len(engine) == 1 and len(rpc) == 1
+        cli.proc.send_signal(signal.SIGTERM)  # to the server process only: it drains the others
+        assert await asyncio.to_thread(cli.proc.wait, 60) == 0, cli.text()[-3000:]
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(_alive(p) for p in children), "a child process outlived the server"
+        drains = [r for r in cli.records() if "SIGTERM: draining" in r["message"]]
+        assert len({r["pid"] for r in drains}) == 2
+    finally:
+        cli.close()
+
+
+async def test_the_engine_refuses_for_every_rpc_process_and_a_lost_one_fails_the_server(tmp_path):
+    cli = _Cli(tmp_path, "--rpc-processes", "2", "--max-streams", "1", "--max-queue", "0")
+    try:
+        address = f"127.0.0.1:{cli.port}"
+        outcomes = await asyncio.gather(*(_on_own_channel(address, build_request(
+            f"Only one fits {i}.", seed=i, max_duration_s=1.6)) for i in range(8)))
+        ok = [o for o in outcomes if isinstance(o, np.ndarray)]
+        refused = [o for o in outcomes if not isinstance(o, np.ndarray)]
+        assert ok and refused, outcomes
+        for code, details in refused:
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in details, details
+        (rpc,) = cli.pids()[1]
+        os.kill(rpc, signal.SIGKILL)
+        assert await asyncio.to_thread(cli.proc.wait, 30) == 70, cli.text()[-3000:]
+        assert any("RPC process" in r["message"] and "exited" in r["message"] for r in cli.records())
+    finally:
+        cli.close()
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--rpc-processes", "0"], "--rpc-processes must be at least 1"),
+    (["--rpc-processes", "2", "--no-engine-process"], "needs the engine process"),
+])
+def test_rpc_processes_mistakes_are_one_line(args, why):
+    r = subprocess.run([sys.executable, "-m", "tts_server", "--model", "synthetic-tiny",
+                        "--device", "cpu", "--port", "0", "--http-port", "-1", "--metrics-port",
+                        "-1", *args], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and why in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]

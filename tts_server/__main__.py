@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "that their Python and the RPC event loop's do not take turns on one GIL "
                         "(default: on when serving on a GPU, where it starts 256 streams' first "
                         "audio ~1.5x sooner; off on the CPU)")
+    p.add_argument("--rpc-processes", type=int, default=d.rpc_processes,
+                   help="gRPC servers on --port, each a process of its own (the kernel spreads "
+                        "client connections over them), so that call set-up and chunk writes use "
+                        "several cores; with the engine process only (default %(default)s)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -162,15 +166,16 @@ def parse_args(argv=None) -> ServerConfig:
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
-        engine_process=a.engine_process, log_level=a.log_level, log_format=a.log_format,
+        engine_process=a.engine_process, rpc_processes=a.rpc_processes, log_level=a.log_level, log_format=a.log_format,
         inject_fault=a.inject_fault)
 
 
 def uses_engine_process(config: ServerConfig) -> bool:
-    """--engine-process as given, else on when the server's device is a GPU."""
+    """--engine-process as given, else on when the server's device is a GPU or there are
+    several RPC processes."""
     if config.engine_process is not None:
         return config.engine_process
-    if config.device.startswith("cuda") or config.devices:
+    if config.device.startswith("cuda") or config.devices or config.rpc_processes > 1:
         return True
     if config.device != "auto":
         return False
@@ -186,10 +191,15 @@ async def _serve(config: ServerConfig) -> int:
     if uses_engine_process(config):
         from .serving.remote import RemoteWorker
 
-        proc, conn = RemoteWorker.spawn(config)  # from the main thread: see spawn()
-        worker = await asyncio.to_thread(RemoteWorker.connect, proc, conn)
+        proc, conns = RemoteWorker.spawn(config)  # from the main thread: see spawn()
+        worker = await asyncio.to_thread(RemoteWorker.connect, proc, conns[0],
+                                         config.rpc_processes == 1)
+        worker.spare_pipes = conns[1:]  # the extra RPC processes' (started once we listen)
         worker.start()
         info = worker.info
+    elif config.rpc_processes > 1:
+        raise StartupError(f"--rpc-processes {config.rpc_processes} needs the engine process; "
+                           "drop --no-engine-process")
     else:
         with quiet_imports():  # qwen-tts's import-time banner and its unused sox dependency's noise
             import qwen_tts  # noqa: F401

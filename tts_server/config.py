@@ -42,6 +42,8 @@ class ServerConfig:
     # the engines in a process of their own, fed over a socket pair (serving/remote.py), so that
     # their Python and the RPC event loop's do not share one GIL; None: on when serving on a GPU
     engine_process: bool | None = None
+    # gRPC servers on the port, each a process of its own (SO_REUSEPORT), with the engine process
+    rpc_processes: int = 1
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"
     inject_fault: str | None = None  # testing only: see engine/faults.py

@@ -47,9 +47,10 @@ def json_formatter() -> logging.Formatter:
         def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
             return iso_utc(record.created)
 
-    return UtcJsonFormatter("{asctime}{levelname}{name}{message}{request_id}", style="{",
+    # pid: the server process, its engine process and extra RPC processes share one stderr
+    return UtcJsonFormatter("{asctime}{levelname}{name}{message}{request_id}{process}", style="{",
                             rename_fields={"asctime": "time", "levelname": "level",
-                                           "name": "logger"}, timestamp=False)
+                                           "name": "logger", "process": "pid"}, timestamp=False)
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:

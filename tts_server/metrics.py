@@ -51,21 +51,59 @@ ENGINE_FAMILIES = ("tts_active_streams", "tts_queued_streams", "tts_paused_strea
                    "tts_engine_step_seconds", "tts_frames")
 
 
+CALL_FAMILIES = ("tts_requests", "tts_time_to_first_chunk_seconds", "tts_real_time_factor",
+                 "tts_audio_seconds")
+
+
+def merge_families(sources: list[list]) -> list:
+    """Metric families of the same series from several processes as one: counters, histogram
+    buckets, sums and counts add up; a `_created` time is the earliest."""
+    from prometheus_client.metrics_core import Metric
+
+    merged: dict[str, Metric] = {}
+    values: dict[str, dict] = {}
+    for families in sources:
+        for fam in families:
+            if fam.name not in merged:
+                merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                values[fam.name] = {}
+            series = values[fam.name]
+            for smp in fam.samples:
+                key = (smp.name, tuple(sorted(smp.labels.items())))
+                if key not in series:
+                    series[key] = smp.value
+                elif smp.name.endswith("_created"):
+                    series[key] = min(series[key], smp.value)
+                else:
+                    series[key] += smp.value
+    for name, fam in merged.items():
+        for (sname, labels), value in values[name].items():
+            fam.add_sample(sname, dict(labels), value)
+    return list(merged.values())
+
+
 class Metrics:
     """`engine_series=False`: the calls' series only; the engines' come from an engine process
-    (serving/remote.py registers a collector that serves its latest snapshot)."""
+    (serving/remote.py registers a collector that serves its latest snapshot). `calls_registry`:
+    where the calls' series live when it is not the served registry (several RPC processes: the
+    served one then merges every process's, serving/remote.py)."""
 
-    def __init__(self, engine_series: bool = True):
+    def __init__(self, engine_series: bool = True, calls_registry: CollectorRegistry | None = None):
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU
         self._http = None
-        self._calls(r)
+        self.calls_registry = calls_registry or r
+        self._calls(self.calls_registry)
         if engine_series:
             self._engines(r)
 
     def engine_snapshot(self) -> list:
         """The engines' metric families as they are now (picklable; for the server process)."""
         return [m for m in self.registry.collect() if m.name in ENGINE_FAMILIES]
+
+    def calls_snapshot(self) -> list:
+        """The calls' metric families as they are now (picklable; from an extra RPC process)."""
+        return [m for m in self.calls_registry.collect() if m.name in CALL_FAMILIES]
 
     def _engines(self, r: CollectorRegistry) -> None:
         dev = ("device",)

@@ -62,7 +62,8 @@ def check_numbers(c: ServerConfig) -> None:
                              ("--grace-period-s", c.grace_period_s, 0),
                              ("--drain-delay-s", c.drain_delay_s, 0),
                              ("--watchdog-s", c.watchdog_s, 0),
-                             ("--player-preroll-ms", c.player_preroll_ms, 0)):
+                             ("--player-preroll-ms", c.player_preroll_ms, 0),
+                             ("--rpc-processes", c.rpc_processes, 1)):
         _at_least(flag, value, low)
     for flag, value in (("--max-queue-wait-s", c.max_queue_wait_s),
                         ("--max-buffer-s", c.max_buffer_s), ("--stall-timeout-s", c.stall_timeout_s),

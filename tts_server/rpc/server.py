@@ -57,7 +57,8 @@ class TTSServer:
         self.owns_worker = owns_worker
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 0),
+            # one listener per port, unless several RPC processes share it (--rpc-processes)
+            ("grpc.so_reuseport", 1 if config.rpc_processes > 1 else 0),
             ("grpc.max_receive_message_length", config.max_request_bytes),
         ])
         self.servicer = TextToSpeechServicer(worker, info, config)
@@ -131,6 +132,8 @@ class TTSServer:
         log.info("serving %s on %s:%d (%s, %s)", SERVICE_NAME, self.config.host, self.port,
                  "TLS" if self.config.tls_cert else "plaintext",
                  "bearer-token auth" if self.config.auth_token else "no auth")
+        if hasattr(self.worker, "started_serving"):  # the engine process's: extra RPC processes
+            self.worker.started_serving(self.config, self.port)
 
     def _on_engine_failure(self, failure) -> None:
         """Event loop: the engine is gone. Health reports NOT_SERVING at once (every stream has
@@ -155,6 +158,8 @@ class TTSServer:
             return
         self._stopped.set()
         self.is_ready = False
+        if hasattr(self.worker, "begin_drain"):  # extra RPC processes drain alongside
+            self.worker.begin_drain()
         await self.health.enter_graceful_shutdown()
         delay = self.config.drain_delay_s if drain_delay is None else drain_delay
         if delay > 0:

@@ -2,19 +2,21 @@
 in a process of their own, so that the engine thread's Python and the gRPC/HTTP event loop's
 (call set-up, chunk writes) no longer take turns on one GIL.
 
-Started by serving/remote.py as `python -m tts_server.serving.engine_process FD`; FD is its end
-of a Unix socket pair. The server sends the ServerConfig, then batches of
+Started by serving/remote.py as `python -m tts_server.serving.engine_process FD [FD ...]`: its
+ends of Unix socket pairs, the server process's first, then one per extra RPC process
+(--rpc-processes). The server sends the ServerConfig on the first; every RPC process sends batches of
 ("submit", sid, request, submitted_at) / ("cancel", sid) / ("text", sid, TextEvent) /
-("sent", sid, samples) / ("stop",); this process answers ("ready", info, facts) or
-("error", line) once, then batches of ("a", sid, float32 bytes, sample_offset, num_frames,
+("sent", sid, samples) / ("calls", families) (an extra RPC process's call metrics) / ("stop",)
+(the server process's only); this process answers ("ready", info, facts) or ("error", line) once
+on each, then batches of ("a", sid, float32 bytes, sample_offset, num_frames,
 sequence_number, timings) (an AudioChunk) / ("ev", sid, event) (any other event) /
-("fail", message) / ("metrics", families). It exits when the server's end of the pipe closes, or with the server
-(Linux parent-death signal).
+("fail", message), and on the first ("metrics", families) / ("calls", index, families). It
+exits when the server's end of the first pipe closes, or with the server (Linux parent-death
+signal); an extra RPC process's pipe closing cancels that process's streams.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import logging
@@ -28,7 +30,7 @@ import numpy as np
 
 from ..api import AudioChunk, FinishReason, StreamEnd
 from ..memory_plan import StartupError
-from .ipc import Outbox, receive
+from .ipc import Outbox, die_with_parent, receive
 from .streams import StreamHandle
 
 log = logging.getLogger("tts_server")
@@ -75,15 +77,17 @@ def _picklable_end(end: StreamEnd) -> StreamEnd:
 
 
 class EngineProcess:
-    """Dispatches the server's messages to the Worker (or pool) and its events back."""
+    """Dispatches one RPC process's messages to the Worker (or pool) and its events back.
+    Pipe 0 is the server process's (the configuration, the engines' metrics, "stop"); the others
+    are extra RPC processes' (--rpc-processes), whose call metrics go on to pipe 0."""
 
-    def __init__(self, conn: Connection, worker, outbox: Outbox):
-        self.conn = conn
+    def __init__(self, index: int, worker, outbox: Outbox, primary: Outbox, done: threading.Event):
+        self.index = index
         self.worker = worker
         self.outbox = outbox
+        self.primary = primary
         self.handles: dict[int, PipeHandle] = {}
-        self.done = threading.Event()
-        worker.add_fatal_listener(lambda failure: outbox.put(("fail", str(failure))))
+        self.done = done
 
     def on_batch(self, items: list) -> None:
         for item in items:
@@ -93,6 +97,8 @@ class EngineProcess:
             elif kind == "stop":
                 self.done.set()
                 return
+            elif kind == "calls":
+                self.primary.put(("calls", self.index, args[0]))
             else:
                 handle = self.handles.get(args[0])
                 if handle is None:  # already ended here: nothing to do
@@ -113,27 +119,28 @@ class EngineProcess:
         except Exception as e:  # noqa: BLE001 - refused here (the server checked first; a race)
             handle.post(StreamEnd(FinishReason.ERROR, 0, 0, e))
 
+    def on_eof(self) -> None:
+        """The server process has gone (or stopped us): stop. An extra RPC process has gone: its
+        streams are cancelled (the engine ends them at its next step)."""
+        if self.index == 0:
+            self.done.set()
+            return
+        for handle in list(self.handles.values()):
+            handle.cancel()
+
     def send_metrics(self) -> None:
         while not self.done.wait(METRICS_PERIOD_S):
             self.outbox.put(("metrics", self.worker.metrics.engine_snapshot()))
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the server's process ends, however it ends."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches the terminal's whole process group, and a service manager may signal every
     # process of the service: the server drains on them; this process ends when told (or with it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(int(sys.argv[1]))
+    conns = [Connection(int(fd)) for fd in sys.argv[1:]]  # pipe 0: the server process's
+    conn = conns[0]
     config = conn.recv()
     from ..logs import quiet_imports, setup_logging
 
@@ -158,21 +165,25 @@ def main() -> None:
         # the backstop for a hang the Python watchdog cannot act on: the server sees the pipe end
         worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
             config.watchdog_s + 30.0, exit=True)
-    outbox = Outbox(conn, "tts-engine-pipe-out")
-    proc = EngineProcess(conn, worker, outbox)
+    outboxes = [Outbox(c, f"tts-engine-pipe-out-{i}") for i, c in enumerate(conns)]
+    outbox, done = outboxes[0], threading.Event()
+    procs = [EngineProcess(i, worker, o, outbox, done) for i, o in enumerate(outboxes)]
+    worker.add_fatal_listener(lambda failure: [o.put(("fail", str(failure))) for o in outboxes])
     facts = {"max_streams": worker.max_streams,
              "max_outstanding": getattr(worker, "max_outstanding", None) or sum(
                  w.max_outstanding for w in worker.workers),
              "incremental": all(w.texts.supported for w in getattr(worker, "workers", [worker])),
              "engine": app.info.engine, "labels": [w.label for w in getattr(worker, "workers", [worker])],
              "pid": os.getpid()}
-    outbox.put(("ready", app.info, facts))
-    receive(conn, proc.on_batch, proc.done.set, "tts-engine-pipe-in")
-    threading.Thread(target=proc.send_metrics, name="tts-engine-metrics", daemon=True).start()
-    proc.done.wait()
+    for i, (c, o, p) in enumerate(zip(conns, outboxes, procs)):
+        o.put(("ready", app.info, facts))
+        receive(c, p.on_batch, p.on_eof, f"tts-engine-pipe-in-{i}")
+    threading.Thread(target=procs[0].send_metrics, name="tts-engine-metrics", daemon=True).start()
+    done.wait()
     # the server stops us after its drain, or has gone: end the streams still here, then leave
     worker.stop(10.0)
-    outbox.close()
+    for o in outboxes:
+        o.close()
     logging.shutdown()
     os._exit(0)  # an engine thread stuck in a device call must not keep the process
 

@@ -8,7 +8,9 @@ neither side ever blocks the other on a full socket buffer.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import signal
 import threading
 from multiprocessing.connection import Connection
 from typing import Callable
@@ -52,6 +54,9 @@ class Outbox:
                     self._conn.send(items)
                 except (OSError, ValueError) as e:  # the other side is gone: its reader says so
                     log.debug("pipe send failed: %r", e)
+                    with self._cond:
+                        self._closed = True  # later puts are dropped, not kept
+                        self._items = []
                     return
             if closed:
                 return
@@ -75,3 +80,12 @@ def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that started it ends, however it ends."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

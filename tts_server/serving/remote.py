@@ -13,8 +13,11 @@ failed engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -23,13 +26,13 @@ import time
 from multiprocessing.connection import Connection
 
 import numpy as np
-from prometheus_client import ProcessCollector
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ..api import (AudioChunk, EngineFailure, FinishReason, ModelInfo, Overloaded, ShuttingDown,
                    StreamEnd, Unsupported)
 from ..config import ServerConfig
 from ..memory_plan import StartupError
-from ..metrics import Metrics
+from ..metrics import Metrics, merge_families
 from .ipc import Outbox, receive
 from .streams import StreamHandle
 
@@ -74,10 +77,25 @@ class _EngineSeries:
         return list(self.families)
 
 
-class RemoteWorker:
-    """The Worker interface, served by an engine process."""
+class _MergedCalls:
+    """A prometheus collector serving the calls' series of every RPC process as one."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Connection, info: ModelInfo, facts: dict):
+    def __init__(self, own):
+        self.own = own  # this process's calls registry
+        self.others: dict[int, list] = {}  # an extra RPC process's latest snapshot, by pipe
+
+    def collect(self):
+        return merge_families([list(self.own.collect())] + list(self.others.values()))
+
+
+class RemoteWorker:
+    """The Worker interface, served by an engine process. `proc`: the engine process, in the
+    server process that started it (None in an extra RPC process); `exact_admission`: this
+    process is the engine's only caller, so it refuses at once what the engine would (with
+    several RPC processes the engine decides, and a refusal ends the stream instead)."""
+
+    def __init__(self, proc: subprocess.Popen | None, conn: Connection, info: ModelInfo, facts: dict,
+                 exact_admission: bool = True):
         self.proc = proc
         self.conn = conn
         self.info = info
@@ -86,11 +104,22 @@ class RemoteWorker:
         self.max_outstanding = facts["max_outstanding"]
         self.supports_incremental = facts["incremental"]
         self.engine_name = facts["engine"]
-        self.metrics = Metrics(engine_series=False)
+        self.exact_admission = exact_admission
+        self.rpc_processes: list[subprocess.Popen] = []  # extra RPC processes (started_serving)
+        self.spare_pipes: list[Connection] = []  # the engine's pipes for them, until they start
+        self.grace_s = 0.0
+        if exact_admission:
+            self.metrics = Metrics(engine_series=False)
+            self._calls = None
+        else:  # the served series add up every RPC process's calls
+            self.metrics = Metrics(engine_series=False, calls_registry=CollectorRegistry())
+            self._calls = _MergedCalls(self.metrics.calls_registry)
+            self.metrics.registry.register(self._calls)
         self._series = _EngineSeries()
         self.metrics.registry.register(self._series)
-        # the engine process's memory, descriptors and CPU: tts_engine_process_resident_memory_bytes, ...
-        ProcessCollector(namespace="tts_engine", pid=lambda: proc.pid, registry=self.metrics.registry)
+        if proc is not None:
+            # the engine process's memory, descriptors and CPU: tts_engine_process_resident_memory_bytes, ...
+            ProcessCollector(namespace="tts_engine", pid=lambda: proc.pid, registry=self.metrics.registry)
         self.failure: EngineFailure | None = None
         self.watchdog_tick = None  # the engine process runs its own watchdog and backstop
         self._fatal_listeners: list = []
@@ -98,42 +127,50 @@ class RemoteWorker:
         self._handles: dict[int, RemoteHandle] = {}
         self._sids = itertools.count(1)
         self._stopping = False
+        self._draining = False
         self._outbox = Outbox(conn, "tts-server-pipe-out")
 
     # ---- start-up -----------------------------------------------------------------------
     @staticmethod
-    def spawn(config: ServerConfig) -> tuple[subprocess.Popen, Connection]:
-        """Starts the engine process. Call it from the main thread: the engine process is
+    def spawn(config: ServerConfig) -> tuple[subprocess.Popen, list[Connection]]:
+        """Starts the engine process with a pipe for this process and one for each extra RPC
+        process (config.rpc_processes - 1). Call it from the main thread: the engine process is
         killed when the thread that started it ends (Linux parent-death signal)."""
-        ours, theirs = socket.socketpair()
+        pairs = [socket.socketpair() for _ in range(max(1, config.rpc_processes))]
+        fds = [theirs.fileno() for _, theirs in pairs]
         proc = subprocess.Popen([sys.executable, "-m", "tts_server.serving.engine_process",
-                                 str(theirs.fileno())], pass_fds=(theirs.fileno(),))
-        theirs.close()
-        conn = Connection(ours.detach())
+                                 *map(str, fds)], pass_fds=fds)
+        conns = []
+        for ours, theirs in pairs:
+            theirs.close()
+            conns.append(Connection(ours.detach()))
         try:
-            conn.send(config)
+            conns[0].send(config)
         except OSError:  # it died at once: connect() reports its exit status
             pass
-        return proc, conn
+        return proc, conns
 
     @classmethod
-    def connect(cls, proc: subprocess.Popen, conn: Connection) -> "RemoteWorker":
-        """Waits until the spawned engine process has loaded the model and built its engines
+    def connect(cls, proc: subprocess.Popen | None, conn: Connection,
+                exact_admission: bool = True) -> "RemoteWorker":
+        """Waits until the engine process has loaded the model and built its engines
         (blocking); its start-up mistake becomes this process's StartupError (one line)."""
         try:
             first = conn.recv()
         except (EOFError, OSError):
-            code = proc.wait()
+            code = proc.wait() if proc is not None else "unknown"
             raise StartupError(f"the engine process exited (status {code}) before it was "
                                "ready; its log is above") from None
         kind, *rest = first[0]
         if kind == "error":
-            proc.wait()
+            if proc is not None:
+                proc.wait()
             raise StartupError(rest[0])
         info, facts = rest
-        worker = cls(proc, conn, info, facts)
+        worker = cls(proc, conn, info, facts, exact_admission)
         worker._on_batch(first[1:])  # (whatever came with "ready": metrics)
-        log.info("engine process %d: %s, %d slots", facts["pid"], worker.label, worker.max_streams)
+        if proc is not None:
+            log.info("engine process %d: %s, %d slots", facts["pid"], worker.label, worker.max_streams)
         return worker
 
     def start(self) -> None:
@@ -157,7 +194,7 @@ class RemoteWorker:
                 raise EngineFailure(f"the decode engine failed ({self.failure}); restarting")
             if self._stopping:
                 raise ShuttingDown("server is shutting down")
-            if len(self._handles) >= self.max_outstanding:
+            if self.exact_admission and len(self._handles) >= self.max_outstanding:
                 raise Overloaded(f"all {self.max_streams} synthesis streams are busy and "
                                  f"{self.max_outstanding - self.max_streams} requests are queued")
             handle = RemoteHandle(request, loop, next(self._sids), self._outbox)
@@ -166,17 +203,59 @@ class RemoteWorker:
         return handle
 
     def stop(self, timeout: float | None = None) -> None:
-        """The engine process ends its streams and exits (killed after `timeout`)."""
+        """In the server process: the extra RPC processes finish their drain, then the engine
+        process ends its streams and exits (each killed after `timeout` more). In an extra RPC
+        process: its pipe closes (the engine cancels what is left of its streams)."""
         with self._lock:
             self._stopping = True
-        self._outbox.put(("stop",))
+        for rpc in self.rpc_processes:
+            _wait_or_kill(rpc, self.grace_s + (timeout or 0.0), "RPC process")
+        if self.proc is not None:
+            self._outbox.put(("stop",))
         self._outbox.close()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("engine process %d did not stop in %.0f s; killed", self.proc.pid, timeout)
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is None:
+            self.conn.close()
+            return
+        _wait_or_kill(self.proc, timeout, "engine process")
+
+    def send(self, item) -> None:
+        """One more item down the pipe (an extra RPC process's call metrics)."""
+        self._outbox.put(item)
+
+    # ---- extra RPC processes (the server process's worker only) ------------------------------
+    def started_serving(self, config: ServerConfig, port: int) -> None:
+        """TTSServer is listening on `port`: start the extra RPC processes on it, one per spare
+        pipe (they share the port with SO_REUSEPORT; no HTTP API, no metrics port of their own:
+        their calls' series come here). One that exits on its own fails the server."""
+        self.grace_s = config.drain_delay_s + config.grace_period_s
+        sub = dataclasses.replace(config, port=port, http_port=-1, metrics_port=-1)
+        for conn in self.spare_pipes:
+            fd = conn.fileno()
+            rpc = subprocess.Popen([sys.executable, "-m", "tts_server.serving.frontend", str(fd)],
+                                   pass_fds=(fd,), stdin=subprocess.PIPE)
+            rpc.stdin.write(pickle.dumps(sub))
+            rpc.stdin.close()
+            conn.close()
+            self.rpc_processes.append(rpc)
+            threading.Thread(target=self._watch_rpc, args=(rpc,), name=f"tts-rpc-{rpc.pid}",
+                             daemon=True).start()
+        self.spare_pipes = []
+        if self.rpc_processes:
+            log.info("%d more RPC processes on port %d: %s", len(self.rpc_processes), port,
+                     ", ".join(str(r.pid) for r in self.rpc_processes))
+
+    def begin_drain(self) -> None:
+        """The server process drains: so do the extra RPC processes (a Ctrl-C has told them
+        already; a SIGTERM to this process alone has not)."""
+        self._draining = True  # (new calls are still taken through --drain-delay-s)
+        for rpc in self.rpc_processes:
+            if rpc.poll() is None:
+                rpc.send_signal(signal.SIGTERM)
+
+    def _watch_rpc(self, rpc: subprocess.Popen) -> None:
+        code = rpc.wait()
+        if not (self._stopping or self._draining):
+            self.fail(EngineFailure(f"RPC process {rpc.pid} exited (status {code})"))
 
     def fail(self, failure: EngineFailure) -> None:
         """End every stream with `failure` and tell the listeners (once)."""
@@ -214,6 +293,8 @@ class RemoteWorker:
                             self._handles.pop(item[1], None)
             elif kind == "metrics":
                 self._series.families = item[1]
+            elif kind == "calls" and self._calls is not None:
+                self._calls.others[item[1]] = item[2]
             elif kind == "fail":
                 self._deliver_all(events)
                 events = []
@@ -234,12 +315,24 @@ class RemoteWorker:
     def _on_eof(self) -> None:
         if self._stopping:
             return
+        if self.proc is None:  # an extra RPC process: the engine process is gone
+            self.fail(EngineFailure("the engine process ended"))
+            return
         code = self.proc.poll()
         deadline = time.monotonic() + 2.0
         while code is None and time.monotonic() < deadline:
             time.sleep(0.05)
             code = self.proc.poll()
         self.fail(EngineFailure(f"the engine process ended (status {code})"))
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float | None, what: str) -> None:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s %d did not stop in %.0f s; killed", what, proc.pid, timeout)
+        proc.kill()
+        proc.wait()
 
 
 def _deliver(pairs: list) -> None:
