@@ -38,8 +38,8 @@ async def _start(config):
     from tts_server.rpc.server import TTSServer
     from tts_server.serving.remote import RemoteWorker
 
-    proc, conn = RemoteWorker.spawn(config)
-    worker = await asyncio.to_thread(RemoteWorker.connect, proc, conn)
+    proc, conns = RemoteWorker.spawn(config)
+    worker = await asyncio.to_thread(RemoteWorker.connect, proc, conns[0])
     worker.start()
     server = TTSServer(worker, worker.info, config)
     await server.start()
