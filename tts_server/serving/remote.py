@@ -212,6 +212,8 @@ class RemoteWorker:
             _wait_or_kill(rpc, self.grace_s + (timeout or 0.0), "RPC process")
         if self.proc is not None:
             self._outbox.put(("stop",))
+        else:  # an extra RPC process: its last calls' series before it goes
+            self._outbox.put(("calls", self.metrics.calls_snapshot()))
         self._outbox.close()
         if self.proc is None:
             self.conn.close()
