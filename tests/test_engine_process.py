@@ -304,18 +304,10 @@ def test_ctrl_c_to_the_process_group_drains_and_leaves_no_engine_process(tmp_pat
             proc.wait()
     assert msgs[-1].HasField("summary") and msgs[-1].summary.num_frames == 25
     assert "draining" in log_path.read_text()
-
-    def alive(pid):  # a zombie (state Z) has ended
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
     deadline = time.monotonic() + 10
-    while alive(engine_pid) and time.monotonic() < deadline:
+    while _alive(engine_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(engine_pid), "the engine process outlived the server"
+    assert not _alive(engine_pid), "the engine process outlived the server"
 
 
 # ---- several RPC processes (--rpc-processes) ----------------------------------------------
