@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--max-streams", type=int, default=64)
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile-prompts", type=int, default=32)
+    ap.add_argument("--profile-prompts", default="32", help="comma list of prompt counts to profile")
     args = ap.parse_args()
     loaded = load_model("synthetic", "cuda")
     engine = create_engine("batched", loaded, ServerConfig(max_streams=args.max_streams))
@@ -86,26 +86,28 @@ def main() -> None:
         res["levels"][a] = lvl
         print(a, lvl, flush=True)
 
-    a = min(args.profile_prompts, args.max_streams)
-    prompts = [prep.prepare(q, i) for q, i in zip(reqs[:a], ids[:a])]
-    admit(prompts)
-    release(a)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+    res["profiles"] = {}
+    for a in [min(int(x), args.max_streams) for x in str(args.profile_prompts).split(",")]:
+        prompts = [prep.prepare(q, i) for q, i in zip(reqs[:a], ids[:a])]
         admit(prompts)
+        release(a)
         torch.cuda.synchronize()
-    release(a)
-    kernels = {}
-    for ev in prof.key_averages():
-        if ev.device_type == torch.autograd.DeviceType.CUDA or getattr(ev, "device_time_total", 0) > 0:
-            t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
-            if t > 0 and ev.key not in kernels:
-                kernels[ev.key] = {"us": round(t, 1), "count": ev.count}
-    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:30]
-    res["profile"] = {"prompts": a, "rows": sum(p.prompt.embeds.shape[0] for p in prompts),
-                      "gpu_us_total": round(sum(v["us"] for v in kernels.values()), 1), "top": top}
-    print(json.dumps(res["profile"], indent=1))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            admit(prompts)
+            torch.cuda.synchronize()
+        release(a)
+        kernels = {}
+        for ev in prof.key_averages():
+            if ev.device_type == torch.autograd.DeviceType.CUDA or getattr(ev, "device_time_total", 0) > 0:
+                t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+                if t > 0 and ev.key not in kernels:
+                    kernels[ev.key[:120]] = {"us": round(t, 1), "count": ev.count}
+        top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:30]
+        prof_res = {"prompts": a, "rows": sum(p.prompt.embeds.shape[0] for p in prompts),
+                    "gpu_us_total": round(sum(v["us"] for v in kernels.values()), 1), "top": top}
+        res["profiles"][a] = prof_res
+        print(json.dumps(prof_res, indent=1), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "prefill_profile.json").write_text(json.dumps(res, indent=1))
 
