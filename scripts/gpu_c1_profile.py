@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--model", default="synthetic")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trace", type=int, default=0,
+                    help="also record N more requests under torch.profiler (CPU ops + kernels, every "
+                         "thread) into trace.json.gz, for the gaps between the host's launches")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,14 +86,26 @@ def main() -> None:
         for i in range(args.requests):
             recs.append(await one(i))
             await asyncio.sleep(0.05)  # the engine idle again, as at c = 1
+        profiling["on"] = False
+        if args.trace:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts, with_stack=False) as tp:
+                for i in range(args.trace):
+                    with torch.profiler.record_function(f"request{i}"):
+                        recs_t.append(await one(100 + i))
+                    await asyncio.sleep(0.05)
+            tp.export_chrome_trace(str(out / "trace.json"))
         return recs
 
+    recs_t: list[dict] = []
     recs = asyncio.run(run())
     worker.stop(10)
     keys = sorted({k for r in recs for k in r})
     summary = {k: round(statistics.median([r[k] for r in recs if k in r]), 3) for k in keys}
     print("median ms:", json.dumps(summary))
-    res = dict(summary_median_ms=summary, records=recs)
+    res = dict(summary_median_ms=summary, records=recs, traced=recs_t)
     for sort in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(35)

@@ -68,24 +68,26 @@ def test_batched_prefill_is_invariant_to_the_other_prompts(tiny_custom):
     assert not torch.equal(_run(other, {1: y[:13]})[0], h_alone[0])  # the check can fail
 
 
+def _cuda(o):
+    """Decode weights on the GPU in bf16 (the serving layout)."""
+    from dataclasses import fields, is_dataclass, replace
+
+    if isinstance(o, torch.Tensor):
+        return o.to("cuda", torch.bfloat16 if o.is_floating_point() else o.dtype)
+    if isinstance(o, tuple):
+        return tuple(_cuda(v) for v in o)
+    if is_dataclass(o):
+        return replace(o, **{f.name: _cuda(getattr(o, f.name)) for f in fields(o)})
+    return o
+
+
 @pytest.mark.gpu
 def test_graph_captured_prefill_equals_the_eager_one_bitwise(tiny_custom):
     """RowPrefillGraphs (bf16 KV, the serving default) against the eager batched prefill: the
     same hidden states and K/V bits, a prompt alone or among others, in any bucket."""
-    from dataclasses import fields, is_dataclass, replace
-
     from tts_server.engines.batched.prefill import prefill_rows_fp32_attention
 
-    def cuda(o):
-        if isinstance(o, torch.Tensor):
-            return o.to("cuda", torch.bfloat16 if o.is_floating_point() else o.dtype)
-        if isinstance(o, tuple):
-            return tuple(cuda(v) for v in o)
-        if is_dataclass(o):
-            return replace(o, **{f.name: cuda(getattr(o, f.name)) for f in fields(o)})
-        return o
-
-    w = cuda(decode_weights(tiny_custom.model))
+    w = _cuda(decode_weights(tiny_custom.model))
     eng = BatchedEngine(w, max_streams=4, max_positions=512, block_size=16)
     assert eng.row_graphs is not None
     h = w.talker.config.hidden_size
@@ -100,7 +102,7 @@ def test_graph_captured_prefill_equals_the_eager_one_bitwise(tiny_custom):
         lens, blocks = [xs[s].shape[0] for s in slots], [eng.kv.blocks(s) for s in slots]
         x = torch.cat([xs[s] for s in slots]).cuda()
         n = eng.row_graphs.bucket(lens, blocks) if graphs else None
-        out = eng.row_graphs.run(n, x, lens, blocks).clone() if n is not None else \
+        out = eng.row_graphs.run(n, x, lens, blocks)[0].clone() if n is not None else \
             prefill_rows_fp32_attention(eng.p.talker, eng.kv, x, lens, blocks)
         kv = {s: torch.cat([eng.kv.k[:, b] for b in eng.kv.blocks(s)], 2)[:, :, :xs[s].shape[0]].clone()
               for s in slots}
@@ -142,3 +144,68 @@ def test_store_blocks_kernel_equals_torch_bitwise():
         got = _store_case("cuda", dtype)
         glue.store_blocks(*got)  # the Triton kernel
         assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3])
+
+
+def test_row_graph_staging_lays_out_rows_plan_padded():
+    """stage_rows (the row graphs' pinned inputs, filled with numpy) gives rows_plan's layout for
+    the real prompts and the padding the graphs expect beyond them."""
+    import numpy as np
+
+    from tts_server.engines.batched.prefill import max_query_blocks, rows_plan, stage_rows
+    from tts_server.engines.batched.ops import PREFILL_QB
+
+    lens, bs = [37, 5, 16, 90], 16
+    blocks = [[4, 9, 2], [7], [11], [3, 5, 6, 8, 10, 12]]  # a slot may hold more blocks than it needs
+    n, a = 256, 8
+    cols, nblk = -(-n // bs), -(-n // bs) + a + 1
+    nq = max_query_blocks(n, a, PREFILL_QB)
+    views = dict(table=np.full((n, cols), 99, np.int32), pos=np.full(n, 99, np.int32), last=np.full(a, 99, np.int32),
+                 dst=np.full(nblk, 99, np.int32), qrow=np.full(nq, 99, np.int32), qn=np.full(nq, 99, np.int32),
+                 slots=np.full(a, 99, np.int32))
+    stage_rows(views, lens, blocks, [3, 0, 2, 1], nblk - 1, 7)
+    plan = {k: v.numpy() for k, v in rows_plan(lens, blocks, bs).items()}
+    rows, w = sum(lens), plan["table"].shape[1]
+    assert (views["table"][:rows, :w] == plan["table"]).all()
+    assert (views["table"][:rows, w:] == nblk - 1).all() and (views["table"][rows:] == nblk - 1).all()
+    assert (views["pos"][:rows] == plan["pos"]).all() and (views["pos"][rows:] == 0).all()
+    assert (views["last"][:4] == plan["last"]).all() and (views["last"][4:] == 0).all()
+    assert (views["dst"][:len(plan["dst"])] == plan["dst"]).all() and (views["dst"][len(plan["dst"]):] == -1).all()
+    q = len(plan["qrow"])
+    assert (views["qrow"][:q] == plan["qrow"]).all() and (views["qn"][:q] == plan["qn"]).all()
+    assert (views["qn"][q:] == 0).all()
+    assert views["slots"].tolist() == [3, 0, 2, 1, 7, 7, 7, 7]
+
+
+@pytest.mark.gpu
+def test_admissions_past_the_largest_row_bucket_replay_in_chunks_bitwise(tiny_custom):
+    """A step whose prompts exceed the largest row-graph bucket prefills in several replays (no
+    eager fallback), each with its first draws: every slot's past hidden, first code 0, K/V and
+    finiteness are bitwise those of the same prompt admitted alone."""
+    from tts_server.api import SamplingConfig
+    from tts_server.engines.batched.state import CODE0
+    from tts_server.engines.contract import Admission, Prompt, StepPlan
+
+    eng = BatchedEngine(_cuda(decode_weights(tiny_custom.model)), max_streams=4, max_positions=512, block_size=16)
+    h = tiny_custom.model.talker.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    prompts = {s: Prompt(embeds=torch.randn(n, h, generator=g), trailing=torch.zeros(1, h), pad_embed=torch.zeros(h))
+               for s, n in ((0, 100), (1, 120), (2, 90))}
+    admits = [Admission(s, p, SamplingConfig(seed=s + 10, do_sample=True)) for s, p in prompts.items()]
+    assert sum(p.embeds.shape[0] for p in prompts.values()) > eng.row_graphs.max_rows
+
+    def admit(adms):
+        for a in adms:
+            eng.release(a.slot)
+            assert eng.kv.ensure(a.slot, a.prompt.embeds.shape[0])
+        assert len(eng._row_chunks(list(adms), [a.prompt.embeds.shape[0] for a in adms])) == (2 if len(adms) == 3 else 1)
+        out = eng.run(StepPlan(decode=(), admit=tuple(adms)))
+        assert not out.failed
+        return {a.slot: (eng.state.past_hidden[a.slot].clone(), int(eng.state.ints[CODE0, a.slot]),
+                         torch.cat([eng.kv.k[:, b] for b in eng.kv.blocks(a.slot)], 2).clone()) for a in adms}
+
+    together = admit(admits)
+    for a in admits:
+        alone = admit([a])[a.slot]
+        assert torch.equal(alone[0], together[a.slot][0]) and alone[1] == together[a.slot][1]
+        assert torch.equal(alone[2], together[a.slot][2])
+    assert not torch.equal(together[0][0], together[1][0])  # the check can fail

@@ -125,8 +125,10 @@ class BatchedCodecDecoder:
         frame at a time as left context (their audio is discarded)."""
         self._check_slots([slot])
         with torch.inference_mode():
-            # one multi-tensor kernel instead of a launch per state tensor (~40)
-            torch._foreach_zero_([t[slot] for t in self._kc + self._vc + self._hist] + [self._nf[slot:slot + 1]])
+            # one multi-tensor kernel instead of a launch per state tensor (~40); the fast path
+            # takes one dtype per list, so the int64 frame counter goes apart
+            torch._foreach_zero_([t[slot] for t in self._kc + self._vc + self._hist])
+            self._nf[slot:slot + 1].zero_()
             if ref_codes is not None:
                 ref = torch.as_tensor(ref_codes).to(self.device, torch.long)
                 if ref.dim() != 2 or ref.shape[1] != self.num_quantizers:

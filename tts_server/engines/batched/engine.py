@@ -22,6 +22,7 @@ from .params import fused_bytes, prepare
 from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
+from .state import to_device as _to_device
 
 FRAME_KERNELS = ("triton", "cuda-predict", "cuda")
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
@@ -127,7 +128,8 @@ class BatchedEngine:
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)
                 t0 = time.perf_counter()
-                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, row_buckets(max_streams), max_streams)
+                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, row_buckets(max_streams), max_streams,
+                                                   post=self._first_draws, pad_slot=self.state.scratch)
                 torch.cuda.synchronize(dev)
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
@@ -254,38 +256,72 @@ class BatchedEngine:
     def _admit_rows(self, admissions: list[Admission]) -> torch.Tensor:
         """One batched prefill of every admission's prompt (prefill_rows: each token a row of the
         decode step's batch-invariant ops), then each slot's first code-0 draw, launched without
-        a host wait -> finite per admission ([A] bool, on the device)."""
+        a host wait -> finite per admission ([A] bool, on the device). With the row graphs (bf16
+        KV), the admissions go in as few replays as fit the largest bucket, each with its draws."""
         dev = self.device
         lens = [a.prompt.embeds.shape[0] for a in admissions]
-        x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
-        slots = torch.repeat_interleave(torch.tensor([a.slot for a in admissions]), torch.tensor(lens))
-        pos = torch.cat([torch.arange(n) for n in lens])
-        last = torch.tensor(np.cumsum(lens) - 1)
-        rows = torch.tensor([a.slot for a in admissions], dtype=torch.long).to(dev)
-        # the slots' state first: host-to-device copies from pageable memory wait for the stream,
-        # so they go before the prefill's launches rather than behind them
-        self.state.admit_many([a.slot for a in admissions], [a.sampling for a in admissions], lens,
+        slots = [a.slot for a in admissions]
+        # the slots' state first (asynchronous copies from pinned memory)
+        self.state.admit_many(slots, [a.sampling for a in admissions], lens,
                               [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
-                              None, [a.eos_from for a in admissions], rows=rows)
+                              None, [a.eos_from for a in admissions])
         self.kv.sync()
+        if self.kv_dtype != torch.float32 and self.row_graphs is not None:
+            return torch.cat([self._admit_chunk(admissions[i:j], lens[i:j])
+                              for i, j in self._row_chunks(admissions, lens)])
+        x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
         if self.kv_dtype == torch.float32:
-            hidden = prefill_rows(self.p.talker, self.kv, x, slots.to(dev), pos.to(dev), last.to(dev))
+            rows_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens))
+            pos = torch.cat([torch.arange(n) for n in lens])
+            last = torch.tensor(np.cumsum(lens) - 1)
+            hidden = prefill_rows(self.p.talker, self.kv, x, rows_of.to(dev), pos.to(dev), last.to(dev))
         else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
-            blocks = [self.kv.blocks(a.slot) for a in admissions]
-            n = self.row_graphs.bucket(lens, blocks) if self.row_graphs is not None else None
-            hidden = (self.row_graphs.run(n, x, lens, blocks) if n is not None
-                      else prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
-        self.state.past_hidden[rows] = hidden
+            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens,
+                                                 [self.kv.blocks(s) for s in slots])
+        return self._admitted(admissions, lens, hidden)
+
+    def _row_chunks(self, admissions: list[Admission], lens: list[int]) -> list[tuple[int, int]]:
+        """Consecutive runs of admissions, each as many as one row-graph bucket holds (a prompt's
+        bits do not depend on its neighbours, so any cut gives the same results)."""
+        cuts, i = [], 0
+        blocks = [self.kv.blocks(a.slot) for a in admissions]
+        while i < len(admissions):
+            j = i + 1
+            while j < len(admissions) and self.row_graphs.bucket(lens[i:j + 1], blocks[i:j + 1]) is not None:
+                j += 1
+            cuts.append((i, j))
+            i = j
+        return cuts
+
+    def _admit_chunk(self, admissions: list[Admission], lens: list[int]) -> torch.Tensor:
+        """One row-graph replay (prefill + first draws) of these admissions, or the eager path
+        when they fit no bucket (a prompt longer than the largest) -> finite [A] bool."""
+        blocks = [self.kv.blocks(a.slot) for a in admissions]
+        x = torch.cat([a.prompt.embeds for a in admissions]).to(self.device, torch.float32)
+        n = self.row_graphs.bucket(lens, blocks)
+        if n is None:
+            return self._admitted(admissions, lens, prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
+        _, finite = self.row_graphs.run(n, x, lens, blocks, [a.slot for a in admissions])
+        self._note_admitted(admissions, lens)
+        return finite.clone()
+
+    def _note_admitted(self, admissions: list[Admission], lens: list[int]) -> None:
         for a, n in zip(admissions, lens):
             self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
             self.positions[a.slot] = n
+
+    def _admitted(self, admissions: list[Admission], lens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """After an eager prefill: the slots' past hidden and first draws -> finite [A] bool."""
+        rows = _to_device(torch.tensor([a.slot for a in admissions], dtype=torch.long), self.device)
+        self._note_admitted(admissions, lens)
         return self._first_draws(rows, hidden)
 
     def _first_draws(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Code 0 of each admitted slot's first frame from its prefill hidden (rows [A] long on
-        the device, hidden [A, H]; draw index 0, stream 0), all in one batch-invariant pass;
+        """The admitted slots' past hidden, and code 0 of their first frame from it (rows [A] long
+        on the device, hidden [A, H]; draw index 0, stream 0), all in one batch-invariant pass;
         -> finite per slot ([A] bool, on the device)."""
         s, ids = self.state, self.p.ids
+        s.past_hidden[rows] = hidden
         logits = ops.linear(hidden, self.p.codec_head)  # [A, V]
         ops.talker_process_(logits, s.seen[rows], s.floats[PENALTY, rows], s.ints[N_SAMPLED, rows], ids.eos,
                             ids.suppress_start, ids.min_new_tokens)

@@ -194,65 +194,134 @@ def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list
     return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst", "qrow", "qn")))
 
 
+def _query_block_arrays(lens: np.ndarray, qb: int) -> tuple[np.ndarray, np.ndarray]:
+    """`query_blocks` in numpy (the same blocks in the same order) -> (first row, rows) int64."""
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    nq = -(-lens // qb)
+    which = np.repeat(np.arange(lens.shape[0]), nq)  # the prompt of each query block
+    j = np.arange(which.shape[0]) - np.repeat(np.cumsum(nq) - nq, nq)  # its index in the prompt
+    return starts[which] + qb * j, np.minimum(qb, lens[which] - qb * j)
+
+
+def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], slots: list[int] | None,
+               pad_block: int, pad_slot: int) -> None:
+    """Fill a row-graph bucket's integer inputs in place: `rows_plan`'s table / pos / last / dst /
+    qrow / qn for these prompts, padded to the views' sizes (table [n, cols]: padding rows, and
+    columns past the widest prompt's blocks, pad_block; dst -1; query blocks of 0 rows), and `slots` (each prompt's slot, then
+    pad_slot; None: all pad_slot)."""
+    ln = np.asarray(lens, dtype=np.int64)
+    rows = int(ln.sum())
+    nb = np.asarray([len(x) for x in blocks], dtype=np.int64)
+    base = np.concatenate(([0], np.cumsum(nb)[:-1]))
+    starts = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    table = views["table"]
+    c = np.arange(table.shape[1])
+    # rows_plan's columns (a prompt's own blocks, then 0 up to the widest prompt's), then padding
+    per_prompt = np.where(c[None, :] < nb[:, None], base[:, None] + c[None, :], np.where(c < nb.max(), 0, pad_block))
+    table[:rows] = np.repeat(per_prompt, ln, axis=0)
+    table[rows:] = pad_block
+    views["pos"][:rows] = np.arange(rows) - np.repeat(starts, ln)
+    views["pos"][rows:] = 0
+    views["last"][:len(lens)] = starts + ln - 1
+    views["last"][len(lens):] = 0
+    total = int(nb.sum())
+    views["dst"][:total] = [x for bl in blocks for x in bl]
+    views["dst"][total:] = -1
+    for k, v in zip(("qrow", "qn"), _query_block_arrays(ln, PREFILL_QB)):
+        views[k][:v.shape[0]] = v
+        views[k][v.shape[0]:] = 0  # unused blocks: 0 rows
+    views["slots"][:len(lens)] = slots if slots is not None else pad_slot
+    views["slots"][len(lens):] = pad_slot
+
+
 class RowPrefillGraphs:
     """CUDA graphs of `prefill_rows_core` for row-count buckets (one shared memory pool), so a
     step's admissions prefill in one replay instead of ~370 launches from Python. Rows past the
     step's prompts are padding: position 0 over a padding scratch block that is not stored in the
     pool (dst -1); real rows never read it. The ops are batch-invariant,
-    so a prompt's K/V and hidden state are bitwise those of the eager path, in any bucket."""
+    so a prompt's K/V and hidden state are bitwise those of the eager path, in any bucket.
 
-    def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int):
+    A bucket's integer inputs (block tables, positions, query blocks, slots) are views of one
+    int32 device buffer, filled from one pinned host buffer by one asynchronous copy: no host
+    wait and a handful of launches per replay. `post(slots [A] long, hidden [A, H]) -> [A] bool`
+    (the engine's first code-0 draws), when given, runs inside the graph after the prefill over
+    the bucket's slot list (padding prompts: `pad_slot`); `run` then also returns its result."""
+
+    def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int, post=None, pad_slot: int = 0):
         dev, bs, h = kv.k.device, kv.block_size, sp.cfg.hidden_size
-        self.sizes, self.bs = sizes, bs
-        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self.sizes, self.bs, self.pad_slot = sizes, bs, pad_slot
+        self.bufs: dict[int, dict] = {}
+        biggest = 0
         for n in sizes:
             a = min(max_prompts, n)
-            nblk = -(-n // bs) + a + 1  # every prompt's blocks, plus the padding block (last)
-            self.bufs[n] = dict(x=torch.zeros(n, h, device=dev), pos=torch.zeros(n, dtype=torch.int32, device=dev),
-                                table=torch.full((n, -(-n // bs)), nblk - 1, dtype=torch.int32, device=dev),
-                                last=torch.zeros(a, dtype=torch.long, device=dev),
-                                dst=torch.full((nblk,), -1, dtype=torch.long, device=dev),
-                                qrow=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
-                                qn=torch.zeros(max_query_blocks(n, a, PREFILL_QB), dtype=torch.int32, device=dev),
-                                out=torch.zeros(a, h, device=dev))
+            cols = -(-n // bs)
+            nblk = cols + a + 1  # every prompt's blocks, plus the padding block (last)
+            nq = max_query_blocks(n, a, PREFILL_QB)
+            layout = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq, slots=a)
+            ints = torch.zeros(sum(layout.values()), dtype=torch.int32, device=dev)
+            b: dict = dict(x=torch.zeros(n, h, device=dev), out=torch.zeros(a, h, device=dev), ints=ints,
+                           finite=torch.zeros(a, dtype=torch.bool, device=dev), a=a, cols=cols, nblk=nblk, at={})
+            o = 0
+            for k, size in layout.items():
+                b["at"][k] = (o, size)
+                b[k] = ints[o:o + size]
+                o += size
+            b["table"] = b["table"].view(n, cols)
+            b["table"].fill_(nblk - 1)
+            b["dst"].fill_(-1)
+            b["slots"].fill_(pad_slot)
+            self.bufs[n] = b
+            biggest = max(biggest, ints.numel())
+        pin = dev.type == "cuda"
+        self.host = torch.zeros(biggest, dtype=torch.int32, pin_memory=pin)  # the staging copy's source
+        self._host_np = self.host.numpy()
+        self._copied = torch.cuda.Event() if pin else None  # the last staging copy (the host buffer's reuse)
 
         def fn(n):
             b = self.bufs[n]
-            b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"], b["dst"],
-                                             b["qrow"], b["qn"]))
+            hidden = prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"].long(), b["dst"].long(),
+                                       b["qrow"], b["qn"])
+            b["out"].copy_(hidden)
+            if post is not None:
+                b["finite"].copy_(post(b["slots"].long(), hidden))
 
         self.graphs = capture(fn, sizes, dev)  # warm-up: dst all -1, so no pool block is written
+
+    @property
+    def max_rows(self) -> int:
+        return self.sizes[-1]
 
     def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
         """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
         rows, nblk = sum(lens), sum(len(b) for b in blocks)
         for n in self.sizes:
             b = self.bufs[n]
-            if rows <= n and len(lens) <= b["last"].shape[0] and nblk < b["dst"].shape[0] \
-                    and max(len(x) for x in blocks) <= b["table"].shape[1]:
+            if rows <= n and len(lens) <= b["a"] and nblk < b["nblk"] and max(len(x) for x in blocks) <= b["cols"]:
                 return n
         return None
 
-    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
-        """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> hidden of each prompt's last row [A, H]."""
-        b, plan = self.bufs[n], rows_plan(lens, blocks, self.bs)
-        rows, nprompt, nblk = x.shape[0], len(lens), plan["dst"].shape[0]
-        pad = b["dst"].shape[0] - 1
-        table = torch.full(tuple(b["table"].shape), pad, dtype=torch.int32)
-        table[:rows, :plan["table"].shape[1]] = plan["table"]
-        dst = torch.full((b["dst"].shape[0],), -1, dtype=torch.long)  # padding blocks: not stored
-        dst[:nblk] = plan["dst"]
-        pos = torch.zeros(n, dtype=torch.int32)
-        pos[:rows] = plan["pos"]
-        last = torch.zeros(b["last"].shape[0], dtype=torch.long)
-        last[:nprompt] = plan["last"]
-        qrow = torch.zeros(b["qrow"].shape[0], dtype=torch.int32)
-        qn = torch.zeros(b["qn"].shape[0], dtype=torch.int32)  # unused blocks: 0 rows
-        qrow[:plan["qrow"].shape[0]] = plan["qrow"]
-        qn[:plan["qn"].shape[0]] = plan["qn"]
+    def _stage(self, n: int, lens: list[int], blocks: list[list[int]], slots: list[int] | None) -> None:
+        """Write bucket n's integer inputs for these prompts into the pinned host buffer."""
+        b = self.bufs[n]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous replay's copy has left the host buffer
+        views = {k: self._host_np[o:o + size] for k, (o, size) in b["at"].items()}
+        views["table"] = views["table"].reshape(n, b["cols"])
+        stage_rows(views, lens, blocks, slots, b["nblk"] - 1, self.pad_slot)
+
+    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]],
+            slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> (hidden of each prompt's last row
+        [A, H], `post`'s result [A] bool), views of the bucket's buffers (valid until its next
+        replay). slots: each prompt's slot, for `post` (None: the padding slot)."""
+        b = self.bufs[n]
+        self._stage(n, lens, blocks, slots)
+        ints = b["ints"]
+        ints.copy_(self.host[:ints.numel()], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        rows = x.shape[0]
         b["x"][:rows].copy_(x)
         b["x"][rows:].zero_()
-        for k, v in (("table", table), ("pos", pos), ("last", last), ("dst", dst), ("qrow", qrow), ("qn", qn)):
-            b[k].copy_(v)
         self.graphs[n].replay()
-        return b["out"][:nprompt]
+        return b["out"][:len(lens)], b["finite"][:len(lens)]

@@ -19,6 +19,15 @@ TEMPERATURE, TOP_P, PENALTY, SUB_TEMPERATURE, SUB_TOP_P = range(5)
 NUM_FLOATS = 5
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host wait: a CUDA copy goes through pinned memory (from
+    pageable memory it would wait for the stream). PyTorch's caching host allocator keeps the
+    pinned block until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SlotState:
     """Device arrays for `num_slots` slots (+1 scratch slot at index num_slots)."""
 
@@ -57,19 +66,19 @@ class SlotState:
             raise ValueError(f"{max(n_tr)} pending text vectors exceed {self.max_trailing}")
         dev = self.ints.device
         if rows is None:
-            rows = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
-        self.ints[:, rows] = torch.tensor(
+            rows = to_device(torch.tensor(slots, dtype=torch.long), dev)
+        self.ints[:, rows] = to_device(torch.tensor(
             [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample), int(s.subtalker_top_k), e]
-             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T.to(dev, non_blocking=True)
-        self.floats[:, rows] = torch.tensor(
+             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T, dev)
+        self.floats[:, rows] = to_device(torch.tensor(
             [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
-             for s in samplings], dtype=torch.float32).T.to(dev, non_blocking=True)
-        self.seed[rows] = torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64).to(dev, non_blocking=True)
+             for s in samplings], dtype=torch.float32).T, dev)
+        self.seed[rows] = to_device(torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64), dev)
         if past_hidden is not None:
             self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
         if sum(n_tr):
-            which = torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)).to(dev, non_blocking=True)
-            at = torch.cat([torch.arange(t) for t in n_tr]).to(dev, non_blocking=True)
+            which = to_device(torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)), dev)
+            at = to_device(torch.cat([torch.arange(t) for t in n_tr]), dev)
             vectors = torch.cat([t.to(dev) for t in trailings if t.shape[0]])
             self.trailing[which, at] = vectors.to(self.trailing.dtype)
         self.pad_embed[rows] = torch.stack([p.to(dev) for p in pad_embeds]).to(self.pad_embed.dtype)
