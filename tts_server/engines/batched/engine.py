@@ -102,6 +102,7 @@ class BatchedEngine:
         self._codes_ready = torch.cuda.Event() if dev.type == "cuda" else None
         self.finite_host = torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin)  # admissions' first draws
         self._ev_admit = ([torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None)
+        self._one = torch.ones((), dtype=torch.uint8, device=dev)
         self.positions: dict[int, int] = {}  # active slot -> next talker position (host mirror)
         self.n_trailing: dict[int, int] = {}  # active slot -> text-track length (host mirror)
         use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
@@ -330,8 +331,8 @@ class BatchedEngine:
                                          torch.zeros(rows.shape[0], dtype=torch.int64, device=self.device), 0)
         code = code.clamp(0, ids.vocab_size - 1)
         s.ints[CODE0, rows] = code
-        s.ints[N_SAMPLED, rows] = 1
-        s.seen[rows, code.long()] = 1
+        s.ints[N_SAMPLED].index_fill_(0, rows, 1)
+        s.seen.index_put_((rows, code.long()), self._one)  # device values: no host copy (graph capture)
         return finite
 
     def _warm_admissions(self) -> None:
