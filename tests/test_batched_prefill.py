@@ -102,7 +102,7 @@ def test_graph_captured_prefill_equals_the_eager_one_bitwise(tiny_custom):
         lens, blocks = [xs[s].shape[0] for s in slots], [eng.kv.blocks(s) for s in slots]
         x = torch.cat([xs[s] for s in slots]).cuda()
         n = eng.row_graphs.bucket(lens, blocks) if graphs else None
-        out = eng.row_graphs.run(n, x, lens, blocks)[0].clone() if n is not None else \
+        out = eng.row_graphs.run(n, x, lens, blocks).clone() if n is not None else \
             prefill_rows_fp32_attention(eng.p.talker, eng.kv, x, lens, blocks)
         kv = {s: torch.cat([eng.kv.k[:, b] for b in eng.kv.blocks(s)], 2)[:, :, :xs[s].shape[0]].clone()
               for s in slots}
@@ -160,9 +160,8 @@ def test_row_graph_staging_lays_out_rows_plan_padded():
     cols, nblk = -(-n // bs), -(-n // bs) + a + 1
     nq = max_query_blocks(n, a, PREFILL_QB)
     views = dict(table=np.full((n, cols), 99, np.int32), pos=np.full(n, 99, np.int32), last=np.full(a, 99, np.int32),
-                 dst=np.full(nblk, 99, np.int32), qrow=np.full(nq, 99, np.int32), qn=np.full(nq, 99, np.int32),
-                 slots=np.full(a, 99, np.int32))
-    stage_rows(views, lens, blocks, [3, 0, 2, 1], nblk - 1, 7)
+                 dst=np.full(nblk, 99, np.int32), qrow=np.full(nq, 99, np.int32), qn=np.full(nq, 99, np.int32))
+    stage_rows(views, lens, blocks, nblk - 1)
     plan = {k: v.numpy() for k, v in rows_plan(lens, blocks, bs).items()}
     rows, w = sum(lens), plan["table"].shape[1]
     assert (views["table"][:rows, :w] == plan["table"]).all()
@@ -173,13 +172,12 @@ def test_row_graph_staging_lays_out_rows_plan_padded():
     q = len(plan["qrow"])
     assert (views["qrow"][:q] == plan["qrow"]).all() and (views["qn"][:q] == plan["qn"]).all()
     assert (views["qn"][q:] == 0).all()
-    assert views["slots"].tolist() == [3, 0, 2, 1, 7, 7, 7, 7]
 
 
 @pytest.mark.gpu
 def test_admissions_past_the_largest_row_bucket_replay_in_chunks_bitwise(tiny_custom):
     """A step whose prompts exceed the largest row-graph bucket prefills in several replays (no
-    eager fallback), each with its first draws: every slot's past hidden, first code 0, K/V and
+    eager fallback): every slot's past hidden, first code 0, K/V and
     finiteness are bitwise those of the same prompt admitted alone."""
     from tts_server.api import SamplingConfig
     from tts_server.engines.batched.state import CODE0

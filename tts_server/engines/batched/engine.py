@@ -129,8 +129,7 @@ class BatchedEngine:
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)
                 t0 = time.perf_counter()
-                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, row_buckets(max_streams), max_streams,
-                                                   post=self._first_draws, pad_slot=self.state.scratch)
+                self.row_graphs = RowPrefillGraphs(self.p.talker, self.kv, row_buckets(max_streams), max_streams)
                 torch.cuda.synchronize(dev)
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
@@ -258,18 +257,29 @@ class BatchedEngine:
         """One batched prefill of every admission's prompt (prefill_rows: each token a row of the
         decode step's batch-invariant ops), then each slot's first code-0 draw, launched without
         a host wait -> finite per admission ([A] bool, on the device). With the row graphs (bf16
-        KV), the admissions go in as few replays as fit the largest bucket, each with its draws."""
+        KV), the admissions go in as few replays as fit the largest bucket; the first replay is
+        launched before the slots' state is written, so that host work runs beside the GPU's."""
         dev = self.device
         lens = [a.prompt.embeds.shape[0] for a in admissions]
         slots = [a.slot for a in admissions]
-        # the slots' state first (asynchronous copies from pinned memory)
+        chunks = self._row_chunks(admissions, lens) if self.kv_dtype != torch.float32 and self.row_graphs else None
+        hidden = self._prefill_chunk(admissions, lens, *chunks[0]) if chunks else None
+        # the slots' state (asynchronous copies from pinned memory): the first draws read it
         self.state.admit_many(slots, [a.sampling for a in admissions], lens,
                               [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
                               None, [a.eos_from for a in admissions])
         self.kv.sync()
-        if self.kv_dtype != torch.float32 and self.row_graphs is not None:
-            return torch.cat([self._admit_chunk(admissions[i:j], lens[i:j])
-                              for i, j in self._row_chunks(admissions, lens)])
+        rows = _to_device(torch.tensor(slots, dtype=torch.long), dev)
+        for a, n in zip(admissions, lens):
+            self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
+            self.positions[a.slot] = n
+        if chunks:
+            finite = []
+            for c, (i, j) in enumerate(chunks):
+                if c:  # a bucket's output is read (the draws) before its next replay
+                    hidden = self._prefill_chunk(admissions, lens, i, j)
+                finite.append(self._first_draws(rows[i:j], hidden))
+            return torch.cat(finite)
         x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
         if self.kv_dtype == torch.float32:
             rows_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens))
@@ -277,9 +287,8 @@ class BatchedEngine:
             last = torch.tensor(np.cumsum(lens) - 1)
             hidden = prefill_rows(self.p.talker, self.kv, x, rows_of.to(dev), pos.to(dev), last.to(dev))
         else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
-            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens,
-                                                 [self.kv.blocks(s) for s in slots])
-        return self._admitted(admissions, lens, hidden)
+            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, [self.kv.blocks(s) for s in slots])
+        return self._first_draws(rows, hidden)
 
     def _row_chunks(self, admissions: list[Admission], lens: list[int]) -> list[tuple[int, int]]:
         """Consecutive runs of admissions, each as many as one row-graph bucket holds (a prompt's
@@ -294,28 +303,16 @@ class BatchedEngine:
             i = j
         return cuts
 
-    def _admit_chunk(self, admissions: list[Admission], lens: list[int]) -> torch.Tensor:
-        """One row-graph replay (prefill + first draws) of these admissions, or the eager path
-        when they fit no bucket (a prompt longer than the largest) -> finite [A] bool."""
-        blocks = [self.kv.blocks(a.slot) for a in admissions]
-        x = torch.cat([a.prompt.embeds for a in admissions]).to(self.device, torch.float32)
-        n = self.row_graphs.bucket(lens, blocks)
+    def _prefill_chunk(self, admissions: list[Admission], lens: list[int], i: int, j: int) -> torch.Tensor:
+        """Admissions i..j-1 through one row-graph replay, or the eager path when they fit no
+        bucket (a prompt longer than the largest) -> their last hidden states [j - i, H]."""
+        adm, ln = admissions[i:j], lens[i:j]
+        blocks = [self.kv.blocks(a.slot) for a in adm]
+        x = torch.cat([a.prompt.embeds for a in adm]).to(self.device, torch.float32)
+        n = self.row_graphs.bucket(ln, blocks)
         if n is None:
-            return self._admitted(admissions, lens, prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks))
-        _, finite = self.row_graphs.run(n, x, lens, blocks, [a.slot for a in admissions])
-        self._note_admitted(admissions, lens)
-        return finite.clone()
-
-    def _note_admitted(self, admissions: list[Admission], lens: list[int]) -> None:
-        for a, n in zip(admissions, lens):
-            self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
-            self.positions[a.slot] = n
-
-    def _admitted(self, admissions: list[Admission], lens: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """After an eager prefill: the slots' past hidden and first draws -> finite [A] bool."""
-        rows = _to_device(torch.tensor([a.slot for a in admissions], dtype=torch.long), self.device)
-        self._note_admitted(admissions, lens)
-        return self._first_draws(rows, hidden)
+            return prefill_rows_fp32_attention(self.p.talker, self.kv, x, ln, blocks)
+        return self.row_graphs.run(n, x, ln, blocks)
 
     def _first_draws(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The admitted slots' past hidden, and code 0 of their first frame from it (rows [A] long

@@ -203,12 +203,10 @@ def _query_block_arrays(lens: np.ndarray, qb: int) -> tuple[np.ndarray, np.ndarr
     return starts[which] + qb * j, np.minimum(qb, lens[which] - qb * j)
 
 
-def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], slots: list[int] | None,
-               pad_block: int, pad_slot: int) -> None:
+def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], pad_block: int) -> None:
     """Fill a row-graph bucket's integer inputs in place: `rows_plan`'s table / pos / last / dst /
     qrow / qn for these prompts, padded to the views' sizes (table [n, cols]: padding rows, and
-    columns past the widest prompt's blocks, pad_block; dst -1; query blocks of 0 rows), and `slots` (each prompt's slot, then
-    pad_slot; None: all pad_slot)."""
+    columns past the widest prompt's blocks, pad_block; dst -1; query blocks of 0 rows)."""
     ln = np.asarray(lens, dtype=np.int64)
     rows = int(ln.sum())
     nb = np.asarray([len(x) for x in blocks], dtype=np.int64)
@@ -230,8 +228,6 @@ def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[
     for k, v in zip(("qrow", "qn"), _query_block_arrays(ln, PREFILL_QB)):
         views[k][:v.shape[0]] = v
         views[k][v.shape[0]:] = 0  # unused blocks: 0 rows
-    views["slots"][:len(lens)] = slots if slots is not None else pad_slot
-    views["slots"][len(lens):] = pad_slot
 
 
 class RowPrefillGraphs:
@@ -241,15 +237,13 @@ class RowPrefillGraphs:
     pool (dst -1); real rows never read it. The ops are batch-invariant,
     so a prompt's K/V and hidden state are bitwise those of the eager path, in any bucket.
 
-    A bucket's integer inputs (block tables, positions, query blocks, slots) are views of one
-    int32 device buffer, filled from one pinned host buffer by one asynchronous copy: no host
-    wait and a handful of launches per replay. `post(slots [A] long, hidden [A, H]) -> [A] bool`
-    (the engine's first code-0 draws), when given, runs inside the graph after the prefill over
-    the bucket's slot list (padding prompts: `pad_slot`); `run` then also returns its result."""
+    A bucket's integer inputs (block tables, positions, query blocks) are views of one int32
+    device buffer, filled from one pinned host buffer by one asynchronous copy: no host wait and
+    a handful of launches per replay."""
 
-    def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int, post=None, pad_slot: int = 0):
+    def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int):
         dev, bs, h = kv.k.device, kv.block_size, sp.cfg.hidden_size
-        self.sizes, self.bs, self.pad_slot = sizes, bs, pad_slot
+        self.sizes, self.bs = sizes, bs
         self.bufs: dict[int, dict] = {}
         biggest = 0
         for n in sizes:
@@ -257,10 +251,10 @@ class RowPrefillGraphs:
             cols = -(-n // bs)
             nblk = cols + a + 1  # every prompt's blocks, plus the padding block (last)
             nq = max_query_blocks(n, a, PREFILL_QB)
-            layout = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq, slots=a)
+            layout = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq)
             ints = torch.zeros(sum(layout.values()), dtype=torch.int32, device=dev)
             b: dict = dict(x=torch.zeros(n, h, device=dev), out=torch.zeros(a, h, device=dev), ints=ints,
-                           finite=torch.zeros(a, dtype=torch.bool, device=dev), a=a, cols=cols, nblk=nblk, at={})
+                           a=a, cols=cols, nblk=nblk, at={})
             o = 0
             for k, size in layout.items():
                 b["at"][k] = (o, size)
@@ -269,7 +263,6 @@ class RowPrefillGraphs:
             b["table"] = b["table"].view(n, cols)
             b["table"].fill_(nblk - 1)
             b["dst"].fill_(-1)
-            b["slots"].fill_(pad_slot)
             self.bufs[n] = b
             biggest = max(biggest, ints.numel())
         pin = dev.type == "cuda"
@@ -279,11 +272,8 @@ class RowPrefillGraphs:
 
         def fn(n):
             b = self.bufs[n]
-            hidden = prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"].long(), b["dst"].long(),
-                                       b["qrow"], b["qn"])
-            b["out"].copy_(hidden)
-            if post is not None:
-                b["finite"].copy_(post(b["slots"].long(), hidden))
+            b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"].long(),
+                                             b["dst"].long(), b["qrow"], b["qn"]))
 
         self.graphs = capture(fn, sizes, dev)  # warm-up: dst all -1, so no pool block is written
 
@@ -300,22 +290,20 @@ class RowPrefillGraphs:
                 return n
         return None
 
-    def _stage(self, n: int, lens: list[int], blocks: list[list[int]], slots: list[int] | None) -> None:
+    def _stage(self, n: int, lens: list[int], blocks: list[list[int]]) -> None:
         """Write bucket n's integer inputs for these prompts into the pinned host buffer."""
         b = self.bufs[n]
         if self._copied is not None:
             self._copied.synchronize()  # the previous replay's copy has left the host buffer
         views = {k: self._host_np[o:o + size] for k, (o, size) in b["at"].items()}
         views["table"] = views["table"].reshape(n, b["cols"])
-        stage_rows(views, lens, blocks, slots, b["nblk"] - 1, self.pad_slot)
+        stage_rows(views, lens, blocks, b["nblk"] - 1)
 
-    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]],
-            slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> (hidden of each prompt's last row
-        [A, H], `post`'s result [A] bool), views of the bucket's buffers (valid until its next
-        replay). slots: each prompt's slot, for `post` (None: the padding slot)."""
+    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> hidden of each prompt's last row
+        [A, H] fp32, a view of the bucket's buffer (read it before the bucket's next replay)."""
         b = self.bufs[n]
-        self._stage(n, lens, blocks, slots)
+        self._stage(n, lens, blocks)
         ints = b["ints"]
         ints.copy_(self.host[:ints.numel()], non_blocking=True)
         if self._copied is not None:
@@ -324,4 +312,4 @@ class RowPrefillGraphs:
         b["x"][:rows].copy_(x)
         b["x"][rows:].zero_()
         self.graphs[n].replay()
-        return b["out"][:len(lens)], b["finite"][:len(lens)]
+        return b["out"][:len(lens)]
