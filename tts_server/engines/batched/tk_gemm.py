@@ -155,6 +155,9 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
     bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k, m)
+    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE:  # the same bits, for many rows
+        out = gemm_big(x, w, w2 if swiglu else None)
+        return out if reduce else out[None]
     split = 1 if swiglu else triton.cdiv(k, chunk)
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per)
@@ -208,4 +211,113 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((m, d), dtype=torch.float32, device=x.device)
     _rms_norm_kernel[(m,)](x, w.contiguous(), out, d, float(eps), x.stride(0), out.stride(0),
                            BLOCK_D=triton.next_power_of_2(d), num_warps=4, **pdl.kw())
+    return out
+
+
+# ---- many rows (the prefill): x split once, K pieces summed in the program ----------------------
+# The same value as `_gemm` + its split sum, bit for bit: x's bf16 hi / lo parts are computed
+# once (`_split_kernel`, the same roundings as `_gemm_kernel`'s) instead of once per output tile,
+# and one program walks all of an output tile's K pieces, each from a zero accumulator over
+# BLOCK_K steps (hi dot then lo dot), adding the pieces in order as `_sum_splits_kernel` and
+# `add_rms` do. For M in the thousands the split buys no parallelism, and its partial products
+# cost a write and a read of SPLIT x M x N fp32. 2-term configs only.
+BIG_M: dict[tuple[str, int, int], tuple] = {}  # (kind, N, K) -> (BLOCK_M, BLOCK_N, warps, stages)
+BIG_M_MIN_ROWS = 1 << 30  # rows from which `_gemm` takes this path (off until measured)
+
+
+@triton.jit
+def _split_kernel(x_ptr, out_ptr, NUMEL, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # x [NUMEL] fp32 -> out [2, NUMEL] bf16: hi = rtne(x), lo = rtne(x - hi)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    hi = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, hi, mask=mask)
+    tl.store(out_ptr + NUMEL + offs, lo, mask=mask)
+
+
+@triton.jit
+def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
+           SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < k_hi
+        xm = (rm < M)[:, None] & kmask[None, :]
+        x_hi = tl.load(hi_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+        x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+        wmask = (rn < N)[:, None] & kmask[None, :]
+        wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
+        acc = _dot(x_hi, wk, acc, INTERPRET)
+        acc = _dot(x_lo, wk, acc, INTERPRET)
+        if SWIGLU:
+            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask, other=0.0))
+            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+    return acc, acc2
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, SPLIT, stride_xm, stride_wn,
+                     stride_w2n, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # hi/lo [M, K] bf16 (x's parts); w, w2 [N, K] bf16 -> out [M, N] fp32: the K pieces
+    # (K_PER_SPLIT each) from zero, summed in order
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    y, y2 = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, 0, tl.minimum(K_PER_SPLIT, K), stride_xm,
+                   stride_wn, stride_w2n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+    for s in range(1, SPLIT):
+        k_lo = s * K_PER_SPLIT
+        p, _ = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, tl.minimum(k_lo + K_PER_SPLIT, K),
+                      stride_xm, stride_wn, stride_w2n, False, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+        y += p
+    if SWIGLU:
+        y = y / (1.0 + tl.exp(-y)) * y2
+    omask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=omask)
+
+
+def split_parts(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 -> [2, M, K] bf16: its hi and lo parts, as `_gemm_kernel` rounds them."""
+    x = x.contiguous()
+    out = torch.empty((2,) + tuple(x.shape), dtype=torch.bfloat16, device=x.device)
+    blk = 2048
+    _split_kernel[(triton.cdiv(x.numel(), blk),)](x, out, x.numel(), BLOCK=blk, **pdl.kw())
+    return out
+
+
+def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tuple | None = None,
+             parts: torch.Tensor | None = None) -> torch.Tensor:
+    """`_gemm(x, w, w2)` (reduced) bitwise, through split_parts and one program per output tile
+    over all K pieces. tile: (BLOCK_M, BLOCK_N, warps, stages), default BIG_M's or TUNED's.
+    parts: x's split_parts when the caller has them (one split for several products of x)."""
+    m, k = x.shape
+    n = w.shape[0]
+    swiglu = w2 is not None
+    kind = "swiglu" if swiglu else "linear"
+    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k)
+    assert terms == 2, "the pre-split path is for 2-term configs"
+    if tile is None:
+        tile = BIG_M.get((kind, n, k), (bm, bn, warps, stages))
+    bm, bn, warps, stages = tile
+    split = 1 if swiglu else triton.cdiv(k, chunk)
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per)
+    hl = split_parts(x) if parts is None else parts
+    w = w.contiguous()
+    w2 = w2.contiguous() if swiglu else w
+    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _gemm_big_kernel[grid](hl[0], hl[1], w, w2, out, m, n, k, k_per, split, k, w.stride(0), w2.stride(0), n,
+                           SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRET=_INTERPRET, num_warps=warps,
+                           num_stages=stages, **pdl.kw())
     return out
