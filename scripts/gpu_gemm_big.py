@@ -22,8 +22,10 @@ from tts_server.engines.batched import tk_gemm  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/gemm_big_out")
 MS = (512, 1024, 2048, 4096)
-TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4),
-         (128, 128, 4, 3), (256, 128, 8, 3), (64, 256, 8, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages) by the shape's BLOCK_K (the hi and lo tiles double x's
+# shared memory: 228 KB holds 2 stages of 128 x 128 at BLOCK_K 128)
+TILES = {128: [(128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (64, 256, 8, 2)],
+         64: [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (256, 128, 8, 2)]}
 
 
 def main() -> None:
@@ -44,7 +46,7 @@ def main() -> None:
                 entry["base_parts_us"][m] = round(bench_graph(lambda i: tk_gemm._gemm(xs[m], w, w2, reduce=False), 4), 1)
         parts = {m: tk_gemm.split_parts(xs[m]) for m in MS}
         entry["split_us"] = {m: round(bench_graph(lambda i: tk_gemm.split_parts(xs[m]), 4), 1) for m in MS}
-        for tile in TILES:
+        for tile in TILES[tk_gemm.config(kind, n, k)[2]]:
             if n % tile[1]:
                 continue
             key = "x".join(map(str, tile))

@@ -155,7 +155,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
     bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k, m)
-    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE:  # the same bits, for many rows
+    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (("swiglu" if swiglu else "linear"), n, k) in BIG_M:
+        # the same bits, for many rows
         out = gemm_big(x, w, w2 if swiglu else None)
         return out if reduce else out[None]
     split = 1 if swiglu else triton.cdiv(k, chunk)
