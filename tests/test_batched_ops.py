@@ -253,6 +253,30 @@ def check_embed_sum(dev: str) -> None:
     assert torch.equal(one, tab[3][codes[:, 3].long()].float())
 
 
+def check_gemm_big(dev: str) -> None:
+    """tk_gemm.gemm_big (x split once, the K pieces summed in the program) is `_gemm`'s value bit
+    for bit, for every talker product (CPU: a small tile; GPU: the many-row route of `_gemm`)."""
+    from tts_server.engines.batched import tk_gemm
+
+    g = _gen(7)
+    for kind, n, k in (("linear", 4096, 1024), ("linear", 1024, 2048), ("swiglu", 3072, 1024), ("linear", 1024, 3072)):
+        m = 37 if dev == "cpu" else 2 * tk_gemm.BIG_M_MIN_ROWS + 5
+        x = torch.randn(m, k, generator=g).to(dev)
+        w = (torch.randn(n, k, generator=g) * 0.03).to(dev, torch.bfloat16)
+        w2 = (torch.randn(n, k, generator=g) * 0.03).to(dev, torch.bfloat16) if kind == "swiglu" else None
+        if dev == "cpu":
+            got = tk_gemm.gemm_big(x, w, w2, tile=(32, 64, 4, 2))
+        else:
+            assert (kind, n, k) in tk_gemm.BIG_M
+            got = tk_gemm._gemm(x, w, w2)  # routed through gemm_big
+        saved, tk_gemm.BIG_M_MIN_ROWS = tk_gemm.BIG_M_MIN_ROWS, 1 << 30
+        try:
+            want = tk_gemm._gemm(x, w, w2)
+        finally:
+            tk_gemm.BIG_M_MIN_ROWS = saved
+        assert torch.equal(got, want), (kind, n, k, (got - want).abs().max())
+
+
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     from tts_server.engines.batched import ops
 
@@ -260,6 +284,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     res["prefill_attention"] = check_prefill_attention(ops, dev)
     check_embed_sum(dev)
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
+    check_gemm_big(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_invariance(ops, dev, sizes)

@@ -222,8 +222,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # BLOCK_K steps (hi dot then lo dot), adding the pieces in order as `_sum_splits_kernel` and
 # `add_rms` do. For M in the thousands the split buys no parallelism, and its partial products
 # cost a write and a read of SPLIT x M x N fp32. 2-term configs only.
-BIG_M: dict[tuple[str, int, int], tuple] = {}  # (kind, N, K) -> (BLOCK_M, BLOCK_N, warps, stages)
-BIG_M_MIN_ROWS = 1 << 30  # rows from which `_gemm` takes this path (off until measured)
+# (kind, N, K) -> (BLOCK_M, BLOCK_N, warps, stages): the fastest bitwise-equal tile at M = 4096 of
+# scripts/gpu_gemm_big.py on the H100 (benchmarks/results/h100-gemm-big-*.json); with the split,
+# 10-30% less time per product than `_gemm` + its partial products from M = 2048 (the prefill's
+# row buckets 2048..4096; below, `_gemm` was as fast or faster)
+BIG_M: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): (128, 128, 8, 2),   # q|k|v: 174 vs 194 us at M = 4096
+    ("linear", 1024, 2048): (128, 128, 8, 3),   # o_proj: 103 vs 86 + 3 more parts to read
+    ("swiglu", 3072, 1024): (64, 128, 4, 2),    # gate|up: 236 vs 259
+    ("linear", 1024, 3072): (128, 128, 8, 3),   # down: 149 vs 125 + 5 more parts to read
+}
+BIG_M_MIN_ROWS = 2048  # rows from which `_gemm` takes this path
 
 
 @triton.jit
