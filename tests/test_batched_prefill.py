@@ -146,32 +146,43 @@ def test_store_blocks_kernel_equals_torch_bitwise():
         assert torch.equal(got[2].cpu(), want[2]) and torch.equal(got[3].cpu(), want[3])
 
 
-def test_row_graph_staging_lays_out_rows_plan_padded():
-    """stage_rows (the row graphs' pinned inputs, filled with numpy) gives rows_plan's layout for
-    the real prompts and the padding the graphs expect beyond them."""
+def test_prefill_row_inputs_lay_out_each_prompt_and_pad():
+    """stage_rows (the row graphs' pinned inputs, and rows_plan's) against the layout written out
+    row by row: each prompt's rows over its own scratch blocks, positions from 0, query blocks of
+    <= PREFILL_QB rows inside one prompt; the padding the graphs expect beyond them."""
     import numpy as np
 
-    from tts_server.engines.batched.prefill import max_query_blocks, rows_plan, stage_rows
     from tts_server.engines.batched.ops import PREFILL_QB
+    from tts_server.engines.batched.prefill import max_query_blocks, rows_plan, stage_rows
 
     lens, bs = [37, 5, 16, 90], 16
     blocks = [[4, 9, 2], [7], [11], [3, 5, 6, 8, 10, 12]]  # a slot may hold more blocks than it needs
+    table, pos, last, dst, qrow, qn, base = [], [], [], [], [], [], 0
+    for n, bl in zip(lens, blocks):
+        own = list(range(base, base + len(bl))) + [0] * (6 - len(bl))  # 6: the widest prompt's
+        start = len(pos)
+        table += [own] * n
+        pos += list(range(n))
+        last.append(start + n - 1)
+        dst += bl
+        qrow += list(range(start, start + n, PREFILL_QB))
+        qn += [min(PREFILL_QB, n - r) for r in range(0, n, PREFILL_QB)]
+        base += len(bl)
+    plan = rows_plan(lens, blocks, bs)
+    for k, want in dict(table=table, pos=pos, last=last, dst=dst, qrow=qrow, qn=qn).items():
+        assert plan[k].tolist() == want, k
+
     n, a = 256, 8
-    cols, nblk = -(-n // bs), -(-n // bs) + a + 1
-    nq = max_query_blocks(n, a, PREFILL_QB)
+    cols, nblk, nq, rows = -(-n // bs), -(-n // bs) + a + 1, max_query_blocks(n, a, PREFILL_QB), sum(lens)
     views = dict(table=np.full((n, cols), 99, np.int32), pos=np.full(n, 99, np.int32), last=np.full(a, 99, np.int32),
                  dst=np.full(nblk, 99, np.int32), qrow=np.full(nq, 99, np.int32), qn=np.full(nq, 99, np.int32))
     stage_rows(views, lens, blocks, nblk - 1)
-    plan = {k: v.numpy() for k, v in rows_plan(lens, blocks, bs).items()}
-    rows, w = sum(lens), plan["table"].shape[1]
-    assert (views["table"][:rows, :w] == plan["table"]).all()
-    assert (views["table"][:rows, w:] == nblk - 1).all() and (views["table"][rows:] == nblk - 1).all()
-    assert (views["pos"][:rows] == plan["pos"]).all() and (views["pos"][rows:] == 0).all()
-    assert (views["last"][:4] == plan["last"]).all() and (views["last"][4:] == 0).all()
-    assert (views["dst"][:len(plan["dst"])] == plan["dst"]).all() and (views["dst"][len(plan["dst"]):] == -1).all()
-    q = len(plan["qrow"])
-    assert (views["qrow"][:q] == plan["qrow"]).all() and (views["qn"][:q] == plan["qn"]).all()
-    assert (views["qn"][q:] == 0).all()
+    assert views["table"][:rows, :6].tolist() == table
+    assert (views["table"][:rows, 6:] == nblk - 1).all() and (views["table"][rows:] == nblk - 1).all()
+    assert views["pos"].tolist() == pos + [0] * (n - rows)
+    assert views["last"].tolist() == last + [0] * (a - 4)
+    assert views["dst"].tolist() == dst + [-1] * (nblk - len(dst))
+    assert views["qrow"][:len(qrow)].tolist() == qrow and views["qn"].tolist() == qn + [0] * (nq - len(qn))
 
 
 @pytest.mark.gpu

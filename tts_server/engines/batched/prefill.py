@@ -114,17 +114,16 @@ class PrefillGraphs:
         return self.hidden
 
 
-def query_blocks(lens: list[int], qb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def query_blocks(lens, qb: int) -> tuple[np.ndarray, np.ndarray]:
     """The prefill attention's query blocks: each prompt's rows (prompts concatenated in order) cut
-    into runs of at most qb from the prompt's first row -> (first row [Q] int32, rows [Q] int32).
+    into runs of at most qb from the prompt's first row -> (first row [Q], rows [Q]) int64.
     A prompt's blocks depend on its length alone, never on the other prompts."""
-    starts = np.cumsum([0] + list(lens[:-1]))
-    first, count = [], []
-    for s, n in zip(starts, lens):
-        for r in range(0, n, qb):
-            first.append(s + r)
-            count.append(min(qb, n - r))
-    return torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32)
+    lens = np.asarray(lens, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    nq = -(-lens // qb)
+    which = np.repeat(np.arange(lens.shape[0]), nq)  # the prompt of each query block
+    j = np.arange(which.shape[0]) - np.repeat(np.cumsum(nq) - nq, nq)  # its index in the prompt
+    return starts[which] + qb * j, np.minimum(qb, lens[which] - qb * j)
 
 
 def max_query_blocks(rows: int, prompts: int, qb: int) -> int:
@@ -132,22 +131,45 @@ def max_query_blocks(rows: int, prompts: int, qb: int) -> int:
     return rows // qb + prompts
 
 
+def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], pad_block: int) -> None:
+    """Fill a batched prefill's integer inputs in place. Each prompt's tokens are rows; prompt a's
+    K/V go to its own scratch blocks (numbered in order), which are copied to its slot's blocks
+    `blocks[a]`: table [n, cols] (each row's scratch blocks; 0 past its prompt's own up to the
+    widest prompt's, pad_block beyond and in padding rows), pos [n] (the row's position in its
+    prompt; padding 0), last [A'] (each prompt's last row; padding 0), dst [S] (the pool block of
+    every scratch block; padding -1), qrow / qn [Q'] (the attention's query blocks,
+    `query_blocks`; padding: blocks of 0 rows). Views larger than the prompts need are padded."""
+    ln = np.asarray(lens, dtype=np.int64)
+    rows = int(ln.sum())
+    nb = np.asarray([len(x) for x in blocks], dtype=np.int64)
+    base = np.concatenate(([0], np.cumsum(nb)[:-1]))
+    starts = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    table = views["table"]
+    c = np.arange(table.shape[1])
+    per_prompt = np.where(c[None, :] < nb[:, None], base[:, None] + c[None, :], np.where(c < nb.max(), 0, pad_block))
+    table[:rows] = np.repeat(per_prompt, ln, axis=0)
+    table[rows:] = pad_block
+    views["pos"][:rows] = np.arange(rows) - np.repeat(starts, ln)
+    views["pos"][rows:] = 0
+    views["last"][:len(lens)] = starts + ln - 1
+    views["last"][len(lens):] = 0
+    total = int(nb.sum())
+    views["dst"][:total] = [x for bl in blocks for x in bl]
+    views["dst"][total:] = -1
+    for k, v in zip(("qrow", "qn"), query_blocks(ln, PREFILL_QB)):
+        views[k][:v.shape[0]] = v
+        views[k][v.shape[0]:] = 0
+
+
 def rows_plan(lens: list[int], blocks: list[list[int]], bs: int) -> dict[str, torch.Tensor]:
-    """Host tensors of a batched prefill: each prompt's tokens are rows; prompt a's K/V go to its
-    own scratch blocks (numbered in order), which are copied to its slot's blocks `blocks[a]`.
-    -> table [N, max blocks] int32 (each row's scratch blocks), pos [N] int32, last [A] long (each
-    prompt's last row), dst [total blocks] long (the pool block of every scratch block), qrow / qn
-    [Q] int32 (the attention's query blocks, `query_blocks`)."""
-    nb = [len(b) for b in blocks]
-    base = np.cumsum([0] + nb[:-1])
-    table = torch.zeros(len(blocks), max(nb), dtype=torch.int32)
-    for a, n in enumerate(nb):
-        table[a, :n] = torch.arange(base[a], base[a] + n, dtype=torch.int32)
-    rows = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lens))
-    qrow, qn = query_blocks(lens, PREFILL_QB)
-    return dict(table=table[rows], pos=torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]),
-                last=torch.tensor(np.cumsum(lens) - 1), dst=torch.tensor([b for bl in blocks for b in bl]),
-                qrow=qrow, qn=qn)
+    """`stage_rows`'s inputs for exactly these prompts, as host tensors: table [N, max blocks]
+    int32, pos [N] int32, last [A] long, dst [total blocks] long, qrow / qn [Q] int32."""
+    nq = int((-(-np.asarray(lens) // PREFILL_QB)).sum())
+    views = dict(table=np.empty((sum(lens), max(len(b) for b in blocks)), np.int32), pos=np.empty(sum(lens), np.int32),
+                 last=np.empty(len(lens), np.int64), dst=np.empty(sum(len(b) for b in blocks), np.int64),
+                 qrow=np.empty(nq, np.int32), qn=np.empty(nq, np.int32))
+    stage_rows(views, lens, blocks, 0)
+    return {k: torch.from_numpy(v) for k, v in views.items()}
 
 
 @torch.inference_mode()
@@ -192,42 +214,6 @@ def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list
     plan = rows_plan(lens, blocks, kv.block_size)
     dev = x.device
     return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst", "qrow", "qn")))
-
-
-def _query_block_arrays(lens: np.ndarray, qb: int) -> tuple[np.ndarray, np.ndarray]:
-    """`query_blocks` in numpy (the same blocks in the same order) -> (first row, rows) int64."""
-    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
-    nq = -(-lens // qb)
-    which = np.repeat(np.arange(lens.shape[0]), nq)  # the prompt of each query block
-    j = np.arange(which.shape[0]) - np.repeat(np.cumsum(nq) - nq, nq)  # its index in the prompt
-    return starts[which] + qb * j, np.minimum(qb, lens[which] - qb * j)
-
-
-def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], pad_block: int) -> None:
-    """Fill a row-graph bucket's integer inputs in place: `rows_plan`'s table / pos / last / dst /
-    qrow / qn for these prompts, padded to the views' sizes (table [n, cols]: padding rows, and
-    columns past the widest prompt's blocks, pad_block; dst -1; query blocks of 0 rows)."""
-    ln = np.asarray(lens, dtype=np.int64)
-    rows = int(ln.sum())
-    nb = np.asarray([len(x) for x in blocks], dtype=np.int64)
-    base = np.concatenate(([0], np.cumsum(nb)[:-1]))
-    starts = np.concatenate(([0], np.cumsum(ln)[:-1]))
-    table = views["table"]
-    c = np.arange(table.shape[1])
-    # rows_plan's columns (a prompt's own blocks, then 0 up to the widest prompt's), then padding
-    per_prompt = np.where(c[None, :] < nb[:, None], base[:, None] + c[None, :], np.where(c < nb.max(), 0, pad_block))
-    table[:rows] = np.repeat(per_prompt, ln, axis=0)
-    table[rows:] = pad_block
-    views["pos"][:rows] = np.arange(rows) - np.repeat(starts, ln)
-    views["pos"][rows:] = 0
-    views["last"][:len(lens)] = starts + ln - 1
-    views["last"][len(lens):] = 0
-    total = int(nb.sum())
-    views["dst"][:total] = [x for bl in blocks for x in bl]
-    views["dst"][total:] = -1
-    for k, v in zip(("qrow", "qn"), _query_block_arrays(ln, PREFILL_QB)):
-        views[k][:v.shape[0]] = v
-        views[k][v.shape[0]:] = 0  # unused blocks: 0 rows
 
 
 class RowPrefillGraphs:
@@ -297,7 +283,7 @@ class RowPrefillGraphs:
             self._copied.synchronize()  # the previous replay's copy has left the host buffer
         views = {k: self._host_np[o:o + size] for k, (o, size) in b["at"].items()}
         views["table"] = views["table"].reshape(n, b["cols"])
-        stage_rows(views, lens, blocks, b["nblk"] - 1)
+        stage_rows(views, lens, blocks, b["nblk"] - 1)  # rows_plan's layout, padded
 
     def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
         """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> hidden of each prompt's last row
