@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from tts_client.client import TTSClient, build_request
-from tts_client.text_stream import ContextResult
 
 pytestmark = pytest.mark.slow
 
@@ -178,11 +177,7 @@ async def _speak(address, pieces):
         for piece in pieces:
             await call.text("c", piece)
         await call.end("c")
-        result = ContextResult()
-        async for msg in call:
-            result.add(msg)
-            if result.done is not None:
-                break
+        result = (await call.collect({"c"}))["c"]
         await call.close()
         return result
 

@@ -60,8 +60,6 @@ async def test_opus_rate_outside_its_set_is_invalid(tiny_server):
 
 
 async def test_stream_synthesize_contexts_speak_g711_and_refuse_opus(tiny_server):
-    from tts_client.text_stream import ContextResult
-
     async def speak(encoding, sample_rate_hz=0):
         async with TTSClient(tiny_server) as client:
             call = client.text_stream(timeout=120)
@@ -69,11 +67,7 @@ async def test_stream_synthesize_contexts_speak_g711_and_refuse_opus(tiny_server
                             max_duration_s=0.8, encoding=encoding, sample_rate_hz=sample_rate_hz)
             await call.text("c", "Telephony, streamed in.")
             await call.end("c")
-            result = ContextResult()
-            async for msg in call:
-                result.add(msg)
-                if result.done is not None:
-                    break
+            result = (await call.collect({"c"}))["c"]
             await call.close()
             return result
 

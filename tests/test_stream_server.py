@@ -21,12 +21,7 @@ GREEDY = dict(voice="ryan", language="english", greedy=True, seed=3)
 
 async def _drain(call, results: dict, until: set, t0: float = 0.0, timeout: float = 60.0):
     """Read responses into results[context_id] until every context in `until` is done."""
-    async def read():
-        async for msg in call:
-            results.setdefault(msg.context_id, ContextResult()).add(msg, time.perf_counter() - t0)
-            if all(c in results and results[c].done is not None for c in until):
-                return
-    await asyncio.wait_for(read(), timeout)
+    await asyncio.wait_for(call.collect(until, results, clock=lambda: time.perf_counter() - t0), timeout)
 
 
 async def _speak(address, pieces, config=None, pause=None, **cfg):

@@ -69,6 +69,18 @@ class TextStream:
     def __aiter__(self):
         return self.call.__aiter__()
 
+    async def collect(self, until, results: dict | None = None, clock=None) -> dict:
+        """Read responses, one ContextResult per context id (into `results` when given), until
+        every context in `until` has its `done` or the call ends; chunk arrival times from
+        clock() (default 0). Returns the results."""
+        results = {} if results is None else results
+        until = set(until)
+        async for msg in self.call:
+            results.setdefault(msg.context_id, ContextResult()).add(msg, clock() if clock else 0.0)
+            if all(c in results and results[c].done is not None for c in until):
+                break
+        return results
+
 
 @dataclass
 class ContextResult:
