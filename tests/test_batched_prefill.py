@@ -206,7 +206,8 @@ def test_admissions_past_the_largest_row_bucket_replay_in_chunks_bitwise(tiny_cu
         for a in adms:
             eng.release(a.slot)
             assert eng.kv.ensure(a.slot, a.prompt.embeds.shape[0])
-        assert len(eng._row_chunks(list(adms), [a.prompt.embeds.shape[0] for a in adms])) == (2 if len(adms) == 3 else 1)
+        cuts = eng._row_chunks(list(adms), [a.prompt.embeds.shape[0] for a in adms])
+        assert cuts == ([(0, 2), (2, 3)] if len(adms) == 3 else [(0, 1)])
         out = eng.run(StepPlan(decode=(), admit=tuple(adms)))
         assert not out.failed
         return {a.slot: (eng.state.past_hidden[a.slot].clone(), int(eng.state.ints[CODE0, a.slot]),
@@ -218,3 +219,31 @@ def test_admissions_past_the_largest_row_bucket_replay_in_chunks_bitwise(tiny_cu
         assert torch.equal(alone[0], together[a.slot][0]) and alone[1] == together[a.slot][1]
         assert torch.equal(alone[2], together[a.slot][2])
     assert not torch.equal(together[0][0], together[1][0])  # the check can fail
+
+
+def test_row_graph_chunks_are_the_greedy_runs_that_fit_a_bucket():
+    """RowPrefillGraphs.chunks (one pass over running totals) cuts prompts where the greedy use of
+    `bucket` would: every run fits a bucket and could not take the next prompt; a prompt that fits
+    none alone is a run of its own."""
+    import random
+
+    from tts_server.engines.batched.prefill import RowPrefillGraphs
+
+    rg = object.__new__(RowPrefillGraphs)  # the bucket limits only; no graphs (CPU)
+    bs, max_prompts = 16, 6
+    rg.sizes = [32, 64, 128, 256]
+    rg.bufs = {n: dict(a=min(max_prompts, n), cols=-(-n // bs), nblk=-(-n // bs) + min(max_prompts, n) + 1)
+               for n in rg.sizes}
+    rnd = random.Random(4)
+    for _ in range(200):
+        lens = [rnd.choice((3, 17, 40, 90, 130, 300)) for _ in range(rnd.randint(1, 12))]
+        nblocks = [-(-n // bs) + rnd.choice((0, 0, 1)) for n in lens]
+        blocks = [list(range(nb)) for nb in nblocks]
+        want, i = [], 0
+        while i < len(lens):
+            j = i + 1
+            while j < len(lens) and rg.bucket(lens[i:j + 1], blocks[i:j + 1]) is not None:
+                j += 1
+            want.append((i, j))
+            i = j
+        assert rg.chunks(lens, nblocks) == want, (lens, nblocks)

@@ -293,15 +293,7 @@ class BatchedEngine:
     def _row_chunks(self, admissions: list[Admission], lens: list[int]) -> list[tuple[int, int]]:
         """Consecutive runs of admissions, each as many as one row-graph bucket holds (a prompt's
         bits do not depend on its neighbours, so any cut gives the same results)."""
-        cuts, i = [], 0
-        blocks = [self.kv.blocks(a.slot) for a in admissions]
-        while i < len(admissions):
-            j = i + 1
-            while j < len(admissions) and self.row_graphs.bucket(lens[i:j + 1], blocks[i:j + 1]) is not None:
-                j += 1
-            cuts.append((i, j))
-            i = j
-        return cuts
+        return self.row_graphs.chunks(lens, [len(self.kv.blocks(a.slot)) for a in admissions])
 
     def _prefill_chunk(self, admissions: list[Admission], lens: list[int], i: int, j: int) -> torch.Tensor:
         """Admissions i..j-1 through one row-graph replay, or the eager path when they fit no

@@ -276,6 +276,20 @@ class RowPrefillGraphs:
                 return n
         return None
 
+    def chunks(self, lens: list[int], num_blocks: list[int]) -> list[tuple[int, int]]:
+        """Cut prompts (lengths, blocks per prompt) into consecutive runs [i, j) that each fit a
+        bucket, greedily, in one pass: the largest bucket holds every smaller one's limits. A
+        prompt that fits no bucket alone is a run of its own (`bucket` -> None: eager)."""
+        top = self.bufs[self.sizes[-1]]
+        cuts, i, rows, nblk, cols = [], 0, 0, 0, 0
+        for j, (n, nb) in enumerate(zip(lens, num_blocks)):
+            rows, nblk, cols = rows + n, nblk + nb, max(cols, nb)
+            if j > i and (rows > self.sizes[-1] or j + 1 - i > top["a"] or nblk >= top["nblk"] or cols > top["cols"]):
+                cuts.append((i, j))
+                i, rows, nblk, cols = j, n, nb, nb
+        cuts.append((i, len(lens)))
+        return cuts
+
     def _stage(self, n: int, lens: list[int], blocks: list[list[int]]) -> None:
         """Write bucket n's integer inputs for these prompts into the pinned host buffer."""
         b = self.bufs[n]
