@@ -1,6 +1,7 @@
 """The `batched` decode engine: every slot of a step advances together in ONE CUDA-graph replay of
 batch-invariant kernels (graphs per batch bucket), with ONE host copy of all results per step.
-Talker KV is paged (bf16 by default); prefill is PyTorch, one admission at a time."""
+Talker KV is paged (bf16 by default); a step's admissions prefill together, every prompt token a
+row of the same batch-invariant ops, through CUDA graphs of row-count buckets (prefill.py)."""
 
 from __future__ import annotations
 
