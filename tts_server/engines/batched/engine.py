@@ -266,11 +266,11 @@ class BatchedEngine:
         chunks = self._row_chunks(admissions, lens) if self.kv_dtype != torch.float32 and self.row_graphs else None
         hidden = self._prefill_chunk(admissions, lens, *chunks[0]) if chunks else None
         # the slots' state (asynchronous copies from pinned memory): the first draws read it
+        rows = _to_device(torch.tensor(slots, dtype=torch.long), dev)
         self.state.admit_many(slots, [a.sampling for a in admissions], lens,
                               [a.prompt.trailing for a in admissions], [a.prompt.pad_embed for a in admissions],
-                              None, [a.eos_from for a in admissions])
+                              None, [a.eos_from for a in admissions], rows=rows)
         self.kv.sync()
-        rows = _to_device(torch.tensor(slots, dtype=torch.long), dev)
         for a, n in zip(admissions, lens):
             self.n_trailing[a.slot] = a.prompt.trailing.shape[0]
             self.positions[a.slot] = n
