@@ -143,6 +143,14 @@ def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
+def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
+    """The K pieces of a product (part of every output's reduction order) -> (count, columns
+    each, a multiple of BLOCK_K). swiglu never splits: silu needs the full sum."""
+    split = 1 if swiglu else triton.cdiv(k, chunk)
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    return triton.cdiv(k, k_per), k_per
+
+
 def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
     """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
     reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
@@ -154,14 +162,13 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     n = w.shape[0]
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
-    bm, bn, bk, warps, stages, chunk, terms = config("swiglu" if swiglu else "linear", n, k, m)
-    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (("swiglu" if swiglu else "linear"), n, k) in BIG_M:
+    kind = "swiglu" if swiglu else "linear"
+    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m)
+    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (kind, n, k) in BIG_M:
         # the same bits, for many rows
         out = gemm_big(x, w, w2 if swiglu else None)
         return out if reduce else out[None]
-    split = 1 if swiglu else triton.cdiv(k, chunk)
-    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_per)
+    split, k_per = _pieces(swiglu, k, chunk, bk)
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
@@ -319,9 +326,7 @@ def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tu
     if tile is None:
         tile = BIG_M.get((kind, n, k), (bm, bn, warps, stages))
     bm, bn, warps, stages = tile
-    split = 1 if swiglu else triton.cdiv(k, chunk)
-    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_per)
+    split, k_per = _pieces(swiglu, k, chunk, bk)
     hl = split_parts(x) if parts is None else parts
     w = w.contiguous()
     w2 = w2.contiguous() if swiglu else w
