@@ -38,8 +38,9 @@ def main() -> None:
     ap.add_argument("--model", default="synthetic")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--trace", type=int, default=0,
-                    help="also record N more requests under torch.profiler (CPU ops + kernels, every "
-                         "thread) into trace.json.gz, for the gaps between the host's launches")
+                    help="also record N more requests under torch.profiler into trace.json: kernels "
+                         "and CUDA runtime calls of every thread (CPU ops of this thread only), for "
+                         "the GPU's idle gaps (scripts/trace_gaps.py)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
