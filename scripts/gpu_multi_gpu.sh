@@ -70,7 +70,7 @@ if [ "$PHASE" != fault ]; then
   exit 0
 fi
 
-$PY - "$PORT" "$METRICS" "$OUTP/fault.json" <<'EOF'
+$PY - "$PORT" "$METRICS" "$OUTP/fault.json" "${LONG_S:-60}" <<'EOF'
 """16 long streams spread over both engines (their client reads one chunk, then pauses: the
 streams hold their slots), then `kill-gpu` faults the engine it lands on."""
 import asyncio, json, sys, urllib.request
@@ -79,7 +79,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from tts_client.client import TTSClient, build_request
 
-port, metrics_port, out = sys.argv[1], sys.argv[2], sys.argv[3]
+port, metrics_port, out, long_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 address = f"127.0.0.1:{port}"
 
 def scrape():
@@ -106,7 +106,7 @@ async def main():
     # no BDP probing: a 64 KiB window, so the server feels that these clients stopped reading
     async with TTSClient(address, options=[("grpc.http2.bdp_probe", 0)]) as slow, \
             TTSClient(address) as client:
-        calls = [slow.stream(build_request(f"Stream {i} runs for a while.", max_duration_s=60,
+        calls = [slow.stream(build_request(f"Stream {i} runs for a while.", max_duration_s=long_s,
                                            seed=i)) for i in range(16)]
         for call in calls:
             await call.read()  # in flight on one of the engines
