@@ -46,7 +46,7 @@ echo "tree: ${COMMIT:-unknown (pass COMMIT=$(git rev-parse --short HEAD))}" | te
 
 t0=$(date +%s)
 $PY -m tts_server --port "$PORT" --metrics-port "$METRICS" --model synthetic --devices "$DEVICES" \
-  --max-queue 0 $EXTRA >"$OUTP/server.log" 2>&1 &
+  --max-queue 0 --http-port -1 $EXTRA >"$OUTP/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 $PY scripts/wait_serving.py "$PORT" "$SERVER" 480 || { echo "server did not start"; tail -30 "$OUTP/server.log"; exit 1; }
