@@ -229,3 +229,28 @@ async def _until(predicate, timeout=20.0):
     while not predicate():
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+# ---- two real GPUs ------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_graphs_capture_on_a_second_gpu_after_one_on_the_first():
+    """torch.cuda.graph's default capture stream is made once, on the GPU current at the first
+    capture; an engine on a second GPU that captured on it failed at start-up (--devices 0,1 on
+    an H200 x2, 2026-11-27). The captures here pass a stream of their own device."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from tts_server.engines.batched.prefill import capture
+
+    outs = {}
+    for index in (0, 1):
+        dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)  # as build_worker does for each engine
+        x = torch.zeros(4, device=dev)
+        graphs = capture(lambda n, x=x: x[:n].add_(1), [2, 4], dev)
+        graphs[4].replay()
+        torch.cuda.synchronize(dev)
+        outs[index] = x.tolist()
+    # the warm-up ran n = 2 and n = 4 once each; the replay of n = 4 adds one more
+    assert outs == {0: [3.0, 3.0, 2.0, 2.0], 1: [3.0, 3.0, 2.0, 2.0]}, outs

@@ -226,7 +226,7 @@ class BatchedCodecDecoder:
             torch.cuda.current_stream(self.device).wait_stream(side)
             for bp in sorted(self.buckets, reverse=True):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=side):  # on this device (engines/batched/graphs.py)
                     out = self._forward(self._idx[:bp], self._codes[:bp])
                 self._graphs[bp] = (g, out)
         torch.cuda.synchronize(self.device)

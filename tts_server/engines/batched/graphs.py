@@ -65,7 +65,9 @@ class StepGraphs:
             halves = ((self.predict, step.predict),) if predict else ()
             for graphs, half in halves + ((self.advance, step.advance),):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool), pdl.scope(b <= PDL_MAX_ROWS):
+                # capture on a stream of dev: torch.cuda.graph's own default stream is made once,
+                # on whichever GPU was current then, so a second GPU's capture would fail there
+                with torch.cuda.graph(g, pool=pool, stream=side), pdl.scope(b <= PDL_MAX_ROWS):
                     half(self.rows[:b])
                 graphs[b] = g
         torch.cuda.synchronize(dev)

@@ -72,7 +72,7 @@ def capture(fn, sizes: list[int], dev: torch.device) -> dict[int, torch.cuda.CUD
     pool, graphs = torch.cuda.graph_pool_handle(), {}
     for n in reversed(sizes):
         graphs[n] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[n], pool=pool):
+        with torch.cuda.graph(graphs[n], pool=pool, stream=side):  # on dev (see graphs.py)
             fn(n)
     return graphs
 
