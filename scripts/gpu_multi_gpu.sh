@@ -110,7 +110,12 @@ async def main():
                                            seed=i)) for i in range(16)]
         for call in calls:
             await call.read()  # in flight on one of the engines
-        before = scrape()
+        # the engine process sends its metric snapshots once a period: wait for all 16
+        for _ in range(50):
+            before = scrape()
+            if sum(v for (n, _), v in before.items() if n == "tts_active_streams") >= 16:
+                break
+            await asyncio.sleep(0.2)
         killed = await outcome(client, build_request("Fault this GPU.", max_duration_s=8,
                                                      request_id="kill-gpu"))
         results = await asyncio.gather(*(finish(c) for c in calls))
