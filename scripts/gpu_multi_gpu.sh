@@ -36,6 +36,7 @@ case $PHASE in
   fault) DEVICES=0,1; LEVELS=; EXTRA="--inject-fault device_error:kill-gpu@5" ;;
   *) echo "PHASE must be 1gpu, 2gpu or fault"; exit 2 ;;
 esac
+EXTRA="$EXTRA ${SERVER_ARGS:-}"  # more server flags, e.g. SERVER_ARGS="--rpc-processes 4"
 if [ -n "${MAX_STREAMS_PER_GPU:-}" ]; then
   EXTRA="$EXTRA --max-streams $MAX_STREAMS_PER_GPU"  # per engine: each engine plans its own
 fi
