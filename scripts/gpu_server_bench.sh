@@ -4,7 +4,7 @@
 # fits up to 256), then tts-bench against it over loopback gRPC:
 #   1. c = 1: TTFC p50 (target <= 10 ms) and the server's first-audio breakdown;
 #   2. closed loop, STREAMS (default 256) concurrent streams of DURATION (6) s each: underruns at a
-#      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms); BENCH_PROCS (default 1):
+#      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms) (STREAMS=0: skipped); BENCH_PROCS (default 1):
 #      load processes for that level (tts-bench --processes), so that the client's own event loop
 #      does not spread the sends and delay the reads; a list (1,8) runs the level once per value
 #      (cN.json for the first, cN-procsK.json for the others);
@@ -45,6 +45,7 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
   phase c=1
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
   first=1
+  [ "$STREAMS" = 0 ] && BENCH_PROCS=  # STREAMS=0: no closed-loop level
   for procs in ${BENCH_PROCS//,/ }; do  # BENCH_PROCS=1,8: the same level from 1 then 8 load processes
     phase "c=$STREAMS x ${DURATION}s, $procs load processes"
     [ $first = 1 ] && json=cN.json || json=cN-procs$procs.json
