@@ -243,14 +243,17 @@ def test_graphs_capture_on_a_second_gpu_after_one_on_the_first():
         pytest.skip("needs two GPUs")
     from tts_server.engines.batched.prefill import capture
 
-    outs = {}
-    for index in (0, 1):
-        dev = torch.device("cuda", index)
-        torch.cuda.set_device(dev)  # as build_worker does for each engine
-        x = torch.zeros(4, device=dev)
-        graphs = capture(lambda n, x=x: x[:n].add_(1), [2, 4], dev)
-        graphs[4].replay()
-        torch.cuda.synchronize(dev)
-        outs[index] = x.tolist()
+    outs, before = {}, torch.cuda.current_device()
+    try:
+        for index in (0, 1):
+            dev = torch.device("cuda", index)
+            torch.cuda.set_device(dev)  # as build_worker does for each engine
+            x = torch.zeros(4, device=dev)
+            graphs = capture(lambda n, x=x: x[:n].add_(1), [2, 4], dev)
+            graphs[4].replay()
+            torch.cuda.synchronize(dev)
+            outs[index] = x.tolist()
+    finally:
+        torch.cuda.set_device(before)
     # the warm-up ran n = 2 and n = 4 once each; the replay of n = 4 adds one more
     assert outs == {0: [3.0, 3.0, 2.0, 2.0], 1: [3.0, 3.0, 2.0, 2.0]}, outs
