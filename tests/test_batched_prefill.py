@@ -206,7 +206,7 @@ def test_admissions_past_the_largest_row_bucket_replay_in_chunks_bitwise(tiny_cu
         for a in adms:
             eng.release(a.slot)
             assert eng.kv.ensure(a.slot, a.prompt.embeds.shape[0])
-        cuts = eng._row_chunks(list(adms), [a.prompt.embeds.shape[0] for a in adms])
+        cuts = eng.row_graphs.chunks([a.prompt.embeds.shape[0] for a in adms], [len(eng.kv.blocks(a.slot)) for a in adms])
         assert cuts == ([(0, 2), (2, 3)] if len(adms) == 3 else [(0, 1)])
         out = eng.run(StepPlan(decode=(), admit=tuple(adms)))
         assert not out.failed

@@ -263,8 +263,11 @@ class BatchedEngine:
         dev = self.device
         lens = [a.prompt.embeds.shape[0] for a in admissions]
         slots = [a.slot for a in admissions]
-        chunks = self._row_chunks(admissions, lens) if self.kv_dtype != torch.float32 and self.row_graphs else None
-        hidden = self._prefill_chunk(admissions, lens, *chunks[0]) if chunks else None
+        blocks = [self.kv.blocks(s) for s in slots] if self.kv_dtype != torch.float32 else None
+        # consecutive runs, each as many as one row-graph bucket holds (a prompt's bits do not
+        # depend on its neighbours, so any cut gives the same results)
+        chunks = self.row_graphs.chunks(lens, [len(b) for b in blocks]) if blocks and self.row_graphs else None
+        hidden = self._prefill_chunk(admissions, lens, blocks, *chunks[0]) if chunks else None
         # the slots' state (asynchronous copies from pinned memory): the first draws read it
         rows = _to_device(torch.tensor(slots, dtype=torch.long), dev)
         self.state.admit_many(slots, [a.sampling for a in admissions], lens,
@@ -278,7 +281,7 @@ class BatchedEngine:
             finite = []
             for c, (i, j) in enumerate(chunks):
                 if c:  # a bucket's output is read (the draws) before its next replay
-                    hidden = self._prefill_chunk(admissions, lens, i, j)
+                    hidden = self._prefill_chunk(admissions, lens, blocks, i, j)
                 finite.append(self._first_draws(rows[i:j], hidden))
             return torch.cat(finite)
         x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
@@ -288,19 +291,15 @@ class BatchedEngine:
             last = torch.tensor(np.cumsum(lens) - 1)
             hidden = prefill_rows(self.p.talker, self.kv, x, rows_of.to(dev), pos.to(dev), last.to(dev))
         else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
-            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, [self.kv.blocks(s) for s in slots])
+            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks)
         return self._first_draws(rows, hidden)
 
-    def _row_chunks(self, admissions: list[Admission], lens: list[int]) -> list[tuple[int, int]]:
-        """Consecutive runs of admissions, each as many as one row-graph bucket holds (a prompt's
-        bits do not depend on its neighbours, so any cut gives the same results)."""
-        return self.row_graphs.chunks(lens, [len(self.kv.blocks(a.slot)) for a in admissions])
-
-    def _prefill_chunk(self, admissions: list[Admission], lens: list[int], i: int, j: int) -> torch.Tensor:
-        """Admissions i..j-1 through one row-graph replay, or the eager path when they fit no
-        bucket (a prompt longer than the largest) -> their last hidden states [j - i, H]."""
-        adm, ln = admissions[i:j], lens[i:j]
-        blocks = [self.kv.blocks(a.slot) for a in adm]
+    def _prefill_chunk(self, admissions: list[Admission], lens: list[int], blocks: list[list[int]], i: int,
+                       j: int) -> torch.Tensor:
+        """Admissions i..j-1 (their KV blocks in `blocks[i:j]`) through one row-graph replay, or
+        the eager path when they fit no bucket (a prompt longer than the largest) -> their last
+        hidden states [j - i, H]."""
+        adm, ln, blocks = admissions[i:j], lens[i:j], blocks[i:j]
         x = torch.cat([a.prompt.embeds for a in adm]).to(self.device, torch.float32)
         n = self.row_graphs.bucket(ln, blocks)
         if n is None:

@@ -229,7 +229,7 @@ class RowPrefillGraphs:
 
     def __init__(self, sp: StackParams, kv, sizes: list[int], max_prompts: int):
         dev, bs, h = kv.k.device, kv.block_size, sp.cfg.hidden_size
-        self.sizes, self.bs = sizes, bs
+        self.sizes = sizes
         self.bufs: dict[int, dict] = {}
         biggest = 0
         for n in sizes:
@@ -267,24 +267,26 @@ class RowPrefillGraphs:
     def max_rows(self) -> int:
         return self.sizes[-1]
 
+    def _fits(self, n: int, rows: int, prompts: int, nblk: int, cols: int) -> bool:
+        """Whether bucket n holds `prompts` prompts of `rows` rows in all, `nblk` blocks in all
+        and at most `cols` blocks each."""
+        b = self.bufs[n]
+        return rows <= n and prompts <= b["a"] and nblk < b["nblk"] and cols <= b["cols"]
+
     def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
         """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
-        rows, nblk = sum(lens), sum(len(b) for b in blocks)
-        for n in self.sizes:
-            b = self.bufs[n]
-            if rows <= n and len(lens) <= b["a"] and nblk < b["nblk"] and max(len(x) for x in blocks) <= b["cols"]:
-                return n
-        return None
+        need = (sum(lens), len(lens), sum(len(b) for b in blocks), max(len(x) for x in blocks))
+        return next((n for n in self.sizes if self._fits(n, *need)), None)
 
     def chunks(self, lens: list[int], num_blocks: list[int]) -> list[tuple[int, int]]:
         """Cut prompts (lengths, blocks per prompt) into consecutive runs [i, j) that each fit a
         bucket, greedily, in one pass: the largest bucket holds every smaller one's limits. A
         prompt that fits no bucket alone is a run of its own (`bucket` -> None: eager)."""
-        top = self.bufs[self.sizes[-1]]
+        top = self.sizes[-1]
         cuts, i, rows, nblk, cols = [], 0, 0, 0, 0
         for j, (n, nb) in enumerate(zip(lens, num_blocks)):
             rows, nblk, cols = rows + n, nblk + nb, max(cols, nb)
-            if j > i and (rows > self.sizes[-1] or j + 1 - i > top["a"] or nblk >= top["nblk"] or cols > top["cols"]):
+            if j > i and not self._fits(top, rows, j + 1 - i, nblk, cols):
                 cuts.append((i, j))
                 i, rows, nblk, cols = j, n, nb, nb
         cuts.append((i, len(lens)))
