@@ -133,6 +133,28 @@ def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:
     assert torch.equal(codes.cpu(), rcodes), (codes.cpu() != rcodes).nonzero().flatten().tolist()
 
 
+def check_sampling_parts_embed(ops, dev: str, b: int = 24, v: int = 300, h: int = 40) -> None:
+    """The sampler fed `linear_parts`' partial products draws what it draws from their in-order
+    sum (the split sum `linear` does), clamps into [0, V), and with a table also returns the
+    drawn codes' rows as fp32, bitwise; the references do the same."""
+    from tts_server.engines.batched import ops_ref
+
+    case = sample_case(b, v, 21, "cpu")
+    g = _gen(22)
+    parts = torch.randn(3, b, v, generator=g) * 2
+    parts[1, 2, 5] = float("nan")  # a part's NaN makes the row non-finite
+    summed = parts[0] + parts[1] + parts[2]  # linear's split sum: in part order
+    table = (torch.randn(v + 7, h, generator=g) * 0.5).to(torch.bfloat16)
+    for impl, d in ((ops, dev), (ops_ref, "cpu")):
+        args = [c.to(d) for c in case[1:]]
+        codes, fin = impl.sample_tokens(summed.to(d), *args, 4)
+        pcodes, pfin, rows = impl.sample_tokens(parts.to(d), *args, 4, table.to(d))
+        assert torch.equal(pcodes.cpu(), codes.cpu()) and torch.equal(pfin.cpu(), fin.cpu()), impl
+        assert not fin.cpu()[2] and fin.cpu().sum() == b - 1
+        assert rows.dtype == torch.float32 and torch.equal(rows.cpu(), table[codes.cpu().long()].float())
+        assert int(codes.min()) >= 0 and int(codes.max()) < v
+
+
 def check_invariance(ops, dev: str, sizes=(1, 3, 17, 64)) -> None:
     """Each op's target row is bit-identical in every batch size / position."""
     k, n, v = 64, 48, 300
@@ -287,6 +309,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_gemm_big(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
+    check_sampling_parts_embed(ops, dev)
     check_invariance(ops, dev, sizes)
     return res
 

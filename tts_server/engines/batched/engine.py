@@ -318,7 +318,6 @@ class BatchedEngine:
         code, finite = ops.sample_tokens(logits, s.ints[DO_SAMPLE, rows], s.floats[TEMPERATURE, rows],
                                          s.ints[TOP_K, rows], s.floats[TOP_P, rows], s.seed[rows],
                                          torch.zeros(rows.shape[0], dtype=torch.int64, device=self.device), 0)
-        code = code.clamp(0, ids.vocab_size - 1)
         s.ints[CODE0, rows] = code
         s.ints[N_SAMPLED].index_fill_(0, rows, 1)
         s.seen.index_put_((rows, code.long()), self._one)  # device values: no host copy (graph capture)

@@ -120,16 +120,19 @@ class FrameStep:
                     qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
                     cfg.num_kv_heads, cfg.rms_norm_eps, scale))
             h = stack_forward(x, sp, attend)
-            logits = ops.linear(h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k])
+            hk, head = h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k]
+            parts = ops.linear_parts(hk, head)  # the sampler adds them, in `linear`'s order
             if self.dump is not None:
-                self.dump[:b, k, :logits.shape[1]] = logits
-            code, finite = ops.sample_tokens(logits, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE],
-                                             ints[SUB_TOP_K], floats[SUB_TOP_P], seed, counter, k + 1)
-            code = code.clamp(0, logits.shape[1] - 1)
-            finites.append(finite)
-            codes.append(code)
-            if k + 1 < p.num_passes:
-                x = self._cp_in(glue.embed_sum(None, p.predictor_embedding_stack[k:k + 1], code[:, None]))
+                self.dump[:b, k, :head.shape[0]] = ops.linear(hk, head)
+            more = k + 1 < p.num_passes
+            # the draw, and with it the next pass's input row: the drawn code's embedding
+            drawn = ops.sample_tokens(parts, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE], ints[SUB_TOP_K],
+                                      floats[SUB_TOP_P], seed, counter, k + 1,
+                                      p.predictor_embedding_stack[k] if more else None)
+            finites.append(drawn[1])
+            codes.append(drawn[0])
+            if more:
+                x = self._cp_in(drawn[2])
         return torch.stack(codes, 1), finites
 
     def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -189,7 +192,6 @@ class FrameStep:
                             ids.min_new_tokens)
         nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
                                         floats[TOP_P], seed, counter, 0)
-        nxt = nxt.clamp(0, logits.shape[1] - 1)
         # commit (padding rows all point at the scratch slot, which is reset last)
         s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
         s.past_hidden[rows] = hidden

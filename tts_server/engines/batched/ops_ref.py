@@ -145,10 +145,24 @@ def warp_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
 
 def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                  counter: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> (codes [B] int32, finite [B] bool). Greedy rows: argmax (first among
-    ties). Sampled rows: argmax of warped logits + Gumbel noise keyed by (seed, counter, stream, id).
-    finite: no NaN / +inf in the row and not every entry -inf (masked -inf entries are allowed)."""
+                  counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None):
+    """logits [B, V] fp32 (or partial products [P, B, V], added in order) -> (codes [B] int32 in
+    [0, V), finite [B] bool) (and embed[codes] as fp32 with a table). Greedy rows: argmax (first
+    among ties). Sampled rows: argmax of warped logits + Gumbel noise keyed by (seed, counter,
+    stream, id). finite: no NaN / +inf in the row and not every entry -inf (masked -inf entries
+    are allowed)."""
+    if logits.dim() == 3:
+        parts, logits = logits, logits[0]
+        for p in range(1, parts.shape[0]):
+            logits = logits + parts[p]
+    codes, finite = _sample(logits, do_sample, temperature, top_k, top_p, seed, counter, stream)
+    codes = codes.clamp(0, logits.shape[1] - 1)
+    if embed is not None:
+        return codes, finite, embed[codes.long()].float()
+    return codes, finite
+
+
+def _sample(logits, do_sample, temperature, top_k, top_p, seed, counter, stream):
     v = logits.shape[1]
     finite = ~(torch.isnan(logits) | (logits == float("inf"))).any(-1) & (logits > NEG_INF).any(-1)
     safe = torch.where(finite[:, None], logits, torch.zeros_like(logits))

@@ -94,15 +94,20 @@ def _mass_cut_key(key, e, budget):
 
 @triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
-                   fin_ptr, V, stride_l, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
+                   fin_ptr, tab_ptr, emb_ptr, V, stride_l, stride_p, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
+                   PARTS: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, EMBED: tl.constexpr,
                    INTERPRET: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
-    # one program per row b: logits[b, :V] -> code[b] int32, finite[b] uint8
+    # one program per row b: logits[b, :V] (the sum of PARTS partial products, added in part
+    # order as tk_gemm's split sum) -> code[b] int32 in [0, V), finite[b] uint8; EMBED: also
+    # emb[b] = tab[code[b]] as fp32 (the next code-predictor pass's input row)
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     ninf = float("-inf")
     x = tl.load(logits_ptr + b * stride_l + offs, mask=valid, other=ninf)
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(logits_ptr + p * stride_p + b * stride_l + offs, mask=valid, other=ninf)
     bad = (x != x) | (x == float("inf"))
     finite = (tl.sum(bad.to(tl.int32), axis=0) == 0) & (tl.max(tl.where(bad, ninf, x), axis=0) > ninf)
     x = tl.where(finite, x, tl.where(valid, 0.0, ninf))
@@ -137,20 +142,33 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
         else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
             g = -libdevice.log(-libdevice.log(u))
         code = tl.argmax(s.to(tl.float64) + g, axis=0, tie_break_left=True)
+    code = tl.minimum(tl.maximum(code, 0), V - 1)
     tl.store(code_ptr + b, code.to(tl.int32))
     tl.store(fin_ptr + b, finite.to(tl.uint8))
+    if EMBED:
+        dh = tl.arange(0, HP2)
+        row = tl.load(tab_ptr + code.to(tl.int64) * H + dh, mask=dh < H, other=0.0)
+        tl.store(emb_ptr + b * H + dh, row.to(tl.float32), mask=dh < H)
 
 
-def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream):
-    """logits [B, V] fp32 -> (codes [B] int32, finite [B] bool); see ops.sample_tokens."""
-    b, v = logits.shape
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
-    codes = torch.empty(b, dtype=torch.int32, device=logits.device)
-    fin = torch.empty(b, dtype=torch.uint8, device=logits.device)
+def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None):
+    """logits [B, V] fp32, or partial products [P, B, V] added in order -> (codes [B] int32,
+    finite [B] bool), and with embed (a [V', H] table) also embed[codes] as [B, H] fp32; see
+    ops.sample_tokens."""
+    parts = logits if logits.dim() == 3 else logits[None]
+    p, b, v = parts.shape
+    assert parts.dtype == torch.float32 and parts.stride(2) == 1 and (p == 1 or parts.stride(0) == b * parts.stride(1))
+    codes = torch.empty(b, dtype=torch.int32, device=parts.device)
+    fin = torch.empty(b, dtype=torch.uint8, device=parts.device)
     i32, f32, i64 = (lambda t: t.int().contiguous()), (lambda t: t.float().contiguous()), \
         (lambda t: t.long().contiguous())  # no-ops for the documented dtypes
-    _sample_kernel[(b,)](logits, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
-                         i64(counter), codes, fin, v,
-                         logits.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
+    h = embed.shape[1] if embed is not None else 1
+    emb = torch.empty((b, h), dtype=torch.float32, device=parts.device) if embed is not None else codes
+    _sample_kernel[(b,)](parts, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
+                         i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, v,
+                         parts.stride(1), parts.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
+                         PARTS=p, H=h, HP2=triton.next_power_of_2(h), EMBED=embed is not None,
                          INTERPRET=_INTERPRET, num_warps=8, **pdl.kw())
+    if embed is not None:
+        return codes, fin.view(torch.bool), emb
     return codes, fin.view(torch.bool)
