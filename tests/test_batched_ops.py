@@ -153,6 +153,49 @@ def check_sampling_parts_embed(ops, dev: str, b: int = 24, v: int = 300, h: int 
         assert not fin.cpu()[2] and fin.cpu().sum() == b - 1
         assert rows.dtype == torch.float32 and torch.equal(rows.cpu(), table[codes.cpu().long()].float())
         assert int(codes.min()) >= 0 and int(codes.max()) < v
+        out = torch.full((b + 3, 6), 7, dtype=torch.int32)
+        out[:, 4] = 0b1000
+        out = out.to(d)
+        icodes, ifin = impl.sample_tokens(parts.to(d), *args, 4, into=(out, 2, 4, 1))
+        expect = torch.full((b + 3, 6), 7, dtype=torch.int32)
+        expect[:, 4] = 0b1000
+        expect[:b, 2] = codes.cpu()
+        expect[:b, 4] |= (~fin.cpu()).to(torch.int32) << 1
+        assert torch.equal(out.cpu(), expect) and torch.equal(icodes.cpu(), codes.cpu()), impl
+
+
+def check_predict_inputs(dev: str) -> None:
+    """glue.predict_inputs' kernel against its torch form, bitwise."""
+    from tts_server.engines.batched import glue
+
+    g = _gen(31)
+    ns, h, v = 9, 40, 50
+    ints = torch.randint(0, v, (10, ns), generator=g, dtype=torch.int32)
+    floats = torch.rand(5, ns, generator=g)
+    seed = torch.randint(-2 ** 62, 2 ** 62, (ns,), generator=g)
+    past = torch.randn(ns, h, generator=g)
+    emb = torch.randn(v, h, generator=g).to(torch.bfloat16)
+    rows = torch.tensor([4, 0, 8, 4, 2])
+    outs = []
+    for d, fn in ((dev, glue.predict_inputs), ("cpu", None)):
+        out = torch.full((7, 18), 5, dtype=torch.int32)
+        args = [t.to(d) for t in (rows, ints, floats, seed, past, emb)] + [out.to(d)]
+        if fn is None:  # the torch form
+            got = _predict_inputs_torch(*args)
+        else:
+            got = fn(*args, (7, 8), (3, 4), 1, 2, 17)
+        outs.append([t.cpu() for t in got] + [args[-1].cpu()])
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _predict_inputs_torch(rows, ints, floats, seed, past, emb, out):
+    b = rows.shape[0]
+    ig, fg = ints[:, rows], floats[:, rows]
+    x0 = torch.stack((past[rows], emb[ig[1].long()].float()), 1).reshape(2 * b, -1)
+    out[:b, 0] = ig[1]
+    out[:b, 17] = 0
+    return ig[[7, 8]], fg[[3, 4]], seed[rows], ig[2].long(), x0
 
 
 def check_invariance(ops, dev: str, sizes=(1, 3, 17, 64)) -> None:
@@ -310,6 +353,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)
+    check_predict_inputs(dev)
     check_invariance(ops, dev, sizes)
     return res
 

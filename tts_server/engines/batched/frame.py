@@ -72,7 +72,6 @@ class FrameStep:
         vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
         self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
         self._one = torch.ones((), dtype=torch.uint8, device=dev)
-        self._bits = 2 ** torch.arange(g, dtype=torch.int32, device=dev)  # pass k -> bit k, talker -> bit 15
         self._consts: dict[int, dict] = {}
 
     @staticmethod
@@ -100,14 +99,16 @@ class FrameStep:
             return x
         return ops.linear(x, self.p.in_proj[0]) + self.p.in_proj[1]
 
-    def _predict(self, b: int, past: torch.Tensor, e0: torch.Tensor, ints, floats, seed, counter):
-        """past, e0 [B, H] -> codes [B, 15] int32 and the 15 passes' finite flags ([B] bool each)."""
+    def _predict(self, b: int, x0: torch.Tensor, draw: tuple) -> None:
+        """x0 [2B, H]: each stream's first-pass rows (positions 0, 1); draw: the streams' sampling
+        settings (do_sample, temperature, top_k, top_p, seed, counter; [B] each). The 15 passes'
+        codes go to out[:B, 1:16] and their error bits (pass k: bit k) into out[:B, 17]."""
         p, c = self.p, self.consts(b)
         sp = p.predictor
         cfg = sp.cfg
         scale = cfg.head_dim ** -0.5
-        x = self._cp_in(torch.stack((past, e0), 1).reshape(2 * b, -1))  # [2B, Hp]: positions 0, 1
-        codes, finites = [], []
+        err = p.ids.num_code_groups + 1
+        x = self._cp_in(x0)  # [2B, Hp]
         for k in range(p.num_passes):
             first = k == 0
             cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
@@ -125,15 +126,12 @@ class FrameStep:
             if self.dump is not None:
                 self.dump[:b, k, :head.shape[0]] = ops.linear(hk, head)
             more = k + 1 < p.num_passes
-            # the draw, and with it the next pass's input row: the drawn code's embedding
-            drawn = ops.sample_tokens(parts, ints[SUB_DO_SAMPLE], floats[SUB_TEMPERATURE], ints[SUB_TOP_K],
-                                      floats[SUB_TOP_P], seed, counter, k + 1,
-                                      p.predictor_embedding_stack[k] if more else None)
-            finites.append(drawn[1])
-            codes.append(drawn[0])
+            # the draw into out (code, error bit), and with it the next pass's input row: the
+            # drawn code's embedding
+            drawn = ops.sample_tokens(parts, *draw, k + 1, p.predictor_embedding_stack[k] if more else None,
+                                      into=(self.out, k + 1, err, k))
             if more:
                 x = self._cp_in(drawn[2])
-        return torch.stack(codes, 1), finites
 
     def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [B, H] fp32 at positions pos [B] int32 of slots rows -> final-normed hidden [B, H]."""
@@ -157,17 +155,13 @@ class FrameStep:
     def predict(self, rows: torch.Tensor) -> None:
         """The frame's first half: the 15 code-predictor passes -> out[:B, :16] (code 0, codes
         1..15) and out[:B, 17] (their error bits). The state is not changed: `advance` follows."""
-        p, s = self.p, self.s
-        b = rows.shape[0]
-        ints, floats, seed = self._gather(rows)
-        code0 = ints[CODE0]
-        e0 = p.codec_embedding[code0.long()].float()  # [B, H]
-        codes, finites = self._predict(b, s.past_hidden[rows], e0, ints, floats, seed, ints[N_SAMPLED].long())
-        # error bits: an integer sum is exact in any order, so row-local and invariant
-        bad = ((~torch.stack(finites, 1)).to(torch.int32) * self._bits[:-1]).sum(1, dtype=torch.int32)
-        g = p.ids.num_code_groups
-        self.out[:b, :g] = torch.cat((code0[:, None], codes), 1)
-        self.out[:b, g + 1] = bad
+        s, b = self.s, rows.shape[0]
+        # one launch: the slots' sampling settings, code 0 into out, the first pass's rows
+        ig, fg, seed, counter, x0 = glue.predict_inputs(
+            rows, s.ints, s.floats, s.seed, s.past_hidden, self.p.codec_embedding, self.out,
+            (SUB_DO_SAMPLE, SUB_TOP_K), (SUB_TEMPERATURE, SUB_TOP_P), CODE0, N_SAMPLED,
+            self.p.ids.num_code_groups + 1)
+        self._predict(b, x0, (ig[0], fg[0], ig[1], fg[1], seed, counter))
 
     def advance(self, rows: torch.Tensor) -> None:
         """The frame's second half, after `predict` of the same rows: the talker step over this
@@ -190,12 +184,11 @@ class FrameStep:
         gate = torch.where(n_sampled >= ints[EOS_FROM], n_sampled, -1)  # contract.eos_gate
         ops.talker_process_(logits, s.seen[rows], floats[PENALTY], gate, ids.eos, ids.suppress_start,
                             ids.min_new_tokens)
-        nxt, finite = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K],
-                                        floats[TOP_P], seed, counter, 0)
+        # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]
+        nxt, _ = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K], floats[TOP_P], seed,
+                                   counter, 0, into=(self.out, g, g + 1, TALKER_BAD_BIT))
         # commit (padding rows all point at the scratch slot, which is reset last)
         s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
         s.past_hidden[rows] = hidden
         s.seen.index_put_((rows, nxt.long()), self._one)  # a device value: no host copy in a capture
         s.ints[:NUM_STEP_INTS, s.scratch].zero_()
-        self.out[:b, g] = nxt
-        self.out[:b, g + 1] += (~finite).to(torch.int32) * self._bits[-1]

@@ -112,3 +112,24 @@ def embed_sum(e0: torch.Tensor | None, tables: torch.Tensor, codes: torch.Tensor
         row = tables[k][codes[:, k].long()].float()
         x = row if x is None else x + row
     return x
+
+
+def predict_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, seed: torch.Tensor,
+                   past_hidden: torch.Tensor, embedding: torch.Tensor, out: torch.Tensor, fi: tuple, ff: tuple,
+                   code0: int, counter: int, err_col: int):
+    """The code predictor's inputs for slots rows [B] (device, int): per stream the slot-state
+    ints at fields fi and floats at ff ([len(fi), B] int32, [len(ff), B] fp32), the seed [B]
+    int64, ints[counter] as int64 [B], and the first pass's rows [2B, H] fp32 (past_hidden[slot],
+    then embedding[ints[code0]] as fp32, per stream). Writes out[:B, 0] = ints[code0] and zeroes
+    out[:B, err_col] (the passes add their error bits). One launch for what were ~10 gathers."""
+    if _use_triton(rows):
+        from .tk_glue import predict_inputs as tk
+
+        return tk(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff, code0, counter, err_col)
+    b = rows.shape[0]
+    ig, fg = ints[:, rows], floats[:, rows]
+    c0 = ig[code0]
+    x0 = torch.stack((past_hidden[rows], embedding[c0.long()].float()), 1).reshape(2 * b, -1)
+    out[:b, 0] = c0
+    out[:b, err_col] = 0
+    return ig[list(fi)], fg[list(ff)], seed[rows], ig[counter].long(), x0

@@ -145,7 +145,7 @@ def warp_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
 
 def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                  counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None):
+                  counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None, into: tuple | None = None):
     """logits [B, V] fp32 (or partial products [P, B, V], added in order) -> (codes [B] int32 in
     [0, V), finite [B] bool) (and embed[codes] as fp32 with a table). Greedy rows: argmax (first
     among ties). Sampled rows: argmax of warped logits + Gumbel noise keyed by (seed, counter,
@@ -157,6 +157,11 @@ def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: to
             logits = logits + parts[p]
     codes, finite = _sample(logits, do_sample, temperature, top_k, top_p, seed, counter, stream)
     codes = codes.clamp(0, logits.shape[1] - 1)
+    if into is not None:
+        out, col, err_col, bit = into
+        b = codes.shape[0]
+        out[:b, col] = codes
+        out[:b, err_col] |= (~finite).to(torch.int32) << bit
     if embed is not None:
         return codes, finite, embed[codes.long()].float()
     return codes, finite

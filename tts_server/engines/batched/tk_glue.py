@@ -236,3 +236,46 @@ def embed_sum(e0, tables, codes):
     _embed_sum_kernel[(b,)](e0 if e0 is not None else out, tables, codes, out, v, codes.stride(0), H=h,
                             HP2=triton.next_power_of_2(h), K=k, HAS_E0=e0 is not None, **pdl.kw())
     return out
+
+
+@triton.jit
+def _predict_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, past_ptr, emb_ptr, out_ptr, ig_ptr, fg_ptr,
+                           sg_ptr, ctr_ptr, x0_ptr, NS, B, out_stride, FI: tl.constexpr, FF: tl.constexpr,
+                           NFI: tl.constexpr, NFF: tl.constexpr, CODE0: tl.constexpr, COUNTER: tl.constexpr,
+                           ERR: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program b: slot = rows[b]; gathers of its state, its first pass's two input rows, out's
+    # code-0 and error columns (see glue.predict_inputs)
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    for j in tl.static_range(NFI):
+        tl.store(ig_ptr + j * B + b, tl.load(ints_ptr + FI[j] * NS + slot))
+    for j in tl.static_range(NFF):
+        tl.store(fg_ptr + j * B + b, tl.load(floats_ptr + FF[j] * NS + slot))
+    tl.store(sg_ptr + b, tl.load(seed_ptr + slot))
+    tl.store(ctr_ptr + b, tl.load(ints_ptr + COUNTER * NS + slot).to(tl.int64))
+    c0 = tl.load(ints_ptr + CODE0 * NS + slot)
+    d = tl.arange(0, HP2)
+    mask = d < H
+    tl.store(x0_ptr + (2 * b) * H + d, tl.load(past_ptr + slot * H + d, mask=mask, other=0.0), mask=mask)
+    e0 = tl.load(emb_ptr + c0.to(tl.int64) * H + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x0_ptr + (2 * b + 1) * H + d, e0, mask=mask)
+    tl.store(out_ptr + b * out_stride, c0)
+    tl.store(out_ptr + b * out_stride + ERR, tl.zeros((), tl.int32))
+
+
+def predict_inputs(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff, code0, counter, err_col):
+    b, (ns, h) = rows.shape[0], past_hidden.shape
+    assert ints.dtype == torch.int32 and floats.dtype == torch.float32 and seed.dtype == torch.int64
+    assert past_hidden.dtype == torch.float32 and out.dtype == torch.int32 and out.stride(1) == 1
+    dev = rows.device
+    ig = torch.empty((len(fi), b), dtype=torch.int32, device=dev)
+    fg = torch.empty((len(ff), b), dtype=torch.float32, device=dev)
+    sg = torch.empty(b, dtype=torch.int64, device=dev)
+    ctr = torch.empty(b, dtype=torch.int64, device=dev)
+    x0 = torch.empty((2 * b, h), dtype=torch.float32, device=dev)
+    _predict_inputs_kernel[(b,)](rows, ints, floats, seed, past_hidden, embedding.contiguous(), out, ig, fg, sg, ctr,
+                                 x0, ns, b, out.stride(0), FI=tuple(fi), FF=tuple(ff), NFI=len(fi), NFF=len(ff),
+                                 CODE0=code0, COUNTER=counter, ERR=err_col, H=h, HP2=triton.next_power_of_2(h),
+                                 **pdl.kw())
+    return ig, fg, sg, ctr, x0

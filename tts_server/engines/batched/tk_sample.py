@@ -94,13 +94,15 @@ def _mass_cut_key(key, e, budget):
 
 @triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
-                   fin_ptr, tab_ptr, emb_ptr, V, stride_l, stride_p, STREAM: tl.constexpr, BLOCK_V: tl.constexpr,
-                   PARTS: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, EMBED: tl.constexpr,
-                   INTERPRET: tl.constexpr, GDC: tl.constexpr):
+                   fin_ptr, tab_ptr, emb_ptr, out_ptr, V, stride_l, stride_p, out_stride, out_col, err_col, bit,
+                   STREAM: tl.constexpr, BLOCK_V: tl.constexpr, PARTS: tl.constexpr, H: tl.constexpr,
+                   HP2: tl.constexpr, EMBED: tl.constexpr, INTO: tl.constexpr, INTERPRET: tl.constexpr,
+                   GDC: tl.constexpr):
     pdl.enter(GDC)
     # one program per row b: logits[b, :V] (the sum of PARTS partial products, added in part
     # order as tk_gemm's split sum) -> code[b] int32 in [0, V), finite[b] uint8; EMBED: also
-    # emb[b] = tab[code[b]] as fp32 (the next code-predictor pass's input row)
+    # emb[b] = tab[code[b]] as fp32 (the next code-predictor pass's input row); INTO: also
+    # out[b, out_col] = code[b], and out[b, err_col] |= 1 << bit where the row is not finite
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
@@ -145,16 +147,20 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
     code = tl.minimum(tl.maximum(code, 0), V - 1)
     tl.store(code_ptr + b, code.to(tl.int32))
     tl.store(fin_ptr + b, finite.to(tl.uint8))
+    if INTO:
+        tl.store(out_ptr + b * out_stride + out_col, code.to(tl.int32))
+        e = tl.load(out_ptr + b * out_stride + err_col)
+        tl.store(out_ptr + b * out_stride + err_col, e | ((1 - finite.to(tl.int32)) << bit))
     if EMBED:
         dh = tl.arange(0, HP2)
         row = tl.load(tab_ptr + code.to(tl.int64) * H + dh, mask=dh < H, other=0.0)
         tl.store(emb_ptr + b * H + dh, row.to(tl.float32), mask=dh < H)
 
 
-def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None):
+def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None, into=None):
     """logits [B, V] fp32, or partial products [P, B, V] added in order -> (codes [B] int32,
-    finite [B] bool), and with embed (a [V', H] table) also embed[codes] as [B, H] fp32; see
-    ops.sample_tokens."""
+    finite [B] bool), and with embed (a [V', H] table) also embed[codes] as [B, H] fp32; into:
+    (out, col, err_col, bit), written as well; see ops.sample_tokens."""
     parts = logits if logits.dim() == 3 else logits[None]
     p, b, v = parts.shape
     assert parts.dtype == torch.float32 and parts.stride(2) == 1 and (p == 1 or parts.stride(0) == b * parts.stride(1))
@@ -164,11 +170,14 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
         (lambda t: t.long().contiguous())  # no-ops for the documented dtypes
     h = embed.shape[1] if embed is not None else 1
     emb = torch.empty((b, h), dtype=torch.float32, device=parts.device) if embed is not None else codes
+    out, col, err_col, bit = into if into is not None else (codes, 0, 0, 0)
+    assert into is None or (out.dtype == torch.int32 and out.stride(1) == 1)
     _sample_kernel[(b,)](parts, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
-                         i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, v,
-                         parts.stride(1), parts.stride(0), STREAM=int(stream), BLOCK_V=triton.next_power_of_2(v),
-                         PARTS=p, H=h, HP2=triton.next_power_of_2(h), EMBED=embed is not None,
-                         INTERPRET=_INTERPRET, num_warps=8, **pdl.kw())
+                         i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, out, v,
+                         parts.stride(1), parts.stride(0), out.stride(0), col, err_col, bit, STREAM=int(stream),
+                         BLOCK_V=triton.next_power_of_2(v), PARTS=p, H=h, HP2=triton.next_power_of_2(h),
+                         EMBED=embed is not None, INTO=into is not None, INTERPRET=_INTERPRET, num_warps=8,
+                         **pdl.kw())
     if embed is not None:
         return codes, fin.view(torch.bool), emb
     return codes, fin.view(torch.bool)
