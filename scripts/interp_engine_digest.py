@@ -1,30 +1,43 @@
-"""A tiny BatchedEngine's admissions and frames through the Triton kernels on the CPU (the
-interpreter), then a digest of the codes and past hidden states: two trees printing the same
-digest compute the same bits there (for refactors that must not change a value). ~1 min.
+"""A BatchedEngine's admissions and frames, then a digest of the codes and past hidden states:
+two trees printing the same digest compute the same bits (for refactors that must not change a
+value). On the CPU through the Triton interpreter (tiny model, ~1 min):
 
     cd <tree> && TRITON_INTERPRET=1 python3 scripts/interp_engine_digest.py
+
+On a GPU (full-size synthetic, bf16 weights, 8 streams of mixed greedy/sampled, 48 frames):
+
+    cd <tree> && python3 scripts/interp_engine_digest.py --device cuda
 """
-import hashlib, sys, time
+import argparse, hashlib, sys, time
 import numpy as np
 import torch
 sys.path.insert(0, ".")
-from tts_server.model.synthetic import SYNTHETIC_NAMES, build_synthetic
+from tts_server.model.synthetic import SYNTHETIC_NAMES, build_synthetic, build_tts_model
 from tts_server.model.weights import decode_weights
 from tts_server.engines.batched import checks
 from tts_server.engines.batched.engine import BatchedEngine
-from tts_server.engines.contract import Admission, SamplingConfig, StepPlan
+from tts_server.engines.contract import Admission, SamplingConfig
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--device", default="cpu")
+args = ap.parse_args()
+gpu = args.device != "cpu"
 t0 = time.time()
-m = build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"])
-w = decode_weights(m.model)
-eng = BatchedEngine(w, max_streams=3, max_positions=128)
+if gpu:  # as scripts/gpu_batched_engine.py loads it
+    model = build_tts_model(SYNTHETIC_NAMES["synthetic"])
+    model.talker.model.text_embedding = None
+    w = decode_weights(model.to(args.device, torch.bfloat16).eval())
+else:
+    w = decode_weights(build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"]).model)
+n, frames = (8, 48) if gpu else (3, 3)
+eng = BatchedEngine(w, max_streams=n, max_positions=512 if gpu else 128)
 h = eng.p.talker.cfg.hidden_size
-admit = tuple(Admission(i, checks.random_prompt(100 + i, 6 + 3 * i, h), SamplingConfig(seed=i, do_sample=i != 1))
-              for i in range(3))
-codes = checks.step_codes(eng, [0, 1, 2], 3, admit)
+admit = tuple(Admission(i, checks.random_prompt(100 + i, 6 + 3 * i, h, device=args.device),
+                        SamplingConfig(seed=i, do_sample=i != 1)) for i in range(n))
+codes = checks.step_codes(eng, list(range(n)), frames, admit)
 dig = hashlib.sha256()
-for s in range(3):
+for s in range(n):
     dig.update(np.ascontiguousarray(codes[s]).tobytes())
-    print(s, codes[s].tolist())
-dig.update(eng.state.past_hidden[:3].numpy().tobytes())
+    print(s, codes[s][:4].tolist() if gpu else codes[s].tolist())
+dig.update(eng.state.past_hidden[:n].float().cpu().numpy().tobytes())
 print("DIGEST", dig.hexdigest(), f"{time.time() - t0:.0f}s")

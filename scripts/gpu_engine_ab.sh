@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Same-call A/B of two batched-engine trees on one GPU: BASE (a directory holding another tree's
+# tts_server/ and scripts/, e.g. `git archive <rev> tts_server scripts | tar -x -C .base`) and this
+# tree. Per tree: the GPU digest of 8 admissions x 48 frames (scripts/interp_engine_digest.py
+# --device cuda; equal digests = the same codes and hidden states, bit for bit) and the graph-replay
+# frame times (gpu_batched_engine.py --sections bench). PRE_TESTS: GPU tests of this tree first.
+# Results: $OUT/{base,new}/batched_engine.json, $OUT/digest-{base,new}.txt, tables on stdout.
+source "$(dirname "$0")/gpu_env.sh"
+BASE=${BASE:-.base}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+echo "base $BASE, new ${COMMIT:-?}" | tee -a "$OUT/env.txt"
+if [ -n "${PRE_TESTS:-}" ]; then
+  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu $PRE_TESTS \
+    -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "passed|failed|error|FAILED|Error" "$OUT/tests.log" | tail -12
+fi
+for tree in base new; do
+  dir=$([ $tree = base ] && echo "$BASE" || echo .)
+  (cd "$dir" && timeout 200 $PY "$ROOT/scripts/interp_engine_digest.py" --device cuda) > "$OUT/digest-$tree.txt" 2>&1
+  echo "$tree: $(grep DIGEST "$OUT/digest-$tree.txt" || tail -3 "$OUT/digest-$tree.txt")"
+done
+for tree in base new; do
+  dir=$([ $tree = base ] && echo "$BASE" || echo .)
+  timeout 200 $PY "$dir/scripts/gpu_batched_engine.py" --sections bench --out "$OUT/$tree" > "$OUT/bench-$tree.log" 2>&1
+  echo "== $tree"; grep -E "ctx +mixed|ctx +100 B +1:" "$OUT/bench-$tree.log"
+done
