@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -91,7 +92,11 @@ def attention() -> dict:
     res: dict = {"cases": {}}
     default_spp = tk_attention.SPP_BY_B
     variants = [("cuda_cores", False, None, 64, 4, 1)]
-    for split, spps, warps_list, stages_list in ((64, (1, 4, 8), (4,), (1, 2, 3)), (128, (1, 2, 4), (4, 8), (1, 2))):
+    sweep = ((64, (1, 4, 8), (4,), (1, 2, 3)), (128, (1, 2, 4), (4, 8), (1, 2)))
+    if os.environ.get("ATTN_SWEEP") == "default":  # the tree's own configuration only (A/Bs of trees)
+        variants.append(("tc_default", True, None, 64, 4, None))
+        sweep = ()
+    for split, spps, warps_list, stages_list in sweep:
         for spp in spps:
             for warps in warps_list:
                 for stages in stages_list:
