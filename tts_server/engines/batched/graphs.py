@@ -14,7 +14,7 @@ from .frame import FrameStep
 
 # buckets up to this many rows are captured with programmatic dependent launch (pdl.py: faster
 # at B <= 8, slower at B >= 64 on an H100)
-PDL_MAX_ROWS = 8
+PDL_MAX_ROWS = pdl.max_rows("FRAME", 8)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:

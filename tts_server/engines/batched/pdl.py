@@ -45,6 +45,12 @@ def scope(on: bool):
         _on = before
 
 
+def max_rows(graphs: str, default: int) -> int:
+    """The largest bucket of a graph family (FRAME, PREFILL, CODEC) captured with PDL; the
+    environment's TTS_PDL_<family>_ROWS replaces the measured default (A/Bs)."""
+    return int(os.environ.get(f"TTS_PDL_{graphs}_ROWS", default))
+
+
 def kw() -> dict:
     """Launch keywords for a kernel taking `GDC: tl.constexpr` that calls `enter(GDC)` first."""
     return dict(GDC=True, launch_pdl=True) if _on else dict(GDC=False)

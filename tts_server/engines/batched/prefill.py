@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model.lm import apply_rope, rope_cos_sin
+from . import pdl
 from .ops import PREFILL_QB
 from .params import StackParams
 
@@ -60,6 +61,14 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return _rms(x[-1] if last is None else x.index_select(0, last)[0], p.final_norm, eps)
 
 
+# prefill graphs of up to this many rows are captured with programmatic dependent launch (pdl.py;
+# the bits are the same). On H100s (scripts/gpu_c1_parts.sh, one process per setting) a 20-token
+# prompt's admission took 2.4 ms in two runs with it, 3.25 in one run without it and 2.9-3.0 with
+# the 128-row bucket's graph in it too; a third run with it took 3.25, with its frames as slow as
+# the run without it: not yet settled by a same-process A/B. Never measured slower.
+PDL_MAX_ROWS = pdl.max_rows("PREFILL", 64)
+
+
 def capture(fn, sizes: list[int], dev: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
     """fn(n) once per size off the capture stream (compiles the kernels, warms the allocator),
     then one CUDA graph of fn(n) per size, largest first, all in one memory pool."""
@@ -67,12 +76,13 @@ def capture(fn, sizes: list[int], dev: torch.device) -> dict[int, torch.cuda.CUD
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         for n in sizes:
-            fn(n)
+            with pdl.scope(n <= PDL_MAX_ROWS):
+                fn(n)
     torch.cuda.current_stream(dev).wait_stream(side)
     pool, graphs = torch.cuda.graph_pool_handle(), {}
     for n in reversed(sizes):
         graphs[n] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[n], pool=pool, stream=side):  # on dev (see graphs.py)
+        with torch.cuda.graph(graphs[n], pool=pool, stream=side), pdl.scope(n <= PDL_MAX_ROWS):  # on dev (see graphs.py)
             fn(n)
     return graphs
 
