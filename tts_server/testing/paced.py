@@ -41,6 +41,7 @@ class PacedWorker:
         self._streams: dict = {}  # handle -> [frames made, frames posted, next frame time, chunks]
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a new stream: its first frame at once, as the engine loop wakes
         self._frame = np.linspace(-0.5, 0.5, SAMPLES_PER_FRAME, dtype=np.float32)
         threading.Thread(target=self._run, name="paced-engine", daemon=True).start()
 
@@ -61,14 +62,17 @@ class PacedWorker:
             if len(self._streams) >= self.max_outstanding:
                 raise Overloaded(f"all {self.max_streams} synthesis streams are busy")
             self._streams[handle] = [0, 0, time.monotonic(), 0]
+        self._kick.set()
         return handle
 
     def stop(self, timeout=None) -> None:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            now, by_loop = time.monotonic(), {}
+        while not self._stop.is_set():
+            self._kick.wait(0.002)
+            self._kick.clear()
+            now = time.monotonic()
             with self._lock:
                 items = list(self._streams.items())
             for handle, st in items:
