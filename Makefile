@@ -89,11 +89,13 @@ lint-protos: setup
 kernel:
 	$(MAKE) -C csrc
 
-# Compiles the kernel and the probes for sm_90a where nvcc exists (CI has nvcc but no GPU), so
-# build breaks fail the tests.
-kernel-check:
+# Compiles the kernel and the probes for sm_90a where nvcc exists (CI has nvcc but no GPU), and
+# every Triton kernel specialisation the GPU serving path launches for sm_90 (Triton's own
+# compiler, no GPU: scripts/triton_sm90_check.py, ~2 min cold), so build breaks fail the tests.
+kernel-check: setup
 	@if [ -n "$(NVCC)" ] && [ -f csrc/Makefile ]; then $(MAKE) -C csrc check && $(MAKE) -C tools/probes; \
 	else echo "kernel-check: nvcc not found, CUDA build not checked"; fi
+	$(BIN)/python scripts/triton_sm90_check.py
 
 # HAProxy for tests/test_proxy_drain.py (replicas behind a real proxy), from the distribution's
 # packages where apt-get runs as root; elsewhere that test is skipped and says why.

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Compile, for sm_90 and without a GPU, every Triton kernel specialisation the GPU serving path
+launches: the batched engine's (admissions through the row prefill, frames at several batch
+sizes with and without PDL, every tuned GEMM tile) and the codec step's (B = 1, 8, 64, bf16 and
+fp32). The real host code runs on CPU tensors at the full-size 0.6B shapes; each launch is
+compiled to a cubin instead of run (the values are garbage, integer tensors zeros; the shapes,
+dtypes, constexprs and integer specialisations are the launch's own). A device call is
+too dear to find a kernel that does not compile; `make check-kernels` runs this.
+
+    .venv/bin/python scripts/triton_sm90_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be real @jit functions
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class _Sm90Driver:
+    """What compiling (not launching) asks of the active driver: an H100 as the target."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    args = ap.parse_args()
+    driver.set_active(_Sm90Driver())
+    # every kernel module imported while TRITON_INTERPRET is unset (so JITFunctions) ...
+    from tts_server.codec import triton_kernels  # noqa: F401
+    from tts_server.engines.batched import pdl, tk_attention, tk_gemm, tk_glue, tk_sample, triton_ops  # noqa: F401
+
+    compiled: dict[str, int] = {}
+    failures: list[tuple[str, str]] = []
+    real_run = JITFunction.run
+
+    def compile_only(self, *a, grid, warmup, **kw):
+        name = self.fn.__name__
+        try:
+            kernel = real_run(self, *a, grid=grid, warmup=True, **kw)
+        except Exception as e:  # noqa: BLE001 - reported with the kernel's name
+            failures.append((name, f"{type(e).__name__}: {e}"[:2000]))
+            return None
+        compiled[name] = compiled.get(name, 0) + 1
+        for t in list(a) + list(kw.values()):  # integer outputs (codes, indices, flags) as zeros,
+            if isinstance(t, torch.Tensor) and not t.is_floating_point():  # valid for host code that reads them
+                try:
+                    t.zero_()
+                except RuntimeError:  # a broadcast view
+                    pass
+        return kernel
+
+    JITFunction.run = compile_only
+    # ... then the ops take their Triton path on CPU tensors (ops._use_triton), and PDL is on
+    os.environ["TRITON_INTERPRET"] = "1"
+    pdl._capable = True
+    t0 = time.time()
+
+    def section(name, fn):
+        t = time.time()
+        before = len(failures)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a host-side error of this harness, not a compile error
+            failures.append((f"{name} (host code)", f"{type(e).__name__}: {e}"[:2000]))
+        print(f"{name}: {time.time() - t:.0f} s, {len(failures) - before} failures", flush=True)
+
+    sizes = (1, 3, 64) if args.quick else (1, 3, 8, 17, 64, 256)
+    section("gemm tiles", lambda: _gemms(tk_gemm))
+    section("engine", lambda: _engine(sizes, pdl))
+    section("codec", lambda: _codec((1, 64) if args.quick else (1, 8, 64)))
+    os.environ.pop("TRITON_INTERPRET", None)
+    print(f"{sum(compiled.values())} launches compiled for sm_90 ({len(compiled)} kernels) in "
+          f"{time.time() - t0:.0f} s: {', '.join(sorted(compiled))}")
+    seen: dict[tuple[str, str], int] = {}
+    for name, err in failures:  # one report per kernel and error
+        seen[(name, err)] = seen.get((name, err), 0) + 1
+    for (name, err), n in seen.items():
+        print(f"FAILED {name} ({n} launches): {err}")
+    return 1 if failures else 0
+
+
+def _gemms(tk_gemm) -> None:
+    """Every tuned tile (tk_gemm.warm_up's row counts), and the many-row path of the prefill."""
+    tk_gemm.warm_up(torch.device("cpu"))
+    for (kind, n, k) in tk_gemm.BIG_M:
+        w = torch.zeros(n, k, dtype=torch.bfloat16)
+        tk_gemm._gemm(torch.zeros(tk_gemm.BIG_M_MIN_ROWS, k), w, w if kind == "swiglu" else None)
+
+
+def _engine(sizes, pdl) -> None:
+    from tts_server.api import SamplingConfig
+    from tts_server.engines.batched import checks
+    from tts_server.engines.batched.engine import BatchedEngine
+    from tts_server.engines.contract import Admission, StepPlan
+
+    w = checks.random_weights("cpu")
+    eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512)
+    h = eng.p.talker.cfg.hidden_size
+    # admissions: one short prompt, then three of mixed lengths (row prefill + first draws)
+    for lens in ((20,), (9, 45, 130)):
+        adm = tuple(Admission(i, checks.random_prompt(i, n, h), SamplingConfig(seed=i, do_sample=i % 2 == 0))
+                    for i, n in enumerate(lens))
+        eng.run(StepPlan(admit=adm))
+        for a in adm:
+            eng.release(a.slot)
+    # frames: each batch size, eagerly, with PDL as the frame graphs of small buckets have it
+    for b in sizes:
+        rows = torch.full((b,), eng.state.scratch, dtype=torch.long)
+        for on in {False, b <= 8}:
+            with pdl.scope(on):
+                eng.frame.predict(rows)
+                eng.frame.advance(rows)
+
+
+def _codec(sizes) -> None:
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as qm
+
+    from tts_server.codec.batched import BatchedCodecDecoder
+    from tts_server.model.synthetic import codec_config
+
+    dec = qm.Qwen3TTSTokenizerV2Model(codec_config("full")).eval().decoder
+    for dtype in (torch.bfloat16, torch.float32):
+        bd = BatchedCodecDecoder(dec, max(sizes), dtype=dtype, use_graphs=False)
+        bd._triton = True  # the GPU path's kernels (compiled, not run)
+        with torch.inference_mode():
+            for b in sizes:
+                idx = torch.arange(b)
+                bd._forward(idx, torch.zeros(b, bd.num_quantizers, dtype=torch.long))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
