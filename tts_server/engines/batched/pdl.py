@@ -9,8 +9,9 @@ change, so outputs are bitwise the same with PDL on or off (scripts/gpu_pdl_ab.p
 Measured on an H100 (benchmarks/results/h100-pdl-ab-*.json): frame graphs of B <= 8 rows get
 faster (B = 1: 4.91 -> 4.47 ms), B >= 64 slower (B = 256: 21.7 -> 23.0 ms), and a weight
 prefetch into L2 before the wait was slower at every B. So PDL is on only inside `scope(True)`,
-which the frame graphs of small buckets are captured in (graphs.PDL_MAX_ROWS); a CUDA graph keeps
-what was set at its capture. TTS_PDL=0 turns it off everywhere."""
+which the frame graphs and the prefill row graphs of small buckets are captured in
+(graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS); a CUDA graph keeps what was set at its capture.
+TTS_PDL=0 turns it off everywhere."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def scope(on: bool):
 
 
 def max_rows(graphs: str, default: int) -> int:
-    """The largest bucket of a graph family (FRAME, PREFILL, CODEC) captured with PDL; the
+    """The largest bucket of a graph family (FRAME, PREFILL) captured with PDL; the
     environment's TTS_PDL_<family>_ROWS replaces the measured default (A/Bs)."""
     return int(os.environ.get(f"TTS_PDL_{graphs}_ROWS", default))
 
