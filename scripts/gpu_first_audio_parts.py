@@ -10,13 +10,11 @@ admissions x 8 frames (codes + past hidden) that must match across settings.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +42,7 @@ def main() -> None:
         eng.release(s)
     admit = tuple(Admission(i, checks.random_prompt(500 + i, 12 + 17 * i, h, device="cuda"),
                             SamplingConfig(seed=i, do_sample=i != 1)) for i in range(4))
-    codes = checks.step_codes(eng, list(range(4)), 8, admit)
-    dig = hashlib.sha256()
-    for s in range(4):
-        dig.update(np.ascontiguousarray(codes[s]).tobytes())
-    dig.update(eng.state.past_hidden[:4].float().cpu().numpy().tobytes())
-    res["digest"] = dig.hexdigest()
+    res["digest"] = checks.digest(eng, checks.step_codes(eng, list(range(4)), 8, admit))
     log(json.dumps(res, default=str))
     (out / "first_audio_parts.json").write_text(json.dumps(res, indent=1, default=str))
 

@@ -177,25 +177,13 @@ def check_predict_inputs(dev: str) -> None:
     emb = torch.randn(v, h, generator=g).to(torch.bfloat16)
     rows = torch.tensor([4, 0, 8, 4, 2])
     outs = []
-    for d, fn in ((dev, glue.predict_inputs), ("cpu", None)):
+    for d, fn in ((dev, glue.predict_inputs), ("cpu", glue.predict_inputs_torch)):
         out = torch.full((7, 18), 5, dtype=torch.int32)
         args = [t.to(d) for t in (rows, ints, floats, seed, past, emb)] + [out.to(d)]
-        if fn is None:  # the torch form
-            got = _predict_inputs_torch(*args)
-        else:
-            got = fn(*args, (7, 8), (3, 4), 1, 2, 17)
+        got = fn(*args, (7, 8), (3, 4), 1, 2, 17)
         outs.append([t.cpu() for t in got] + [args[-1].cpu()])
     for a, b in zip(*outs):
         assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _predict_inputs_torch(rows, ints, floats, seed, past, emb, out):
-    b = rows.shape[0]
-    ig, fg = ints[:, rows], floats[:, rows]
-    x0 = torch.stack((past[rows], emb[ig[1].long()].float()), 1).reshape(2 * b, -1)
-    out[:b, 0] = ig[1]
-    out[:b, 17] = 0
-    return ig[[7, 8]], fg[[3, 4]], seed[rows], ig[2].long(), x0
 
 
 def check_invariance(ops, dev: str, sizes=(1, 3, 17, 64)) -> None:

@@ -66,6 +66,18 @@ def mixed_lengths(b: int) -> list[int]:
     return [500 + (1 if i % 2 == 0 else -1) * ((i // 2) * 197 % 490) for i in range(b)]
 
 
+def digest(eng, codes: dict[int, np.ndarray]) -> str:
+    """sha256 of step_codes' codes (slot order) and those slots' past hidden states: two trees
+    (or two launch settings) giving the same digest computed the same bits."""
+    import hashlib
+
+    dig = hashlib.sha256()
+    for s in sorted(codes):
+        dig.update(np.ascontiguousarray(codes[s]).tobytes())
+    dig.update(eng.state.past_hidden[sorted(codes)].float().cpu().numpy().tobytes())
+    return dig.hexdigest()
+
+
 def step_codes(eng, slots: list[int], frames: int, admit: tuple = (), on_step=None) -> dict[int, np.ndarray]:
     """Run `frames` steps of `slots` (admissions in the first); -> slot -> codes [F, 16]."""
     got = {s: [] for s in slots}

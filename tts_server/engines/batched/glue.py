@@ -126,6 +126,11 @@ def predict_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
         from .tk_glue import predict_inputs as tk
 
         return tk(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff, code0, counter, err_col)
+    return predict_inputs_torch(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff, code0, counter, err_col)
+
+
+def predict_inputs_torch(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff, code0, counter, err_col):
+    """`predict_inputs` in torch ops (the CPU path, and the kernel's reference in the tests)."""
     b = rows.shape[0]
     ig, fg = ints[:, rows], floats[:, rows]
     c0 = ig[code0]
