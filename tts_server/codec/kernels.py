@@ -94,7 +94,7 @@ def gemm_config(cin: int, n: int, rows: int, dtype: torch.dtype, tiles: dict | N
 # dispatch
 def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=None, out2=None,
          post=None, post_mod=0, glu=False, hist=None, idx=None, tiles=None, triton_ok=False,
-         prec="ieee"):
+         prec="ieee", split=None):
     """Causal conv as implicit GEMM, or a linear (taps=1, tout=tin):
     x [B, Tin, Cin] (Tin = Tout + (taps-1)*dil), w [taps*Cin, N] -> y [B*Tout, N] written to
     `out` (may be None) and SnakeBeta(y) with post = (exp(alpha), 1/(exp(beta)+1e-9)) at channel
@@ -102,7 +102,9 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
     glu: x is [B, Tin, 2*Cin] and the input is silu(x[..., :Cin]) * x[..., Cin:]. Tiles come
     from the layer (Tout = output rows per frame; `tiles`: see gemm_config). Triton only: with
     hist [S, h, Cin] and idx [B], x holds just the new rows and the first h input rows of batch
-    row b are hist[idx[b]] (the caller updates hist afterwards)."""
+    row b are hist[idx[b]] (the caller updates hist afterwards). split: a program per K piece,
+    then their ordered sum (the same bits as one program walking them); None: where the grid is
+    short (_split_pays)."""
     if not triton_ok:
         _gemm_torch(x, w, out, out2, tout, taps, dil, bias, act, scale, res, post, post_mod, glu)
         return
@@ -113,18 +115,48 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
     n = w.shape[1]
     m = b * tout
     bm, bn, bk, warps = gemm_config(cin, n, tout, x.dtype, tiles)
-    dummy = w
+    k_all = taps * -(-cin // bk) * bk  # the kernel's K: each tap's columns padded to whole bk steps
+    kp = min(k_all, PIECE_COLS)  # a multiple of bk (PIECE_COLS: a power of two >= 64)
+    pieces = -(-k_all // kp)
     grid = (-(-m // bm), -(-n // bn))
-    tk.gemm_kernel[grid](
-        x, w, out if out is not None else dummy, out2 if out2 is not None else dummy,
-        bias if bias is not None else dummy, scale if scale is not None else dummy,
-        res if res is not None else dummy, post[0] if post else dummy, post[1] if post else dummy,
-        hist if hist is not None else dummy, idx if idx is not None else dummy,
+    if split is None:
+        split = _split_pays(grid, pieces, m, n, x.device)
+    split = pieces if split and pieces > 1 else 1
+    dummy = w
+    epi = (out if out is not None else dummy, out2 if out2 is not None else dummy,
+           bias if bias is not None else dummy, scale if scale is not None else dummy,
+           res if res is not None else dummy, post[0] if post else dummy, post[1] if post else dummy)
+    flags = dict(HAS_BIAS=bias is not None, ACT=act, HAS_SCALE=scale is not None, HAS_RES=res is not None,
+                 RAW=out is not None, POST=out2 is not None)
+    part = torch.empty(pieces, m, n, device=x.device, dtype=torch.float32) if split > 1 else dummy
+    tk.gemm_kernel[grid + (split,)](
+        x, w, *epi, hist if hist is not None else dummy, idx if idx is not None else dummy, part,
         m, n, cin, tin, tout, dil, post_mod or n, xs, hl,
-        TAPS=taps, GLU=glu, HAS_HIST=hist is not None, HAS_BIAS=bias is not None, ACT=act, HAS_SCALE=scale is not None,
-        HAS_RES=res is not None, RAW=out is not None, POST=out2 is not None,
-        PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk,
+        TAPS=taps, GLU=glu, HAS_HIST=hist is not None, **flags,
+        PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, KP=kp, SPLIT=split,
         num_warps=warps, num_stages=3)
+    if split > 1:
+        sbm, sbn = 32, min(128, max(16, _pow2(n)))
+        tk.gemm_sum_kernel[(-(-m // sbm), -(-n // sbn))](part, *epi, m, n, post_mod or n, PIECES=pieces, **flags,
+                                                          BM=sbm, BN=sbn, num_warps=4)
+
+
+# K columns of a codec GEMM's pieces (from the layer alone, so every batch adds the same pieces in
+# the same order); a layer of K <= this is one piece, its loop the one chain it always was
+PIECE_COLS = 1024
+# split-K (each piece its own program, then an ordered sum) where the unsplit grid fills less
+# than this share of the SMs: the small batches' convs are few programs with long K loops
+SPLIT_BELOW_WAVE = 1.0
+SPLIT_MAX_BYTES = 16 << 20  # the pieces' fp32 partial products
+_sms: dict = {}
+
+
+def _split_pays(grid: tuple[int, int], pieces: int, m: int, n: int, device) -> bool:
+    if pieces < 2 or pieces * m * n * 4 > SPLIT_MAX_BYTES or device.type != "cuda":
+        return False
+    if device not in _sms:
+        _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return grid[0] * grid[1] < SPLIT_BELOW_WAVE * _sms[device]
 
 
 def dwconv(x, w, bias, *, tout, dil=1, triton_ok=False):

@@ -17,17 +17,24 @@ if HAS_TRITON:
 
     @triton.jit
     def gemm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
-                     hist_ptr, idx_ptr, M, N, CIN, TIN, TOUT, DIL, SN_MOD, XS, HIST,
+                     hist_ptr, idx_ptr, part_ptr, M, N, CIN, TIN, TOUT, DIL, SN_MOD, XS, HIST,
                      TAPS: tl.constexpr, GLU: tl.constexpr, HAS_HIST: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
                      POST: tl.constexpr, PREC: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t; one fixed
-        # K loop per output tile (no split-K). Epilogue: + bias, GELU, * scale, + res; stores y
-        # (RAW) and/or SnakeBeta(y) with per-channel params at n % SN_MOD (POST). x rows are XS
-        # apart; GLU: the A operand is silu(x[.., c]) * x[.., CIN + c] (SwiGLU's gate and up).
-        # HAS_HIST: input rows t < HIST come from hist[idx[b], t] ([S, HIST, CIN]) and x holds
-        # only the TIN - HIST new rows of each batch row (no concatenated copy).
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
+                     SPLIT: tl.constexpr):
+        # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t. K (tap-major,
+        # each tap's CIN columns padded to whole BK steps) is cut into fixed pieces of KP columns
+        # (from the layer alone): a piece is one dot chain over its BK steps from zero, and y is
+        # 0 + piece 0 + piece 1 + ... in order. SPLIT = 1: this program walks every piece, then
+        # the epilogue; SPLIT = the piece count: program (.., .., s) computes piece s into
+        # part[s] and gemm_sum_kernel adds them in the same order and runs the same epilogue, so
+        # both give the same bits (split-K for the small batches' short grids).
+        # Epilogue: + bias, GELU, * scale, + res; stores y (RAW) and/or SnakeBeta(y) with
+        # per-channel params at n % SN_MOD (POST). x rows are XS apart; GLU: the A operand is
+        # silu(x[.., c]) * x[.., CIN + c] (SwiGLU's gate and up). HAS_HIST: input rows t < HIST
+        # come from hist[idx[b], t] ([S, HIST, CIN]) and x holds only the TIN - HIST new rows of
+        # each batch row (no concatenated copy).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -38,17 +45,27 @@ if HAS_TRITON:
         tt = rm - bb * TOUT
         if HAS_HIST:
             slot = tl.load(idx_ptr + bb, mask=mmask, other=0).to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for j in range(TAPS):
-            ti = tt + j * DIL
-            if HAS_HIST:
-                inh = ti < HIST
-                xrow = (bb.to(tl.int64) * (TIN - HIST) + (ti - HIST)) * XS
-                hrow = (slot * HIST + ti) * XS
-            else:
-                xrow = (bb.to(tl.int64) * TIN + ti) * XS
-            for k0 in range(0, CIN, BK):
-                rk = k0 + tl.arange(0, BK)
+        cinp = tl.cdiv(CIN, BK) * BK
+        k_all = TAPS * cinp
+        if SPLIT == 1:
+            p_lo = 0
+            p_hi = tl.cdiv(k_all, KP)
+        else:
+            p_lo = tl.program_id(2)
+            p_hi = p_lo + 1
+        y = tl.zeros((BM, BN), dtype=tl.float32)
+        for piece in range(p_lo, p_hi):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(piece * KP, tl.minimum(piece * KP + KP, k_all), BK):
+                j = k0 // cinp
+                ti = tt + j * DIL
+                if HAS_HIST:
+                    inh = ti < HIST
+                    xrow = (bb.to(tl.int64) * (TIN - HIST) + (ti - HIST)) * XS
+                    hrow = (slot * HIST + ti) * XS
+                else:
+                    xrow = (bb.to(tl.int64) * TIN + ti) * XS
+                rk = k0 - j * cinp + tl.arange(0, BK)
                 kmask = rk < CIN
                 amask = mmask[:, None] & kmask[None, :]
                 ap = x_ptr + xrow[:, None] + rk[None, :]
@@ -66,15 +83,43 @@ if HAS_TRITON:
                 w = tl.load(w_ptr + wr[:, None] * N + rn[None, :],
                             mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(a, w, acc, input_precision=PREC)
-        y = acc
+            y = y + acc
+        offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        omask = mmask[:, None] & nmask[None, :]
+        if SPLIT == 1:
+            _epilogue(y, rn, offs, omask, nmask, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr,
+                      sb_ptr, SN_MOD, HAS_BIAS, ACT, HAS_SCALE, HAS_RES, RAW, POST)
+        else:
+            tl.store(part_ptr + p_lo * M * N + offs, y, mask=omask)
+
+    @triton.jit
+    def gemm_sum_kernel(part_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
+                         M, N, SN_MOD, PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
+                         POST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # a split gemm_kernel's pieces part [PIECES, M, N] added in order from zero, then its epilogue
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < N
+        offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        omask = (rm < M)[:, None] & nmask[None, :]
+        y = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(PIECES):
+            y = y + tl.load(part_ptr + s * M * N + offs, mask=omask, other=0.0)  # < 2^31: SPLIT_MAX_BYTES
+        _epilogue(y, rn, offs, omask, nmask, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr,
+                  sb_ptr, SN_MOD, HAS_BIAS, ACT, HAS_SCALE, HAS_RES, RAW, POST)
+
+    @triton.jit
+    def _epilogue(y, rn, offs, omask, nmask, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
+                  SN_MOD, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  HAS_RES: tl.constexpr, RAW: tl.constexpr, POST: tl.constexpr):
+        # the GEMM's epilogue, elementwise (one code for both paths: the same bits)
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + rn, mask=nmask, other=0.0)[None, :]
         if ACT == 1:
             y = 0.5 * y * (1.0 + libdevice.erf(y * 0.7071067811865476))
         if HAS_SCALE:
             y = y * tl.load(scale_ptr + rn, mask=nmask, other=0.0)[None, :]
-        offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        omask = mmask[:, None] & nmask[None, :]
         if HAS_RES:
             y = y + tl.load(res_ptr + offs, mask=omask, other=0.0).to(tl.float32)
         if RAW:
