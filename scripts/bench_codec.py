@@ -298,8 +298,10 @@ def main():
         del bd
     variants = {"hi128x128w8": {"high": (128, 128, 64, 8)}, "hi128x64w4": {"high": (128, 64, 64, 4)},
                 "lo32x64w4": {"low": (32, 64, 64, 4)}}  # the default high tile is 64x128, 4 warps
+    if os.environ.get("CODEC_VARIANTS"):  # {name: {"high"|"low": [BM, BN, BK, warps]}}: speed only
+        variants = {k: {h: tuple(t) for h, t in v.items()} for k, v in json.loads(os.environ["CODEC_VARIANTS"]).items()}
     for name, tiles in variants.items():
-        if cf is not None:
+        if cf is not None or os.environ.get("CODEC_VARIANTS"):
             guarded("variants", speed, dec, torch.bfloat16, a.max_slots, f"bf16_{name}", tiles, cf)
     guarded("fp32", speed, dec, torch.float32, 64, "fp32")
     if "profile" in st:

@@ -139,8 +139,11 @@ def _engine(sizes, pdl) -> None:
 def _codec(sizes) -> None:
     from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as qm
 
+    from tts_server.codec import kernels
     from tts_server.codec.batched import BatchedCodecDecoder
     from tts_server.model.synthetic import codec_config
+
+    kernels._sms[torch.device("cpu")] = 132  # an H100's SMs: the small batches' split-K paths too
 
     dec = qm.Qwen3TTSTokenizerV2Model(codec_config("full")).eval().decoder
     for dtype in (torch.bfloat16, torch.float32):

@@ -234,10 +234,12 @@ g = torch.Generator().manual_seed(0)
 r = lambda *s: torch.randn(*s, generator=g)
 res = {}
 # a dilated 3-tap conv with every epilogue (one piece); a linear wider than one piece, with the
-# SwiGLU input; a 7-tap conv whose pieces cut across taps
+# SwiGLU input; a 3-tap conv of wide taps, whose pieces cut across taps; a 7-tap conv in pieces of
+# whole taps
 for name, (b, tout, taps, dil, cin, n, glu, act) in dict(conv=(2, 5, 3, 2, 96, 40, False, 1),
                                                          wide=(3, 1, 1, 1, K.PIECE_COLS + 64, 24, True, 0),
-                                                         taps=(2, 4, 7, 3, 320, 24, False, 0)).items():
+                                                         taps=(2, 4, 3, 3, K.PIECE_COLS + 96, 24, False, 0),
+                                                         taps7=(2, 3, 7, 1, 160, 24, False, 0)).items():
     x = r(b, tout + (taps - 1) * dil, 2 * cin if glu else cin)
     w = r(taps * cin, n) * 0.05
     kw = dict(tout=tout, taps=taps, dil=dil, bias=r(n), act=act, scale=r(n), res=r(b * tout, n),
@@ -247,7 +249,8 @@ for name, (b, tout, taps, dil, cin, n, glu, act) in dict(conv=(2, 5, 3, 2, 96, 4
         o = (torch.empty(b * tout, n), torch.empty(b * tout, n))
         K.gemm(x, w, o[0], out2=o[1], triton_ok=split is not None, split=split, **kw)
         outs.append(o)
-    res[name] = dict(bitwise=all(torch.equal(u, v) for u, v in zip(outs[0], outs[1])),
+    pieces = K._pieces(cin, taps, K.gemm_config(cin, n, tout, torch.float32)[2])[1]
+    res[name] = dict(pieces=pieces, bitwise=all(torch.equal(u, v) for u, v in zip(outs[0], outs[1])),
                      err=max(float((u - v).abs().max()) for u, v in zip(outs[1], outs[2])))
 print(json.dumps(res))
 """
@@ -271,6 +274,7 @@ def test_split_k_gives_the_unsplit_bits_interpreted():
     res = json.loads(run.stdout.strip().splitlines()[-1])
     for name, r in res.items():
         assert r["bitwise"], name
+        assert r["pieces"] == (1 if name == "conv" else 2 if name in ("wide", "taps7") else 6), (name, r["pieces"])
         assert r["err"] < 1e-4, (name, r["err"])
 
 

@@ -5,6 +5,8 @@ on the other rows or on the batch size."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -115,12 +117,10 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
     n = w.shape[1]
     m = b * tout
     bm, bn, bk, warps = gemm_config(cin, n, tout, x.dtype, tiles)
-    k_all = taps * -(-cin // bk) * bk  # the kernel's K: each tap's columns padded to whole bk steps
-    kp = min(k_all, PIECE_COLS)  # a multiple of bk (PIECE_COLS: a power of two >= 64)
-    pieces = -(-k_all // kp)
+    kp, pieces = _pieces(cin, taps, bk)
     grid = (-(-m // bm), -(-n // bn))
-    if split is None:
-        split = _split_pays(grid, pieces, m, n, x.device)
+    if split is None:  # fp32 (the reference mode) walks the pieces in one program at every B
+        split = x.dtype != torch.float32 and _split_pays(grid, pieces, m, n, x.device)
     split = pieces if split and pieces > 1 else 1
     dummy = w
     epi = (out if out is not None else dummy, out2 if out2 is not None else dummy,
@@ -133,7 +133,7 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
         x, w, *epi, hist if hist is not None else dummy, idx if idx is not None else dummy, part,
         m, n, cin, tin, tout, dil, post_mod or n, xs, hl,
         TAPS=taps, GLU=glu, HAS_HIST=hist is not None, **flags,
-        PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, KP=kp, SPLIT=split,
+        PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, KP=kp, PIECED=int(pieces > 1), SPLIT=split,
         num_warps=warps, num_stages=3)
     if split > 1:
         sbm, sbn = 32, min(128, max(16, _pow2(n)))
@@ -141,20 +141,40 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
                                                           BM=sbm, BN=sbn, num_warps=4)
 
 
-# K columns of a codec GEMM's pieces (from the layer alone, so every batch adds the same pieces in
-# the same order); a layer of K <= this is one piece, its loop the one chain it always was
-PIECE_COLS = 1024
+# A codec GEMM's K pieces, from the layer alone (so every batch adds the same pieces in the same
+# order). A layer of fewer than LONG_K_STEPS BK steps is one piece (one dot chain, as it always
+# was). A longer one is cut into pieces of whole taps, at least MIN_PIECE_STEPS steps each; a tap
+# wider than PIECE_COLS columns into equal runs of whole steps, no wider. The pieces are what a
+# small batch's split-K spreads over the SMs: its few programs' long K loops.
+LONG_K_STEPS = 24
+MIN_PIECE_STEPS = 16
+PIECE_COLS = int(os.environ.get("TTS_CODEC_PIECE_COLS", 1024))
 # split-K (each piece its own program, then an ordered sum) where the unsplit grid fills less
 # than this share of the SMs: the small batches' convs are few programs with long K loops
 SPLIT_BELOW_WAVE = 1.0
 SPLIT_MAX_BYTES = 16 << 20  # the pieces' fp32 partial products
-_sms: dict = {}
+_sms: dict = {}  # device -> SM count
+
+
+def _pieces(cin: int, taps: int, bk: int) -> tuple[int, int]:
+    """(columns per piece, pieces) of a layer's K = taps x each tap's columns padded to whole BK
+    steps (see LONG_K_STEPS); a piece is whole BK steps."""
+    steps = -(-cin // bk)  # BK steps per tap
+    if taps * steps < LONG_K_STEPS:
+        return taps * steps * bk, 1
+    if steps * bk > PIECE_COLS:  # a wide tap: equal runs of at most PIECE_COLS columns
+        kp = -(-steps // -(-steps * bk // PIECE_COLS))
+    else:  # whole taps, enough of them for MIN_PIECE_STEPS
+        kp = steps * -(-MIN_PIECE_STEPS // steps)
+    return kp * bk, -(-taps * steps // kp)
 
 
 def _split_pays(grid: tuple[int, int], pieces: int, m: int, n: int, device) -> bool:
-    if pieces < 2 or pieces * m * n * 4 > SPLIT_MAX_BYTES or device.type != "cuda":
+    if pieces < 2 or pieces * m * n * 4 > SPLIT_MAX_BYTES:
         return False
-    if device not in _sms:
+    if device not in _sms:  # (a CPU entry: scripts/triton_sm90_check.py, compiling as for an H100)
+        if device.type != "cuda":
+            return False
         _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return grid[0] * grid[1] < SPLIT_BELOW_WAVE * _sms[device]
 

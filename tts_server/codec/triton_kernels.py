@@ -22,11 +22,12 @@ if HAS_TRITON:
                      HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
                      POST: tl.constexpr, PREC: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
-                     SPLIT: tl.constexpr):
-        # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t. K (tap-major,
-        # each tap's CIN columns padded to whole BK steps) is cut into fixed pieces of KP columns
-        # (from the layer alone): a piece is one dot chain over its BK steps from zero, and y is
-        # 0 + piece 0 + piece 1 + ... in order. SPLIT = 1: this program walks every piece, then
+                     PIECED: tl.constexpr, SPLIT: tl.constexpr):
+        # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t. PIECED = 0:
+        # one dot chain over K (tap-major) in BK steps. PIECED = 1: K (each tap's CIN columns padded
+        # to whole BK steps) is cut into fixed pieces of KP columns (from the layer alone): a piece
+        # is one dot chain over its BK steps from zero, and y is 0 + piece 0 + piece 1 + ... in
+        # order. SPLIT = 1: this program walks every piece, then
         # the epilogue; SPLIT = the piece count: program (.., .., s) computes piece s into
         # part[s] and gemm_sum_kernel adds them in the same order and runs the same epilogue, so
         # both give the same bits (split-K for the small batches' short grids).
@@ -43,47 +44,34 @@ if HAS_TRITON:
         nmask = rn < N
         bb = rm // TOUT
         tt = rm - bb * TOUT
+        slot = bb.to(tl.int64)
         if HAS_HIST:
             slot = tl.load(idx_ptr + bb, mask=mmask, other=0).to(tl.int64)
-        cinp = tl.cdiv(CIN, BK) * BK
-        k_all = TAPS * cinp
-        if SPLIT == 1:
-            p_lo = 0
-            p_hi = tl.cdiv(k_all, KP)
+        if PIECED == 0:  # one piece: one dot chain over the taps' BK steps in order
+            y = tl.zeros((BM, BN), dtype=tl.float32)
+            for j in range(TAPS):
+                xrow, hrow, inh = _rows(bb, tt, slot, j, TIN, DIL, XS, HIST, HAS_HIST)
+                for k0 in range(0, CIN, BK):
+                    y = _kstep(y, x_ptr, w_ptr, hist_ptr, xrow, hrow, inh, j, k0 + tl.arange(0, BK), mmask, rn,
+                               nmask, N, CIN, GLU, HAS_HIST, PREC)
         else:
-            p_lo = tl.program_id(2)
-            p_hi = p_lo + 1
-        y = tl.zeros((BM, BN), dtype=tl.float32)
-        for piece in range(p_lo, p_hi):
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(piece * KP, tl.minimum(piece * KP + KP, k_all), BK):
-                j = k0 // cinp
-                ti = tt + j * DIL
-                if HAS_HIST:
-                    inh = ti < HIST
-                    xrow = (bb.to(tl.int64) * (TIN - HIST) + (ti - HIST)) * XS
-                    hrow = (slot * HIST + ti) * XS
-                else:
-                    xrow = (bb.to(tl.int64) * TIN + ti) * XS
-                rk = k0 - j * cinp + tl.arange(0, BK)
-                kmask = rk < CIN
-                amask = mmask[:, None] & kmask[None, :]
-                ap = x_ptr + xrow[:, None] + rk[None, :]
-                if HAS_HIST:
-                    ax = tl.load(ap, mask=amask & (~inh)[:, None], other=0.0)
-                    ah = tl.load(hist_ptr + hrow[:, None] + rk[None, :], mask=amask & inh[:, None], other=0.0)
-                    a = tl.where(inh[:, None], ah, ax)
-                else:
-                    a = tl.load(ap, mask=amask, other=0.0)
-                if GLU:
-                    gf = a.to(tl.float32)
-                    uf = tl.load(ap + CIN, mask=amask, other=0.0).to(tl.float32)
-                    a = (gf / (1.0 + tl.exp(-gf)) * uf).to(x_ptr.dtype.element_ty)
-                wr = (j * CIN + rk).to(tl.int64)
-                w = tl.load(w_ptr + wr[:, None] * N + rn[None, :],
-                            mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(a, w, acc, input_precision=PREC)
-            y = y + acc
+            cinp = tl.cdiv(CIN, BK) * BK
+            k_all = TAPS * cinp
+            if SPLIT == 1:
+                p_lo = 0
+                p_hi = tl.cdiv(k_all, KP)
+            else:
+                p_lo = tl.program_id(2)
+                p_hi = p_lo + 1
+            y = tl.zeros((BM, BN), dtype=tl.float32)
+            for piece in range(p_lo, p_hi):
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for k0 in range(piece * KP, tl.minimum(piece * KP + KP, k_all), BK):
+                    j = k0 // cinp
+                    xrow, hrow, inh = _rows(bb, tt, slot, j, TIN, DIL, XS, HIST, HAS_HIST)
+                    acc = _kstep(acc, x_ptr, w_ptr, hist_ptr, xrow, hrow, inh, j, k0 - j * cinp + tl.arange(0, BK),
+                                 mmask, rn, nmask, N, CIN, GLU, HAS_HIST, PREC)
+                y = y + acc
         offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT == 1:
@@ -91,6 +79,41 @@ if HAS_TRITON:
                       sb_ptr, SN_MOD, HAS_BIAS, ACT, HAS_SCALE, HAS_RES, RAW, POST)
         else:
             tl.store(part_ptr + p_lo * M * N + offs, y, mask=omask)
+
+    @triton.jit
+    def _rows(bb, tt, slot, j, TIN, DIL, XS, HIST, HAS_HIST: tl.constexpr):
+        # tap j's input rows: x's row offsets, and with HAS_HIST the history's and which rows it holds
+        ti = tt + j * DIL
+        if HAS_HIST:
+            inh = ti < HIST
+            xrow = (bb.to(tl.int64) * (TIN - HIST) + (ti - HIST)) * XS
+            hrow = (slot * HIST + ti) * XS
+        else:
+            inh = ti < 0
+            xrow = (bb.to(tl.int64) * TIN + ti) * XS
+            hrow = xrow
+        return xrow, hrow, inh
+
+    @triton.jit
+    def _kstep(acc, x_ptr, w_ptr, hist_ptr, xrow, hrow, inh, j, rk, mmask, rn, nmask, N, CIN,
+               GLU: tl.constexpr, HAS_HIST: tl.constexpr, PREC: tl.constexpr):
+        # one BK step of tap j (input columns rk): acc + A[:, rk] @ W[j*CIN + rk, :]
+        kmask = rk < CIN
+        amask = mmask[:, None] & kmask[None, :]
+        ap = x_ptr + xrow[:, None] + rk[None, :]
+        if HAS_HIST:
+            ax = tl.load(ap, mask=amask & (~inh)[:, None], other=0.0)
+            ah = tl.load(hist_ptr + hrow[:, None] + rk[None, :], mask=amask & inh[:, None], other=0.0)
+            a = tl.where(inh[:, None], ah, ax)
+        else:
+            a = tl.load(ap, mask=amask, other=0.0)
+        if GLU:
+            gf = a.to(tl.float32)
+            uf = tl.load(ap + CIN, mask=amask, other=0.0).to(tl.float32)
+            a = (gf / (1.0 + tl.exp(-gf)) * uf).to(x_ptr.dtype.element_ty)
+        wr = (j * CIN + rk).to(tl.int64)
+        w = tl.load(w_ptr + wr[:, None] * N + rn[None, :], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        return tl.dot(a, w, acc, input_precision=PREC)
 
     @triton.jit
     def gemm_sum_kernel(part_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
