@@ -288,3 +288,19 @@ def test_reset_many_gives_fresh_bytes_and_spares_other_slots(dec):
     assert bd.num_frames(1) == bd.num_frames(3) == 0 and bd.num_frames(0) == 15
     assert np.array_equal(_run(bd, 1, a), first) and np.array_equal(_run(bd, 3, a), first)
     assert np.array_equal(np.concatenate([half, _run(bd, 0, b[15:])]), _run(BatchedCodecDecoder(dec, 1), 0, b))
+
+
+def test_launch_on_an_int32_view_then_collect_gives_the_step_bytes(dec):
+    """`launch` takes the engine's device view of a frame's codes (int32, inside its wider output
+    rows) and `collect` returns what `step` returns from int64 host codes, frame after frame."""
+    a, b = _codes(12, seed=71), _codes(12, seed=72)
+    ref, new = BatchedCodecDecoder(dec, 4), BatchedCodecDecoder(dec, 4)
+    for i in range(12):
+        want = ref.step([3, 1], torch.stack([a[i], b[i]]))
+        rows = torch.zeros(2, 18, dtype=torch.int32)  # the engine's out: 16 codes, then 2 more columns
+        rows[:, :16] = torch.stack([a[i], b[i]])
+        rows[:, 16:] = -7
+        launched = new.launch([3, 1], rows[:, :16], None)
+        assert np.array_equal(new.collect(launched), want)
+    with pytest.raises(ValueError, match="codes must be"):
+        new.launch([3], torch.zeros(1, 18, dtype=torch.int32))

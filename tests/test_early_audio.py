@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tts_client.client import TTSClient, build_request
 from tts_server.engines.batched.checks import GREEDY, bf16_rounded
@@ -44,8 +45,28 @@ def test_codes_come_before_the_talker_step(tiny_custom, prompts):
     assert out.frames[0].error == "non-finite talker logits" and out.frames[1].error is None
 
 
-async def _synthesize(tiny_custom, monkeypatch, requests, inject_fault=None):
-    """A loopback server whose engine is the (CPU, eager) batched engine."""
+def test_on_launch_gives_the_device_codes_before_on_codes(tiny_custom, prompts):
+    """on_launch gets the decoded slots and a view of their codes as soon as the frame is
+    launched, before on_codes for the same slots, holding the codes on_codes then reports."""
+    eng = BatchedEngine(decode_weights(tiny_custom.model), max_streams=4, max_positions=128)
+    assert eng.launches_codes
+    eng.run(StepPlan(admit=(Admission(0, prompts[0], GREEDY), Admission(2, prompts[1], GREEDY))))
+    events = []
+    for _ in range(3):
+        out = eng.run(StepPlan(decode=(2, 0)), on_codes=lambda e: events.append(("codes", e)),
+                      on_launch=lambda slots, codes, ready: events.append(("launch", slots, codes.clone(), ready)))
+        (kind0, slots, codes, ready), (kind1, early) = events[-2:]
+        assert (kind0, kind1) == ("launch", "codes") and slots == [2, 0] and ready is None
+        assert codes.dtype == torch.int32 and codes.shape == (2, 16)
+        np.testing.assert_array_equal(codes.numpy(), np.stack([r.codes for r in early.frames]))
+        np.testing.assert_array_equal(codes.numpy(), np.stack([r.codes for r in out.frames]))
+
+
+async def _synthesize(tiny_custom, monkeypatch, requests, inject_fault=None, together=False, early_codec=False):
+    """A loopback server whose engine is the (CPU, eager) batched engine; the requests one
+    after another, or all at once (together)."""
+    import asyncio
+
     import torch
 
     from tts_server import app as app_mod
@@ -56,17 +77,42 @@ async def _synthesize(tiny_custom, monkeypatch, requests, inject_fault=None):
     monkeypatch.setattr(app_mod, "resolve_engine", lambda name, loaded: "batched")
     monkeypatch.setattr(app_mod, "_create_engine", lambda name, loaded, cfg: BatchedEngine(
         decode_weights(loaded.model), 4, cfg.max_positions))
-    cfg = ServerConfig(model="synthetic-tiny", port=0, max_streams=4, max_queue=4, inject_fault=inject_fault)
+    cfg = ServerConfig(model="synthetic-tiny", port=0, max_streams=4, max_queue=4, inject_fault=inject_fault,
+                       early_codec=early_codec)
     loaded = LoadedModel("synthetic-tiny", tiny_custom, True, torch.device("cpu"), torch.float32)
     app = app_mod.build_app(cfg, loaded)
     srv = TTSServer(app.worker, app.info, cfg, owns_worker=False)
     await srv.start()
     try:
         async with TTSClient(f"127.0.0.1:{srv.port}") as client:
+            if together:
+                return await asyncio.gather(*(client.synthesize(r, timeout=120) for r in requests))
             return [await client.synthesize(r, timeout=120) for r in requests]
     finally:
         await srv.stop(grace=0.5)
         app.worker.stop(10)
+
+
+@pytest.mark.slow
+async def test_codec_on_the_device_codes_gives_the_host_paths_bytes(tiny_custom, monkeypatch):
+    """With --early-codec the serving loop queues the codec on the engine's device codes
+    (on_launch); three streams at once (one resampled) give the bytes they give when the codec
+    decodes the codes from the host (the default path)."""
+    from tts_server.serving import loop as loop_mod
+
+    reqs = [build_request(t, seed=s, sample_rate_hz=r, request_id=f"r{s}", max_duration_s=0.64)
+            for t, s, r in (("Device codes, first.", 5, 0), ("A second one.", 6, 16000), ("Third.", 7, 0))]
+    launches = []
+    real = loop_mod.Worker._launch
+    monkeypatch.setattr(loop_mod.Worker, "_launch", lambda self, *a: launches.append(a[1]) or real(self, *a))
+    device = await _synthesize(tiny_custom, monkeypatch, reqs, together=True, early_codec=True)
+    assert launches and max(map(len, launches)) > 1, "the loop did not queue the codec on the device codes"
+    launches.clear()
+    host = await _synthesize(tiny_custom, monkeypatch, reqs, together=True)
+    assert not launches
+    for d, h in zip(device, host):
+        assert d.samples.size > 0
+        np.testing.assert_array_equal(d.samples, h.samples)
 
 
 @pytest.mark.slow

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "that their Python and the RPC event loop's do not take turns on one GIL "
                         "(default: on when serving on a GPU, where it starts 256 streams' first "
                         "audio ~1.5x sooner; off on the CPU)")
+    p.add_argument("--early-codec", action=argparse.BooleanOptionalAction, default=d.early_codec,
+                   help="queue each step's codec on the frame's codes on the GPU as soon as the frame "
+                        "is launched, instead of after they reach the host (the same bytes; batched "
+                        "engine only). Experimental: off until measured on a GPU")
     p.add_argument("--rpc-processes", type=int, default=d.rpc_processes,
                    help="gRPC servers on --port, each a process of its own (the kernel spreads "
                         "client connections over them), so that call set-up and chunk writes use "
@@ -166,7 +170,7 @@ def parse_args(argv=None) -> ServerConfig:
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
-        engine_process=a.engine_process, rpc_processes=a.rpc_processes, log_level=a.log_level, log_format=a.log_format,
+        engine_process=a.engine_process, rpc_processes=a.rpc_processes, early_codec=a.early_codec, log_level=a.log_level, log_format=a.log_format,
         inject_fault=a.inject_fault)
 
 

@@ -44,6 +44,10 @@ class ServerConfig:
     engine_process: bool | None = None
     # gRPC servers on the port, each a process of its own (SO_REUSEPORT), with the engine process
     rpc_processes: int = 1
+    # each step's codec queued on the frame's codes on the device as soon as the frame is launched
+    # (the batched engine's on_launch), not after they reach the host; the same bytes. Off until
+    # measured on a GPU.
+    early_codec: bool = False
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"
     inject_fault: str | None = None  # testing only: see engine/faults.py

@@ -13,7 +13,16 @@ import torch
 from . import kernels as K
 from .plan import Gemm, build_plan
 
-__all__ = ["BatchedCodecDecoder"]
+__all__ = ["BatchedCodecDecoder", "Launched"]
+
+
+class Launched:
+    """A queued codec step (`BatchedCodecDecoder.launch`): its output rows on the device."""
+
+    __slots__ = ("out", "rows")
+
+    def __init__(self, out: torch.Tensor, rows: int):
+        self.out, self.rows = out, rows
 
 
 def _tree_sum(e: torch.Tensor) -> torch.Tensor:
@@ -170,14 +179,28 @@ class BatchedCodecDecoder:
     def step(self, slots: Sequence[int], codes) -> np.ndarray:
         """codes [B, 16] int64 (numpy or torch, any device) -> float32 numpy [B, 1920]; row i is
         the next frame of slot slots[i] (each slot at most once), clamped to [-1, 1]."""
+        return self.collect(self.launch(slots, codes))
+
+    def launch(self, slots: Sequence[int], codes, ready: "torch.cuda.Event | None" = None) -> "Launched":
+        """`step`'s device half: queue the step on the current stream and return at once. codes
+        may be a device tensor (any integer dtype) that another stream is still writing: the step
+        waits for `ready` first (recorded after that write), so the caller need not wait for
+        the codes on the host. The slots' state advances (each slot at most once per launch)."""
         slots = [int(s) for s in slots]
         self._check_slots(slots)
         codes = torch.as_tensor(codes)
         if codes.shape != (len(slots), self.num_quantizers):
             raise ValueError(f"codes must be [{len(slots)}, {self.num_quantizers}], got {tuple(codes.shape)}")
         with torch.inference_mode():
-            out = self._run(slots, codes)
-            return out[: len(slots)].cpu().numpy()
+            if ready is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            return Launched(self._run(slots, codes), len(slots))
+
+    def collect(self, launched: "Launched") -> np.ndarray:
+        """A launch's PCM, float32 numpy [B, 1920] (waits for it; call on the stream it was
+        launched on, before the next launch, which reuses the output)."""
+        with torch.inference_mode():
+            return launched.out[: launched.rows].cpu().numpy()
 
     def num_frames(self, slot: int) -> int:
         """Frames decoded through `slot` since its reset (a host sync; for tests and logs)."""

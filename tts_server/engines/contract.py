@@ -105,7 +105,15 @@ class DecodeEngine(Protocol):
         the talker step runs. `early.frames` then hold final codes, `next_is_eos` False and only
         the code-predictor's errors; `failed` and `prefill_s` are final. The frames that `run`
         returns are complete: a slot may still fail there (talker logits) or end (EOS). Engines
-        that cannot report early ignore on_codes."""
+        that cannot report early ignore on_codes.
+
+        An engine whose `launches_codes` is True also takes `on_launch(slots, codes, ready)`:
+        called once per group of decoded slots right after their frame is launched, before its
+        codes reach the host, with a device view codes [n, 16] (int32, row i = slots[i]) that
+        holds the final codes once the device passes `ready` (a CUDA event, or None where the
+        codes are already there) and stays valid until that group's on_codes returns. The caller
+        may queue device work on it (the codec) meanwhile; on_codes for those slots follows. A
+        slot whose frame then reports an error has garbage codes there."""
         ...
 
     def release(self, slot: int) -> None:

@@ -6,7 +6,9 @@ stream by a frame -> ONE batched codec step turns all new frames into audio -> e
 frame is resampled and grouped into chunks for its handle. An engine that can hands the frames'
 codes over before its talker step ends (`on_codes`): the codec step then runs, on its own CUDA
 stream, while the talker step does, and the audio goes out before the engine call returns;
-streams end (EOS, length, errors) only after it.
+streams end (EOS, length, errors) only after it. With `--early-codec` (ServerConfig.early_codec)
+the codec step is queued at once on the frame's codes on the device (`on_launch`), so it starts
+when they exist rather than after a host round trip; its audio is collected in the same place.
 
 Failure handling: a fault confined to one stream (its preparation or prefill, non-finite logits)
 ends that stream with an error and the others carry on. A fault of the engine as a whole (a
@@ -63,6 +65,7 @@ class _StepAudio:
         self.admitted, self.t0, self.t_run = admitted, t0, t_run
         self.reported: set[int] = set()  # slots whose codes went to the codec
         self.errors: dict[int, StreamFailure] = {}  # slots whose codec step failed
+        self.launched: dict[int, tuple] = {}  # slot -> (codec launch, its row): queued on device codes
         self.t_engine: float | None = None  # codes on the host
         self.t_codec: float | None = None  # their audio decoded
 
@@ -125,6 +128,9 @@ class Worker:
         # the codec runs on its own CUDA stream: a step's audio decodes while the engine's talker
         # step (on the default stream) still runs
         self._codec_cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the codec queued on the frame's device codes as soon as it is launched (engines that can)
+        self._launch_codec = (config.early_codec and bool(getattr(engine, "launches_codes", False))
+                              and hasattr(codec, "launch"))
 
     # ---- any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -470,8 +476,9 @@ class Worker:
         try:
             # the engine hands over the frames' codes early when it can (while its talker step
             # still runs): their audio goes out then; else after the call, the same way
+            kw = dict(on_launch=lambda *a: self._launch(step, *a)) if self._launch_codec else {}
             out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)),
-                                  on_codes=lambda early: self._audio(early, step))
+                                  on_codes=lambda early: self._audio(early, step), **kw)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams in it
             if self._fault(e, "a decode step"):
                 return
@@ -515,6 +522,37 @@ class Worker:
             elif stream.num_frames >= stream.max_frames:
                 self._finish(stream, FinishReason.MAX_LENGTH)
 
+    def _launch(self, step: "_StepAudio", slots: list[int], codes, ready) -> None:
+        """The engine's on_launch: the codec step of these slots queued at once on the codes'
+        device copy (it starts when the frame's codes exist, without a host round trip); its
+        audio is collected when the codes reach the host (`_audio`). A failure here leaves
+        those slots to `_audio`'s own codec call."""
+        try:
+            with self._codec_stream():
+                launched = self.codec.launch(slots, codes, ready)
+        except Exception:  # noqa: BLE001 - the host path below decodes them instead
+            log.exception("queuing the codec on the device codes failed; decoding from the host")
+            return
+        for row, slot in enumerate(slots):
+            step.launched[slot] = (launched, row)
+
+    def _decode_audio(self, step: "_StepAudio", slots: list[int], codes: np.ndarray) -> list[np.ndarray]:
+        """These slots' next frame of audio: from the step's launches where every slot has one
+        (the codes they decoded are these: the engine's own), else one codec step from the host
+        codes."""
+        launches = [step.launched.get(s) for s in slots]
+        if all(launches):
+            pcm: dict[int, np.ndarray] = {}  # per launch (id), its rows on the host
+            out = []
+            for launched, row in launches:
+                if id(launched) not in pcm:
+                    pcm[id(launched)] = self.codec.collect(launched)
+                out.append(pcm[id(launched)][row])
+            return out
+        if any(launches):  # a launch holds some of these slots: their state moved already
+            raise RuntimeError("codec launched for part of a step's frames")
+        return list(self.codec.step(slots, codes))
+
     def _audio(self, early: StepOutput, step: "_StepAudio") -> None:
         """Frames whose codes are final -> ONE batched codec step -> each stream's audio. A
         stream never ends here (the engine may still be stepping it): ends come after `run`."""
@@ -532,7 +570,7 @@ class Worker:
             return
         try:
             with self._codec_stream():
-                pcm = self.codec.step([s.slot for s, _ in good], np.stack([r.codes for _, r in good]))
+                pcm = self._decode_audio(step, [s.slot for s, _ in good], np.stack([r.codes for _, r in good]))
         except Exception as e:  # noqa: BLE001
             if self._fault(e, "the codec"):
                 return

@@ -101,6 +101,7 @@ class BatchedEngine:
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
         self.codes_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)  # predict's copy
         self._codes_ready = torch.cuda.Event() if dev.type == "cuda" else None
+        self._predicted = torch.cuda.Event() if dev.type == "cuda" else None  # the frame's codes on the device
         self.finite_host = torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin)  # admissions' first draws
         self._ev_admit = ([torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None)
         self._one = torch.ones((), dtype=torch.uint8, device=dev)
@@ -157,11 +158,14 @@ class BatchedEngine:
                 + (cuda_frame_scratch_bytes(rows, max_positions) if frame_kernel != "triton" else 0))
 
     # -- DecodeEngine ---------------------------------------------------------------------
+    launches_codes = True  # run() takes on_launch (the contract)
+
     @torch.inference_mode()
-    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None, on_launch=None) -> StepOutput:
         """Admissions (all of the plan's prompts in one batched prefill, unless prefill_graphs
         is on), then one frame for every slot of plan.decode. on_codes (see the contract) gets
-        the frames' codes while the talker step that ends the frame still runs on the device."""
+        the frames' codes while the talker step that ends the frame still runs on the device;
+        on_launch, the device view of those codes as soon as their frame is launched."""
         out = StepOutput()
         t0 = time.perf_counter()
         ready = []
@@ -208,7 +212,7 @@ class BatchedEngine:
                 on_codes(StepOutput(frames=[r for r in frames if r.slot not in out.failed], failed=dict(out.failed),
                                     prefill_s=out.prefill_s, decode_s=time.perf_counter() - t0 - out.prefill_s))
 
-        frames = self._decode([s for s in plan.decode if s not in out.failed], early)
+        frames = self._decode([s for s in plan.decode if s not in out.failed], early, on_launch)
         if not checked:  # nothing decoded: wait for the admissions themselves
             self._sync()
             check_admissions()
@@ -359,7 +363,7 @@ class BatchedEngine:
         self.positions[slot] = length
 
     # -- frames ---------------------------------------------------------------------------
-    def _decode(self, slots: list[int], early) -> list[FrameResult]:
+    def _decode(self, slots: list[int], early, on_launch=None) -> list[FrameResult]:
         if len(set(slots)) != len(slots):
             raise ValueError("a slot appears twice in one step")
         errors, live = {}, []
@@ -386,17 +390,18 @@ class BatchedEngine:
 
         for i in range(0, len(live), self.sizes[-1]):
             chunk = live[i:i + self.sizes[-1]]
-            codes = self._step(chunk)
+            codes = self._step(chunk, on_launch)
             early(results(codes, chunk, False))
             for r in results(self._finish_step(len(chunk)), chunk, True):
                 rows[r.slot] = r
                 positions[r.slot] += 1
         return [rows[s] if s not in errors else FrameResult(s, zeros.copy(), False, errors[s]) for s in slots]
 
-    def _step(self, chunk: list[int]) -> np.ndarray:
+    def _step(self, chunk: list[int], on_launch=None) -> np.ndarray:
         """Launch one frame for the slots of `chunk` (<= the largest bucket) -> its code rows
         [n, 18] int32 (columns 16, 17: not final) once they are on the host; the talker step
-        that ends the frame is still running (`_finish_step` waits for it)."""
+        that ends the frame is still running (`_finish_step` waits for it). on_launch (the
+        contract) gets the codes' device view once both halves are launched."""
         n = len(chunk)
         b = bucket_for(n, self.sizes) if self.graphs else n
         gpu = self.device.type == "cuda"
@@ -406,11 +411,15 @@ class BatchedEngine:
         rows = self.rows_dev
         rows[:b].copy_(self.rows_host[:b], non_blocking=gpu)
         self._predict(rows, n, b)
+        if gpu:
+            self._predicted.record()
         self.codes_host[:b].copy_(self.frame.out[:b], non_blocking=gpu)
         if gpu:
             self._codes_ready.record()
         self._advance(rows, n, b)
         self.out_host[:b].copy_(self.frame.out[:b], non_blocking=gpu)
+        if on_launch is not None:  # columns 0..15 are final after predict (advance writes 16, 17)
+            on_launch(list(chunk), self.frame.out[:n, :self.p.ids.num_code_groups], self._predicted)
         if gpu:
             self._codes_ready.synchronize()
         if self.cuda_predict:
