@@ -6,7 +6,8 @@
 # 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests), then STREAMS
 # (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes.
 # Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
-# the tables on stdout.
+# the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
+# byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 STREAMS=${STREAMS:-256}
@@ -37,6 +38,9 @@ for pp in "50081 $PID_BASE" "50082 $PID_NEW"; do
   $PY scripts/wait_serving.py $pp 420 || { echo "server $pp did not start"; tail -20 "$R"/server-*.log; exit 1; }
 done
 echo "both SERVING after $SECONDS s"
+if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equal bytes?
+  echo "== same bytes? $(timeout 300 $PY scripts/compare_servers.py 127.0.0.1:50081 127.0.0.1:50082)"
+fi
 bench() { timeout 120 $PY -m tts_client.bench --transport grpc --no-progress "$@" 2>&1 \
   | grep -E "^(grpc|first audio)"; }
 for tree in base new; do
