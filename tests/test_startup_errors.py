@@ -177,3 +177,24 @@ def test_megakernel_without_its_library_says_how_to_build_it(monkeypatch):
     monkeypatch.setenv("QMK_LIB", "/nonexistent/libqwen_megakernel.so")
     with pytest.raises(StartupError, match=r"kernel library is not built; build it with `make kernel`"):
         preflight.check_device("megakernel", "auto", "auto")
+
+
+def test_event_loop_uvloop_without_uvloop_is_one_line_and_auto_falls_back(monkeypatch):
+    """--event-loop uvloop where uvloop is not installed is a start-up mistake (one line); auto
+    then runs on asyncio's loop, and on uvloop's where it is installed."""
+    import asyncio
+
+    from tts_server import aio, preflight
+    from tts_server.memory_plan import StartupError
+
+    async def loop_type():
+        return type(asyncio.get_running_loop()).__module__
+
+    if aio.available("uvloop"):
+        assert aio.run(loop_type(), "auto").startswith("uvloop")
+    assert aio.run(loop_type(), "asyncio").startswith("asyncio")
+    monkeypatch.setattr(aio, "_uvloop", lambda: None)
+    with pytest.raises(StartupError, match=r"--event-loop uvloop: uvloop is not installed"):
+        preflight.check_event_loop("uvloop")
+    preflight.check_event_loop("auto")
+    assert aio.run(loop_type(), "auto").startswith("asyncio")

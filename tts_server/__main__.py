@@ -12,7 +12,7 @@ import sys
 
 from tts_client.helpfmt import ArgumentParser
 
-from . import preflight
+from . import aio, preflight
 from .config import ServerConfig
 from .memory_plan import StartupError
 from .logs import quiet_imports, setup_logging
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queue each step's codec on the frame's codes on the GPU as soon as the frame "
                         "is launched, instead of after they reach the host (the same bytes; batched "
                         "engine only). Experimental: off until measured on a GPU")
+    p.add_argument("--event-loop", default=d.event_loop, choices=aio.CHOICES,
+                   help="the gRPC/HTTP servers' event loop: uvloop (less CPU per call) or asyncio's; "
+                        "auto (default): uvloop where installed")
     p.add_argument("--rpc-processes", type=int, default=d.rpc_processes,
                    help="gRPC servers on --port, each a process of its own (the kernel spreads "
                         "client connections over them), so that call set-up and chunk writes use "
@@ -170,7 +173,7 @@ def parse_args(argv=None) -> ServerConfig:
         stall_timeout_s=a.stall_timeout_s, watchdog_s=a.watchdog_s,
         idle_text_timeout_s=a.idle_text_timeout_s,
         max_request_bytes=a.max_request_bytes, metrics_port=a.metrics_port, http_port=a.http_port,
-        engine_process=a.engine_process, rpc_processes=a.rpc_processes, early_codec=a.early_codec, log_level=a.log_level, log_format=a.log_format,
+        engine_process=a.engine_process, rpc_processes=a.rpc_processes, early_codec=a.early_codec, event_loop=a.event_loop, log_level=a.log_level, log_format=a.log_format,
         inject_fault=a.inject_fault)
 
 
@@ -238,7 +241,7 @@ def main(argv=None) -> None:
     try:
         config = parse_args(argv)
         preflight.check(config)
-        code = asyncio.run(_serve(config))
+        code = aio.run(_serve(config), config.event_loop)
     except StartupError as e:
         logging.getLogger("tts_server").critical("cannot start: %s", e)
         raise SystemExit(2) from None

@@ -48,6 +48,7 @@ class ServerConfig:
     # (the batched engine's on_launch), not after they reach the host; the same bytes. Off until
     # measured on a GPU.
     early_codec: bool = False
+    event_loop: str = "auto"  # the servers' event loop (aio.py): auto (uvloop where installed) | uvloop | asyncio
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"
     inject_fault: str | None = None  # testing only: see engine/faults.py

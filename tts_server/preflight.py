@@ -32,6 +32,15 @@ def check(config: ServerConfig) -> None:
     check_port(config.host, config.port)
     if config.http_port is not None and config.http_port >= 0:
         check_http(config)
+    check_event_loop(config.event_loop)
+
+
+def check_event_loop(name: str) -> None:
+    from . import aio
+
+    if not aio.available(name):
+        raise StartupError(f"--event-loop {name}: uvloop is not installed (pip install uvloop), "
+                           "or --event-loop auto to use it only where it is")
 
 
 def check_http(config: ServerConfig) -> None:

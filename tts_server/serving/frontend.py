@@ -19,6 +19,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from .. import aio
 from ..logs import setup_logging
 from ..memory_plan import StartupError
 from .ipc import die_with_parent
@@ -50,7 +51,7 @@ def main() -> None:
     async def serve() -> int:  # (grpc.aio binds its server to the loop it is made in)
         return await TTSServer(worker, worker.info, config).serve_forever()
 
-    code = asyncio.run(serve())
+    code = aio.run(serve(), config.event_loop)
     logging.shutdown()
     os._exit(code)
 
