@@ -7,9 +7,6 @@ BENCHMARKS.md). Not yet measured on a GPU host."""
 from __future__ import annotations
 
 import asyncio
-import logging
-
-log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "uvloop", "asyncio")
 

@@ -10,7 +10,6 @@ SIGTERM / SIGINT as the server does, and exits 70 if the engine process goes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import pickle
