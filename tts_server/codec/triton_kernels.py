@@ -27,10 +27,10 @@ if HAS_TRITON:
         # one dot chain over K (tap-major) in BK steps. PIECED = 1: K (each tap's CIN columns padded
         # to whole BK steps) is cut into fixed pieces of KP columns (from the layer alone): a piece
         # is one dot chain over its BK steps from zero, and y is 0 + piece 0 + piece 1 + ... in
-        # order. SPLIT = 1: this program walks every piece, then
-        # the epilogue; SPLIT = the piece count: program (.., .., s) computes piece s into
-        # part[s] and gemm_sum_kernel adds them in the same order and runs the same epilogue, so
-        # both give the same bits (split-K for the small batches' short grids).
+        # order. SPLIT = 1: this program walks every piece, then the epilogue; SPLIT = the piece
+        # count: program (.., .., s) computes piece s into part[s] and gemm_sum_kernel adds them
+        # in the same order and runs the same epilogue, so both give the same bits (split-K for
+        # the small batches' short grids).
         # Epilogue: + bias, GELU, * scale, + res; stores y (RAW) and/or SnakeBeta(y) with
         # per-channel params at n % SN_MOD (POST). x rows are XS apart; GLU: the A operand is
         # silu(x[.., c]) * x[.., CIN + c] (SwiGLU's gate and up). HAS_HIST: input rows t < HIST
