@@ -142,7 +142,7 @@ async def test_refusals_are_decided_in_the_server_process(remote):
         task.cancel()
     await asyncio.gather(*long, return_exceptions=True)
     await _wait_idle(worker)
-    assert await _outcome(address, build_request("Still serving.", max_duration_s=0.4)) == 5
+    assert await _outcome(address, build_request("Still serving.", seed=5, max_duration_s=0.4)) == 5
 
 
 async def test_a_client_hang_up_frees_the_engine_slot(remote):
@@ -166,7 +166,7 @@ async def test_a_client_hang_up_frees_the_engine_slot(remote):
     assert m[("tts_frames_total", (("device", "cpu"),))] >= 2
     assert m[("tts_stream_slots", (("device", "cpu"),))] == 4
     assert m[("tts_engine_process_resident_memory_bytes", ())] > m[("process_resident_memory_bytes", ())] / 10
-    assert await _outcome(address, build_request("Next.", max_duration_s=0.4)) == 5
+    assert await _outcome(address, build_request("Next.", seed=6, max_duration_s=0.4)) == 5
 
 
 async def _speak(address, pieces):
@@ -197,7 +197,7 @@ async def test_a_failed_stream_and_a_failed_engine_as_in_process():
     address = f"127.0.0.1:{server.port}"
     try:
         ok, bad = await asyncio.gather(
-            _outcome(address, build_request("Fine.", max_duration_s=0.8, request_id="ok-1")),
+            _outcome(address, build_request("Fine.", seed=7, max_duration_s=0.8, request_id="ok-1")),
             _outcome(address, build_request("Broken.", max_duration_s=0.8, request_id="bad-1")))
         assert ok == 10
         assert bad[0] == grpc.StatusCode.INTERNAL and "non-finite" in bad[1], bad
