@@ -3,8 +3,9 @@
 # moves the server's numbers a lot): BASE (a directory with another tree's tts_server/ and
 # tts_client/, e.g. `git archive <rev> tts_server tts_client | tar -x -C .base`) and this tree,
 # both started at once on the full-size synthetic model (--max-streams 256 each: two fit on an
-# 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests), then STREAMS
-# (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes.
+# 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests; ROUNDS times,
+# default 1, alternating the trees, for changes smaller than one run's spread), then STREAMS
+# (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes (STREAMS=0: none).
 # Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
@@ -43,12 +44,16 @@ if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equa
 fi
 bench() { timeout 120 $PY -m tts_client.bench --transport grpc --no-progress "$@" 2>&1 \
   | grep -E "^(grpc|first audio)"; }
-for tree in base new; do
-  port=$([ $tree = base ] && echo 50081 || echo 50082)
-  echo "== $tree c=1"
-  bench --address 127.0.0.1:$port --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 \
-    --json "$R/c1-$tree.json"
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for tree in base new; do
+    port=$([ $tree = base ] && echo 50081 || echo 50082)
+    name=$tree$([ "${ROUNDS:-1}" = 1 ] || echo "-r$round")
+    echo "== $name c=1"
+    bench --address 127.0.0.1:$port --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 \
+      --json "$R/c1-$name.json"
+  done
 done
+[ "$STREAMS" = 0 ] && BENCH_PROCS=""
 for procs in ${BENCH_PROCS//,/ }; do
   for tree in base new; do
     port=$([ $tree = base ] && echo 50081 || echo 50082)
