@@ -116,16 +116,24 @@ async def test_codec_on_the_device_codes_gives_the_host_paths_bytes(tiny_custom,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("early_codec", [True, False], ids=["device-codes", "host-codes"])
 @pytest.mark.parametrize("rate", [0, 16000], ids=["24k", "16k"])
-async def test_eos_after_early_audio_gives_the_same_bytes(tiny_custom, monkeypatch, rate):
+async def test_eos_after_early_audio_gives_the_same_bytes(tiny_custom, monkeypatch, rate, early_codec):
     """A stream whose talker draws EOS at frame 4 has already had frame 4's audio decoded and
     resampled (not as the last); the end flushes it. Its bytes equal a stream capped at 4 frames
-    by length (the frame resampled as the last one), at 24 kHz and resampled."""
+    by length (the frame resampled as the last one), at 24 kHz and resampled; with the codec
+    queued on the device codes (the default) and decoding the host's codes."""
     reqs = [build_request("The same words twice.", seed=3, sample_rate_hz=rate, request_id="eos-4",
                           max_duration_s=2.0),
             build_request("The same words twice.", seed=3, sample_rate_hz=rate, request_id="capped",
                           max_duration_s=0.32)]
-    eos, capped = await _synthesize(tiny_custom, monkeypatch, reqs, inject_fault="eos:eos-4@4")
+    from tts_server.serving import loop as loop_mod
+
+    launches = []
+    real = loop_mod.Worker._launch
+    monkeypatch.setattr(loop_mod.Worker, "_launch", lambda self, *a: launches.append(a[1]) or real(self, *a))
+    eos, capped = await _synthesize(tiny_custom, monkeypatch, reqs, inject_fault="eos:eos-4@4", early_codec=early_codec)
+    assert bool(launches) == early_codec, "the codec was (not) queued on the device codes"
     from tts_client.pb.tts.v1 import tts_pb2
 
     assert eos.summary.finish_reason == tts_pb2.FINISH_REASON_EOS

@@ -45,9 +45,9 @@ class ServerConfig:
     # gRPC servers on the port, each a process of its own (SO_REUSEPORT), with the engine process
     rpc_processes: int = 1
     # each step's codec queued on the frame's codes on the device as soon as the frame is launched
-    # (the batched engine's on_launch), not after they reach the host; the same bytes. Off until
-    # measured on a GPU.
-    early_codec: bool = False
+    # (the batched engine's on_launch), not after they reach the host; the same bytes. On an H100
+    # it took a c = 1 stream's first decode from 1.8 to 1.5 ms (BENCHMARKS.md, session 21).
+    early_codec: bool = True
     event_loop: str = "auto"  # the servers' event loop (aio.py): auto (uvloop where installed) | uvloop | asyncio
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"

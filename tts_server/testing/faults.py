@@ -55,6 +55,8 @@ class FaultInjectingEngine:
         self._owner: dict[int, str] = {}
         self._steps: dict[int, int] = {}
         self.released = threading.Event()  # set to let a hung step return (tests only)
+        # an engine that hands over device codes (on_launch) keeps doing so under the faults
+        self.launches_codes = bool(getattr(engine, "launches_codes", False))
 
     def bind_request(self, slot: int, request_id: str) -> None:
         self._owner[slot] = request_id
@@ -77,14 +79,15 @@ class FaultInjectingEngine:
                 due[slot] = fault
         return due
 
-    def run(self, plan: StepPlan, on_codes=None) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None, on_launch=None) -> StepOutput:
         due = self._due(plan.decode)
         kinds = {f.kind for f in due.values()}
         if "hang" in kinds:
             self.released.wait()
         if "device_error" in kinds:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        out = self.inner.run(plan, on_codes)  # an injected stream error lands after the codes, as a talker one
+        # an injected stream error lands after the codes, as a talker one
+        out = self.inner.run(plan, on_codes, on_launch) if self.launches_codes else self.inner.run(plan, on_codes)
         for r in out.frames:
             if r.slot in due and due[r.slot].kind == "stream_error":
                 r.error = "non-finite talker logits (injected)"
