@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
-variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket,
-each a fresh engine with its graphs captured under that setting. Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median
-of CUDA-event-timed replays), one stream's admission + first frame, and the codes and hidden state
-of 64 real admissions over 16 sampled frames, which must be bitwise equal across variants.
+variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket /
+the GEMMs' weight tiles loaded before the PDL wait (preload1, preload2: tk_gemm.PRELOAD), each a
+fresh engine with its graphs captured under that setting. Per variant: graph-replay frame time at
+B 1 / 8 / 64 / 256 (mixed contexts, median of CUDA-event-timed replays), one stream's admission +
+first frame, and the codes and hidden state of 64 and of 4 real admissions (4: a PDL bucket) over
+16 sampled frames, which must be bitwise equal across variants.
 
   PYTHONPATH=. python3 scripts/gpu_pdl_ab.py --out $OUT
 """
@@ -32,8 +34,11 @@ from tts_server.engines.batched import checks  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
 from tts_server.engines.contract import Admission  # noqa: E402
 
-VARIANTS = {"off": ({"TTS_PDL": "0"}, None), "default": ({"TTS_PDL": "1"}, None),
-            "all": ({"TTS_PDL": "1"}, 1 << 30)}  # (environment, graphs.PDL_MAX_ROWS or None: unchanged)
+# (environment, graphs.PDL_MAX_ROWS, tk_gemm.PRELOAD, tk_gemm.PRELOAD_MAX_ROWS; None: unchanged)
+VARIANTS = {"off": ({"TTS_PDL": "0"}, None, None, None), "default": ({"TTS_PDL": "1"}, None, None, None),
+            "all": ({"TTS_PDL": "1"}, 1 << 30, None, None), "preload0": ({"TTS_PDL": "1"}, None, 0, None),
+            "preload1": ({"TTS_PDL": "1"}, None, 1, None), "preload2": ({"TTS_PDL": "1"}, None, 2, None),
+            "preload2_64": ({"TTS_PDL": "1"}, None, 2, 64), "default_again": ({"TTS_PDL": "1"}, None, None, None)}
 
 
 def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
@@ -47,11 +52,15 @@ def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
     res["first_frame"] = first_frame(eng)
     for s in list(eng.positions):
         eng.release(s)
-    admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"),
-                            SamplingConfig(seed=i)) for i in range(64))
-    codes = checks.step_codes(eng, list(range(64)), 16, admit)
-    sig = dict(codes=np.stack([codes[s] for s in range(64)]),
-               hidden=eng.state.past_hidden[:64].detach().cpu().numpy().copy())
+    sig = {}
+    for n in (64, 4):
+        for s in list(eng.positions):
+            eng.release(s)
+        admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"),
+                                SamplingConfig(seed=i)) for i in range(n))
+        codes = checks.step_codes(eng, list(range(n)), 16, admit)
+        sig[f"codes{n}"] = np.stack([codes[s] for s in range(n)])
+        sig[f"hidden{n}"] = eng.state.past_hidden[:n].detach().cpu().numpy().copy().view(np.uint32)
     del eng
     torch.cuda.empty_cache()
     return res, sig
@@ -74,14 +83,17 @@ def main() -> None:
     w = load_weights("synthetic")
     sizes = [int(s) for s in args.sizes.split(",")]
     sigs = {}
-    from tts_server.engines.batched import graphs
+    from tts_server.engines.batched import graphs, tk_gemm
 
-    default_rows = graphs.PDL_MAX_ROWS
+    default_rows, default_pre, default_pre_rows = graphs.PDL_MAX_ROWS, tk_gemm.PRELOAD, tk_gemm.PRELOAD_MAX_ROWS
     for name in args.variants.split(","):
-        env, rows = VARIANTS[name]
+        env, rows, pre, pre_rows = VARIANTS[name]
         os.environ.update(env)
         graphs.PDL_MAX_ROWS = default_rows if rows is None else rows
-        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS}")
+        tk_gemm.PRELOAD = default_pre if pre is None else pre
+        tk_gemm.PRELOAD_MAX_ROWS = default_pre_rows if pre_rows is None else pre_rows
+        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS} PRELOAD={tk_gemm.PRELOAD} "
+            f"(<= {tk_gemm.PRELOAD_MAX_ROWS} rows)")
         try:
             res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters)
         except Exception as e:  # keep the other variants
@@ -91,9 +103,7 @@ def main() -> None:
         (out / "pdl_ab.json").write_text(json.dumps(res, indent=1, default=str))
     base = next(iter(sigs), None)
     res["bitwise_equal_to_" + str(base)] = {
-        n: dict(codes=bool(np.array_equal(s["codes"], sigs[base]["codes"])),
-                hidden=bool(np.array_equal(s["hidden"].view(np.uint32), sigs[base]["hidden"].view(np.uint32))))
-        for n, s in sigs.items()}
+        n: {k: bool(np.array_equal(v, sigs[base][k])) for k, v in s.items()} for n, s in sigs.items()}
     log("bitwise:", res["bitwise_equal_to_" + str(base)])
     (out / "pdl_ab.json").write_text(json.dumps(res, indent=1, default=str))
 
