@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
-variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket /
-the GEMMs' weight tiles loaded before the PDL wait (preload1, preload2: tk_gemm.PRELOAD), each a
-fresh engine with its graphs captured under that setting. Per variant: graph-replay frame time at
+variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket,
+each a fresh engine with its graphs captured under that setting (the GEMMs' weight tiles loaded
+before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*). Per variant: graph-replay frame time at
 B 1 / 8 / 64 / 256 (mixed contexts, median of CUDA-event-timed replays), one stream's admission +
 first frame, and the codes and hidden state of 64 and of 4 real admissions (4: a PDL bucket) over
 16 sampled frames, which must be bitwise equal across variants.
@@ -34,11 +34,9 @@ from tts_server.engines.batched import checks  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
 from tts_server.engines.contract import Admission  # noqa: E402
 
-# (environment, graphs.PDL_MAX_ROWS, tk_gemm.PRELOAD, tk_gemm.PRELOAD_MAX_ROWS; None: unchanged)
-VARIANTS = {"off": ({"TTS_PDL": "0"}, None, None, None), "default": ({"TTS_PDL": "1"}, None, None, None),
-            "all": ({"TTS_PDL": "1"}, 1 << 30, None, None), "preload0": ({"TTS_PDL": "1"}, None, 0, None),
-            "preload1": ({"TTS_PDL": "1"}, None, 1, None), "preload2": ({"TTS_PDL": "1"}, None, 2, None),
-            "preload2_64": ({"TTS_PDL": "1"}, None, 2, 64), "default_again": ({"TTS_PDL": "1"}, None, None, None)}
+# (environment, graphs.PDL_MAX_ROWS or None: unchanged)
+VARIANTS = {"off": ({"TTS_PDL": "0"}, None), "default": ({"TTS_PDL": "1"}, None),
+            "all": ({"TTS_PDL": "1"}, 1 << 30), "default_again": ({"TTS_PDL": "1"}, None)}
 
 
 def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
@@ -83,17 +81,14 @@ def main() -> None:
     w = load_weights("synthetic")
     sizes = [int(s) for s in args.sizes.split(",")]
     sigs = {}
-    from tts_server.engines.batched import graphs, tk_gemm
+    from tts_server.engines.batched import graphs
 
-    default_rows, default_pre, default_pre_rows = graphs.PDL_MAX_ROWS, tk_gemm.PRELOAD, tk_gemm.PRELOAD_MAX_ROWS
+    default_rows = graphs.PDL_MAX_ROWS
     for name in args.variants.split(","):
-        env, rows, pre, pre_rows = VARIANTS[name]
+        env, rows = VARIANTS[name]
         os.environ.update(env)
         graphs.PDL_MAX_ROWS = default_rows if rows is None else rows
-        tk_gemm.PRELOAD = default_pre if pre is None else pre
-        tk_gemm.PRELOAD_MAX_ROWS = default_pre_rows if pre_rows is None else pre_rows
-        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS} PRELOAD={tk_gemm.PRELOAD} "
-            f"(<= {tk_gemm.PRELOAD_MAX_ROWS} rows)")
+        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS}")
         try:
             res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters)
         except Exception as e:  # keep the other variants

@@ -338,32 +338,12 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_embed_sum(dev)
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
-    check_gemm_preload(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)
     check_predict_inputs(dev)
     check_invariance(ops, dev, sizes)
     return res
-
-
-def check_gemm_preload(dev: str) -> None:
-    """Weight tiles loaded before the PDL wait (1 or 2 K steps) give the plain loop's bits:
-    a linear with K pieces (as partial products and summed) and a SwiGLU."""
-    from tts_server.engines.batched import tk_gemm
-
-    for swiglu, m, k, n in ((False, 3, 384, 64), (True, 2, 256, 48)):
-        x, w, w2 = gemm_case(m, k, n, 11 + m, dev)
-        w2 = w2 if swiglu else None
-        tk_gemm.OVERRIDE["swiglu" if swiglu else "linear"] = (16, 16, 64, 2, 3, 128, 2)  # pieces of 2 steps
-        try:
-            outs = [(tk_gemm._gemm(x, w, w2, preload=p), tk_gemm._gemm(x, w, w2, reduce=False, preload=p))
-                    for p in (0, 1, 2)]
-        finally:
-            tk_gemm.OVERRIDE.clear()
-        for full, parts in outs[1:]:
-            assert torch.equal(full, outs[0][0]) and torch.equal(parts, outs[0][1]), (swiglu, m, k, n)
-        assert swiglu or outs[0][1].shape[0] == 3  # the linear ran as 3 K pieces
 
 
 # ---------------------------------------------------------------- CPU: references vs sampler.py

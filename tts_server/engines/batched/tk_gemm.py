@@ -86,41 +86,12 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
-def _kstep(x_ptr, wk, wk2, acc, acc2, rm, kk, kmask, M, stride_xm, SWIGLU: tl.constexpr, TERMS: tl.constexpr,
-           INTERPRET: tl.constexpr):
-    # one BLOCK_K step: x's rows [BM, BK] split into bf16 parts, each part's dot with the weight
-    # tile wk (and wk2) [BN, BK] (as loaded) added in part order
-    xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
-    x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-    if TERMS == 3:
-        x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-    wt = tl.trans(wk)
-    acc = _dot(x_hi, wt, acc, INTERPRET)
-    acc = _dot(x_lo, wt, acc, INTERPRET)
-    if TERMS == 3:
-        acc = _dot(x_l2, wt, acc, INTERPRET)
-    if SWIGLU:
-        wt2 = tl.trans(wk2)
-        acc2 = _dot(x_hi, wt2, acc2, INTERPRET)
-        acc2 = _dot(x_lo, wt2, acc2, INTERPRET)
-        if TERMS == 3:
-            acc2 = _dot(x_l2, wt2, acc2, INTERPRET)
-    return acc, acc2
-
-
-@triton.jit
-def _wtile(w_ptr, rn, kk, kmask, N, stride_wn):
-    # a weight tile [BLOCK_N, BLOCK_K] (K contiguous), zeros outside N / the piece
-    return tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn < N)[:, None] & kmask[None, :], other=0.0)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                  stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                 INTERPRET: tl.constexpr, GDC: tl.constexpr, PRE: tl.constexpr):
+                 INTERPRET: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
     # x [M, K] fp32; w, w2 [N, K] bf16; out [SPLIT, M, N] fp32 (split s covers K range s*K_PER_SPLIT..)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -130,29 +101,30 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    # PRE (1 or 2): the piece's first weight tiles are loaded before the wait for the
-    # predecessor (PDL): weights do not depend on it, so their memory latency overlaps its run
-    if PRE >= 1:
-        kk0 = k_lo + rk
-        w_a = _wtile(w_ptr, rn, kk0, kk0 < k_hi, N, stride_wn)
-        w2_a = _wtile(w2_ptr, rn, kk0, kk0 < k_hi, N, stride_w2n) if SWIGLU else w_a
-    if PRE >= 2:
-        kk1 = k_lo + BLOCK_K + rk
-        w_b = _wtile(w_ptr, rn, kk1, kk1 < k_hi, N, stride_wn)
-        w2_b = _wtile(w2_ptr, rn, kk1, kk1 < k_hi, N, stride_w2n) if SWIGLU else w_b
-    pdl.enter(GDC)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRE >= 1:
-        acc, acc2 = _kstep(x_ptr, w_a, w2_a, acc, acc2, rm, kk0, kk0 < k_hi, M, stride_xm, SWIGLU, TERMS, INTERPRET)
-    if PRE >= 2:
-        acc, acc2 = _kstep(x_ptr, w_b, w2_b, acc, acc2, rm, kk1, kk1 < k_hi, M, stride_xm, SWIGLU, TERMS, INTERPRET)
-    for k0 in range(k_lo + PRE * BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         kmask = kk < k_hi
-        wk = _wtile(w_ptr, rn, kk, kmask, N, stride_wn)
-        wk2 = _wtile(w2_ptr, rn, kk, kmask, N, stride_w2n) if SWIGLU else wk
-        acc, acc2 = _kstep(x_ptr, wk, wk2, acc, acc2, rm, kk, kmask, M, stride_xm, SWIGLU, TERMS, INTERPRET)
+        xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                     mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
+        x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        if TERMS == 3:
+            x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
+        wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
+        acc = _dot(x_hi, wk, acc, INTERPRET)
+        acc = _dot(x_lo, wk, acc, INTERPRET)
+        if TERMS == 3:
+            acc = _dot(x_l2, wk, acc, INTERPRET)
+        if SWIGLU:
+            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                   other=0.0))
+            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+            if TERMS == 3:
+                acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     omask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -171,18 +143,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
-# Weight tiles a product loads before its PDL wait (0, 1 or 2 BLOCK_K steps; the same bits):
-# products of at most PRELOAD_MAX_ROWS rows launched under PDL (TTS_GEMM_PRELOAD for A/Bs)
-PRELOAD = int(os.environ.get("TTS_GEMM_PRELOAD", "0"))
-PRELOAD_MAX_ROWS = 16
-
-
-def _preload(m: int, k_per: int, bk: int) -> int:
-    if not pdl.kw()["GDC"] or m > PRELOAD_MAX_ROWS:
-        return 0
-    return min(PRELOAD, k_per // bk)
-
-
 def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
     """The K pieces of a product (part of every output's reduction order) -> (count, columns
     each, a multiple of BLOCK_K). swiglu never splits: silu needs the full sum."""
@@ -191,12 +151,10 @@ def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
     return triton.cdiv(k, k_per), k_per
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True,
-          preload: int | None = None) -> torch.Tensor:
+def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
     """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
     reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
-    consumer to sum in piece order (glue.add_rms does: one launch fewer). preload: weight tiles
-    loaded before the PDL wait (None: PRELOAD's policy; the tests force it, PDL or not)."""
+    consumer to sum in piece order (glue.add_rms does: one launch fewer)."""
     assert x.dtype == torch.float32 and w.dtype == torch.bfloat16, (x.dtype, w.dtype)
     x = x.contiguous()
     w = w.contiguous()
@@ -216,9 +174,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages,
-                       PRE=_preload(m, k_per, bk) if preload is None else min(preload, k_per // bk),
-                       **pdl.kw())
+                       TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.kw())
     if not reduce:
         return part if split > 1 else out[None]
     if split > 1:
