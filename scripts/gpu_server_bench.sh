@@ -9,7 +9,8 @@
 #      does not spread the sends and delay the reads; a list (1,8) runs the level once per value
 #      (cN.json for the first, cN-procsK.json for the others);
 #   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
-#      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns.
+#      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns;
+#      RPS_REQUESTS (default 200) requests per level, or a list, one count per level (rps-R.json each).
 #   4. (TEXT_BENCH, default 1,16,64; empty: skip) incremental text: that many StreamSynthesize calls
 #      fed a word at a time (tts_client.text_bench).
 # Results: $OUT/{server.log, c1.json, cN.json, rps.json, text.json, steps.jsonl (one line per engine
@@ -53,7 +54,14 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
       --max-duration "$DURATION" --fixed-duration --processes "$procs" --json "$OUT/$json"
     first=0
   done
-  if [ -n "$RPS" ]; then
+  if [ -n "$RPS" ] && [[ "${RPS_REQUESTS:-200}" == *,* ]]; then  # a request count per level: one run each
+    IFS=, read -ra rates <<< "$RPS"; IFS=, read -ra counts <<< "$RPS_REQUESTS"
+    for i in "${!rates[@]}"; do
+      phase "open loop ${rates[$i]} rps, ${counts[$i]} requests"
+      bench --concurrency "" --rps "${rates[$i]}" --requests "${counts[$i]}" --warmup 0 --workload english \
+        --max-duration 20 --json "$OUT/rps-${rates[$i]}.json"
+    done
+  elif [ -n "$RPS" ]; then
     phase "open loop $RPS rps"
     bench --concurrency "" --rps "$RPS" --requests "${RPS_REQUESTS:-200}" --warmup 0 --workload english \
       --max-duration 20 --json "$OUT/rps.json"
