@@ -338,12 +338,31 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_embed_sum(dev)
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
+    check_gemm_fp16(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)
     check_predict_inputs(dev)
     check_invariance(ops, dev, sizes)
     return res
+
+
+def check_gemm_fp16(dev: str) -> None:
+    """fp16 matrices (the TTS_GEMM_DTYPE=fp16 experiment): x rounded once to fp16, one dot with
+    fp32 sums, as an fp64 product of the same fp16 values (linear with K pieces, and SwiGLU); a
+    row's bits are the same alone and among 63 others (another tile bucket)."""
+    from tts_server.engines.batched import tk_gemm
+
+    for swiglu, k, n in ((False, 2048, 128), (True, 256, 96)):
+        x, w, w2 = gemm_case(64, k, n, 21 + k, dev)
+        w, w2 = w.half(), (w2.half() if swiglu else None)
+        out = tk_gemm._gemm(x, w, w2)
+        xh = x.half().double()
+        ref = xh @ w.double().T
+        if swiglu:
+            ref = torch.nn.functional.silu(ref) * (xh @ w2.double().T)
+        assert _rel(out, ref) < LIN_TOL, (swiglu, _rel(out, ref))
+        assert torch.equal(tk_gemm._gemm(x[5:6], w, w2)[0], out[5]), swiglu
 
 
 # ---------------------------------------------------------------- CPU: references vs sampler.py

@@ -7,6 +7,7 @@ already bf16 on the engine's device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,11 @@ import torch
 from ...model.weights import CodecIds, DecodeWeights, LMConfig, LMWeights
 
 BF16 = torch.bfloat16
+# The GEMM matrices' dtype. bf16 (default): fp32 activations enter the tensor cores as two bf16
+# terms. TTS_GEMM_DTYPE=fp16 (an experiment, off by default): the matrices converted to fp16 once
+# (exact for bf16 values of magnitude 2^-17..65504), activations rounded once to fp16 (11
+# significant bits against two terms' 16, one dot against two). Both are batch-invariant.
+GEMM_DTYPE = torch.float16 if os.environ.get("TTS_GEMM_DTYPE") == "fp16" else BF16
 
 
 @dataclass(frozen=True)
@@ -61,31 +67,32 @@ class FrameParams:
 
 def _stack(lm: LMWeights, device) -> StackParams:
     f32 = lambda t: t.to(device, torch.float32)  # noqa: E731
-    b16 = lambda t: t.to(device, BF16)  # noqa: E731
+    mat = lambda t: t.to(device, BF16).to(GEMM_DTYPE)  # noqa: E731 - the GEMMs' matrices
     ls = lm.layers
     return StackParams(
         cfg=lm.config,
         in_norm=tuple(f32(l.input_norm) for l in ls),
-        wqkv=tuple(torch.cat((b16(l.q_proj), b16(l.k_proj), b16(l.v_proj))).contiguous() for l in ls),
+        wqkv=tuple(torch.cat((mat(l.q_proj), mat(l.k_proj), mat(l.v_proj))).contiguous() for l in ls),
         q_norm=tuple(f32(l.q_norm) for l in ls), k_norm=tuple(f32(l.k_norm) for l in ls),
-        wo=tuple(b16(l.o_proj).contiguous() for l in ls), post_norm=tuple(f32(l.post_norm) for l in ls),
-        gate=tuple(b16(l.gate_proj).contiguous() for l in ls), up=tuple(b16(l.up_proj).contiguous() for l in ls),
-        down=tuple(b16(l.down_proj).contiguous() for l in ls), final_norm=f32(lm.final_norm))
+        wo=tuple(mat(l.o_proj).contiguous() for l in ls), post_norm=tuple(f32(l.post_norm) for l in ls),
+        gate=tuple(mat(l.gate_proj).contiguous() for l in ls), up=tuple(mat(l.up_proj).contiguous() for l in ls),
+        down=tuple(mat(l.down_proj).contiguous() for l in ls), final_norm=f32(lm.final_norm))
 
 
 def prepare(w: DecodeWeights, device: torch.device | str | None = None) -> FrameParams:
     """The engine's layout of `w` on `device` (default: where the weights are)."""
     device = torch.device(device) if device is not None else w.codec_head.device
     b16 = lambda t: t.to(device, BF16).contiguous()  # noqa: E731
+    mat = lambda t: b16(t).to(GEMM_DTYPE)  # noqa: E731 - the GEMMs' matrices
     proj = None
     if w.predictor_in_proj is not None:
-        proj = (b16(w.predictor_in_proj[0]), w.predictor_in_proj[1].to(device, torch.float32))
+        proj = (mat(w.predictor_in_proj[0]), w.predictor_in_proj[1].to(device, torch.float32))
     emb = torch.stack([b16(e) for e in w.predictor_embeddings])
     return FrameParams(
         talker=_stack(w.talker, device), predictor=_stack(w.predictor, device),
-        codec_embedding=b16(w.codec_embedding), codec_head=b16(w.codec_head),
+        codec_embedding=b16(w.codec_embedding), codec_head=mat(w.codec_head),
         predictor_embedding_stack=emb,
-        predictor_heads=tuple(b16(h) for h in w.predictor_heads), in_proj=proj, ids=w.ids)
+        predictor_heads=tuple(mat(h) for h in w.predictor_heads), in_proj=proj, ids=w.ids)
 
 
 def fused_bytes(w: DecodeWeights) -> int:

@@ -108,23 +108,32 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
         kmask = kk < k_hi
         xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
                      mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
-        x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
-        x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-        if TERMS == 3:
-            x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
         wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
         wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
-        acc = _dot(x_hi, wk, acc, INTERPRET)
-        acc = _dot(x_lo, wk, acc, INTERPRET)
-        if TERMS == 3:
-            acc = _dot(x_l2, wk, acc, INTERPRET)
-        if SWIGLU:
-            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
-                                   other=0.0))
-            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
-            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+        if TERMS == 0:  # fp16 weights (params.GEMM_DTYPE): x rounded once to fp16, one dot
+            x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
+            acc = _dot(x_h, wk, acc, INTERPRET)
+            if SWIGLU:
+                wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                       other=0.0))
+                acc2 = _dot(x_h, wk2, acc2, INTERPRET)
+        else:
+            x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
             if TERMS == 3:
-                acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
+                x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16,
+                                                                          fp_downcast_rounding="rtne")
+            acc = _dot(x_hi, wk, acc, INTERPRET)
+            acc = _dot(x_lo, wk, acc, INTERPRET)
+            if TERMS == 3:
+                acc = _dot(x_l2, wk, acc, INTERPRET)
+            if SWIGLU:
+                wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                       other=0.0))
+                acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+                acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+                if TERMS == 3:
+                    acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     omask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -155,7 +164,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
     reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
     consumer to sum in piece order (glue.add_rms does: one launch fewer)."""
-    assert x.dtype == torch.float32 and w.dtype == torch.bfloat16, (x.dtype, w.dtype)
+    assert x.dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float16), (x.dtype, w.dtype)
     x = x.contiguous()
     w = w.contiguous()
     m, k = x.shape
@@ -164,6 +173,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     w2 = w2.contiguous() if swiglu else w
     kind = "swiglu" if swiglu else "linear"
     bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m)
+    if w.dtype == torch.float16:  # one fp16 term (the experimental TTS_GEMM_DTYPE=fp16 weights)
+        terms = 0
     if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (kind, n, k) in BIG_M:
         # the same bits, for many rows
         out = gemm_big(x, w, w2 if swiglu else None)
