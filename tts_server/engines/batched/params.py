@@ -18,7 +18,11 @@ BF16 = torch.bfloat16
 # The GEMM matrices' dtype. bf16 (default): fp32 activations enter the tensor cores as two bf16
 # terms. TTS_GEMM_DTYPE=fp16 (an experiment, off by default): the matrices converted to fp16 once
 # (exact for bf16 values of magnitude 2^-17..65504), activations rounded once to fp16 (11
-# significant bits against two terms' 16, one dot against two). Both are batch-invariant.
+# significant bits against two terms' 16, one dot against two). Both are batch-invariant. Only
+# products whose input is bounded go to fp16: the normed hidden states (q|k|v, gate|up, the
+# heads) and attention outputs (o_proj). The MLP's down projection stays bf16: its input,
+# silu(gate) * up, exceeds fp16's 65504 in the real Qwen3-TTS 0.6B code predictor (~1.4e5 in
+# its block 2, found by CrispASR's fp16 port, their issue 38).
 GEMM_DTYPE = torch.float16 if os.environ.get("TTS_GEMM_DTYPE") == "fp16" else BF16
 
 
@@ -76,7 +80,7 @@ def _stack(lm: LMWeights, device) -> StackParams:
         q_norm=tuple(f32(l.q_norm) for l in ls), k_norm=tuple(f32(l.k_norm) for l in ls),
         wo=tuple(mat(l.o_proj).contiguous() for l in ls), post_norm=tuple(f32(l.post_norm) for l in ls),
         gate=tuple(mat(l.gate_proj).contiguous() for l in ls), up=tuple(mat(l.up_proj).contiguous() for l in ls),
-        down=tuple(mat(l.down_proj).contiguous() for l in ls), final_norm=f32(lm.final_norm))
+        down=tuple(l.down_proj.to(device, BF16).contiguous() for l in ls), final_norm=f32(lm.final_norm))
 
 
 def prepare(w: DecodeWeights, device: torch.device | str | None = None) -> FrameParams:
