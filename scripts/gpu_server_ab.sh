@@ -22,15 +22,16 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/env.txt"
 echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
 
-start() {  # tree name port [extra server flags]
-  (cd "$1" && TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" \
-     exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 $4 \
+start() {  # tree name port [extra server flags] [extra environment, NAME=VALUE ...]
+  (cd "$1" && export TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" $5 \
+     && exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 $4 \
      >"$R/server-$2.log" 2>&1) &
 }
-# BASE_ARGS / NEW_ARGS: extra flags per tree (e.g. BASE=. BASE_ARGS="--rpc-listeners 1": one tree, two settings)
-start "$BASE" base 50081 "${BASE_ARGS:-}"
+# BASE_ARGS / NEW_ARGS: extra flags per tree (e.g. BASE=. BASE_ARGS="--rpc-listeners 1": one tree, two settings);
+# BASE_ENV / NEW_ENV: extra environment per tree (e.g. NEW_ENV="TTS_GEMM_DTYPE=fp16")
+start "$BASE" base 50081 "${BASE_ARGS:-}" "${BASE_ENV:-}"
 PID_BASE=$!
-start . new 50082 "${NEW_ARGS:-}"
+start . new 50082 "${NEW_ARGS:-}" "${NEW_ENV:-}"
 PID_NEW=$!
 PIDS="$PID_BASE $PID_NEW"
 trap 'kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
