@@ -237,11 +237,11 @@ def memory(w, res_bench: dict) -> dict:
     """KV + state bytes per slot at 2048 positions; slots that fit beside the weights, the fused
     copies, the 256-stream graphs and 1 GiB of context / allocator slack on this device."""
     from tts_server.engines.batched.kv_pool import PagedKV
-    from tts_server.engines.batched.params import fused_bytes
+    from tts_server.engines.batched.params import fused_bytes, gemm_dtype
 
     total = torch.cuda.mem_get_info()[1]
     wb = tensor_bytes(w)
-    out = dict(device_total_bytes=total, model_weight_bytes=wb, fused_copy_bytes=fused_bytes(w),
+    out = dict(device_total_bytes=total, model_weight_bytes=wb, fused_copy_bytes=fused_bytes(w, gemm_dtype("cuda", ENGINE_KW.get("frame_kernel", "triton"))),
                graph_memory_bytes_256=res_bench.get("graph_memory_bytes", 0))
     for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         mb = lambda n: BatchedEngine.memory_bytes(n, 2048, w, kv_dtype=dt, num_blocks=1)  # noqa: E731

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Same-call A/B of the batched engine's GEMM matrix dtype (params.GEMM_DTYPE): bf16 with fp32
-activations as two bf16 terms (the default) against fp16 with activations rounded once to fp16
-(TTS_GEMM_DTYPE=fp16: one dot instead of two). Each variant runs in its own process (the dtype is
+"""Same-call A/B of the batched engine's GEMM matrix dtype (params.gemm_dtype): bf16 with fp32
+activations as two bf16 terms (TTS_GEMM_DTYPE=bf16) against fp16 with activations rounded once to
+fp16 (TTS_GEMM_DTYPE=fp16, the default on CUDA since session 21: one dot instead of two). Each variant runs in its own process (the dtype is
 read at import), on the full-size synthetic model:
 
   frames      graph-replay frame time at B 1 / 8 / 64 / 256, mixed contexts (mean 500)
@@ -41,7 +41,7 @@ def run_variant(out: Path, sections: set[str]) -> dict:
     from tts_server.engines.contract import Admission, StepPlan
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    res: dict = dict(gemm_dtype=str(params.GEMM_DTYPE))
+    res: dict = dict(gemm_dtype=str(params.gemm_dtype("cuda")))
     w = load_weights("synthetic")
     h = w.talker.config.hidden_size
     if "frames" in sections or "admissions" in sections:

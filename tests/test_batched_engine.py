@@ -189,7 +189,37 @@ def test_memory_bytes_counts_what_the_engine_allocates(weights):
     got = sum(t.numel() * t.element_size() for t in (
         eng.kv.k, eng.kv.v, eng.kv.table, s.ints, s.floats, s.seed, s.past_hidden, s.trailing, s.pad_embed,
         s.seen, f.cp_k, f.cp_v, f.out))
-    assert got + fused_bytes(weights) == want
+    assert got + fused_bytes(weights, eng.gemm_dtype) == want
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fused_bytes_are_the_new_tensors_of_prepare(weights, monkeypatch, dtype):
+    """What the memory plan counts beside bf16 weights is what `prepare` allocates: the fused
+    q|k|v, the stacked tables and, for fp16 GEMMs, the fp16 matrices (down stays a bf16 view)."""
+    from dataclasses import fields, is_dataclass
+
+    from tts_server.engines.batched import params
+
+    monkeypatch.setenv("TTS_GEMM_DTYPE", dtype)
+    w16 = checks.bf16_rounded(weights, torch.bfloat16)
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, tuple):
+            for o in obj:
+                yield from tensors(o)
+        elif is_dataclass(obj):
+            for f in fields(obj):
+                yield from tensors(getattr(obj, f.name))
+
+    old = {t.untyped_storage().data_ptr() for t in tensors(w16)}
+    p = params.prepare(w16)
+    assert (p.talker.wo[0].dtype, p.talker.down[0].dtype) == (params.FP16 if dtype == "fp16" else params.BF16,
+                                                                params.BF16)
+    new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(p)
+           if t.untyped_storage().data_ptr() not in old and t.dtype != torch.float32}  # (norms: fp32 copies)
+    assert sum(new.values()) == fused_bytes(w16, params.gemm_dtype("cpu"))
 
 
 @pytest.mark.gpu

@@ -97,8 +97,9 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
             raise StartupError(f"--frame-kernel {config.frame_kernel}: the batched kernel library is not built "
                                "(make kernel) or there is no CUDA device")
         engine = BatchedEngine(weights, n, config.max_positions, frame_kernel=config.frame_kernel)
-        log.info("batched engine: %d slots, frame kernels %s, graphs captured in %.1f s (%.2f GiB)", n,
-                 config.frame_kernel, engine.capture_s, engine.graph_memory_bytes / 2**30)
+        log.info("batched engine: %d slots, frame kernels %s, %s GEMM matrices, graphs captured in %.1f s "
+                 "(%.2f GiB)", n, config.frame_kernel, str(engine.gemm_dtype).removeprefix("torch."),
+                 engine.capture_s, engine.graph_memory_bytes / 2**30)
         return engine
     if name == "torch":
         from .engines.torch_ref import TorchEngine

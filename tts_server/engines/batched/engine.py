@@ -19,7 +19,7 @@ from .cuda_frame import scratch_bytes as cuda_frame_scratch_bytes
 from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
-from .params import fused_bytes, prepare
+from .params import fused_bytes, gemm_dtype, prepare
 from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
@@ -81,7 +81,10 @@ class BatchedEngine:
                  fused_cp: bool = True, prefill_graphs: bool = False, frame_kernel: str = "triton"):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
-        self.p = prepare(weights)
+        if frame_kernel not in FRAME_KERNELS:
+            raise ValueError(f"frame_kernel must be one of {', '.join(FRAME_KERNELS)}, got {frame_kernel!r}")
+        self.gemm_dtype = gemm_dtype(weights.codec_head.device, frame_kernel)
+        self.p = prepare(weights, dtype=self.gemm_dtype)
         dev = self.device = self.p.codec_head.device
         cfg = self.p.talker.cfg
         self.max_streams, self.max_positions, self.kv_dtype = max_streams, max_positions, kv_dtype
@@ -90,8 +93,6 @@ class BatchedEngine:
         self.kv = PagedKV(cfg, max_streams + 1, max_positions, num_blocks, block_size, kv_dtype, dev)
         self.sizes = bucket_sizes(max_streams)
         self.frame = FrameStep(self.p, self.state, self.kv, self.sizes[-1], dump_logits, fused_cp)
-        if frame_kernel not in FRAME_KERNELS:
-            raise ValueError(f"frame_kernel must be one of {', '.join(FRAME_KERNELS)}, got {frame_kernel!r}")
         self.frame_kernel = frame_kernel
         self.cuda = (CudaFrame(self.p, self.state, self.kv, self.frame, max_positions)
                      if frame_kernel != "triton" else None)
@@ -152,7 +153,8 @@ class BatchedEngine:
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
-                + fused_bytes(weights) + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
+                + fused_bytes(weights, gemm_dtype(weights.codec_head.device, frame_kernel))
+                + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
                    if graphs and kv_dtype != torch.float32 else 0)
                 + (cuda_frame_scratch_bytes(rows, max_positions) if frame_kernel != "triton" else 0))

@@ -110,7 +110,7 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                      mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
         wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
         wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
-        if TERMS == 0:  # fp16 weights (params.GEMM_DTYPE): x rounded once to fp16, one dot
+        if TERMS == 0:  # fp16 matrices (params.gemm_dtype): x rounded once to fp16, one dot
             x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
             acc = _dot(x_h, wk, acc, INTERPRET)
             if SWIGLU:
@@ -173,7 +173,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     w2 = w2.contiguous() if swiglu else w
     kind = "swiglu" if swiglu else "linear"
     bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m)
-    if w.dtype == torch.float16:  # one fp16 term (the experimental TTS_GEMM_DTYPE=fp16 weights)
+    if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
     if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (kind, n, k) in BIG_M:
         # the same bits, for many rows
