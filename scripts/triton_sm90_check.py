@@ -104,8 +104,9 @@ def main() -> int:
 
 
 def _gemms(tk_gemm) -> None:
-    """Every tuned tile (tk_gemm.warm_up's row counts), and the many-row path of the prefill."""
-    tk_gemm.warm_up(torch.device("cpu"))
+    """Every tuned tile (tk_gemm.warm_up's row counts) for bf16 and fp16 matrices, and the many-row
+    path of the prefill."""
+    tk_gemm.warm_up(torch.device("cpu"), (torch.bfloat16, torch.float16))
     for (kind, n, k) in tk_gemm.BIG_M:
         w = torch.zeros(n, k, dtype=torch.bfloat16)
         tk_gemm._gemm(torch.zeros(tk_gemm.BIG_M_MIN_ROWS, k), w, w if kind == "swiglu" else None)
@@ -118,22 +119,24 @@ def _engine(sizes, pdl) -> None:
     from tts_server.engines.contract import Admission, StepPlan
 
     w = checks.random_weights("cpu")
-    eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512)
-    h = eng.p.talker.cfg.hidden_size
-    # admissions: one short prompt, then three of mixed lengths (row prefill + first draws)
-    for lens in ((20,), (9, 45, 130)):
-        adm = tuple(Admission(i, checks.random_prompt(i, n, h), SamplingConfig(seed=i, do_sample=i % 2 == 0))
-                    for i, n in enumerate(lens))
-        eng.run(StepPlan(admit=adm))
-        for a in adm:
-            eng.release(a.slot)
-    # frames: each batch size, eagerly, with PDL as the frame graphs of small buckets have it
-    for b in sizes:
-        rows = torch.full((b,), eng.state.scratch, dtype=torch.long)
-        for on in {False, b <= 8}:
-            with pdl.scope(on):
-                eng.frame.predict(rows)
-                eng.frame.advance(rows)
+    for dtype in (torch.float16, torch.bfloat16):  # the GEMM matrices: CUDA's default, and bf16
+        eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512, gemm_dtype=dtype)
+        h = eng.p.talker.cfg.hidden_size
+        # admissions: one short prompt, then three of mixed lengths (row prefill + first draws)
+        for lens in ((20,), (9, 45, 130)):
+            adm = tuple(Admission(i, checks.random_prompt(i, n, h), SamplingConfig(seed=i, do_sample=i % 2 == 0))
+                        for i, n in enumerate(lens))
+            eng.run(StepPlan(admit=adm))
+            for a in adm:
+                eng.release(a.slot)
+        # frames: each batch size, eagerly, with PDL as the frame graphs of small buckets have it
+        for b in sizes:
+            rows = torch.full((b,), eng.state.scratch, dtype=torch.long)
+            for on in {False, b <= 8}:
+                with pdl.scope(on):
+                    eng.frame.predict(rows)
+                    eng.frame.advance(rows)
+        del eng
 
 
 def _codec(sizes) -> None:

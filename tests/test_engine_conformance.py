@@ -35,10 +35,11 @@ def _make(name: str, weights):
     dev = torch.device("cuda")
     cuda_w = bf16_rounded(weights, torch.bfloat16)
     cuda_w = type(cuda_w)(**{f: _to(getattr(cuda_w, f), dev) for f in cuda_w.__dataclass_fields__})
-    if name == "batched-cuda":
+    if name in ("batched-cuda", "batched-cuda-fp16"):
         from tts_server.engines.batched.engine import BatchedEngine
 
-        return BatchedEngine(cuda_w, SLOTS, POSITIONS, kv_dtype=torch.float32)
+        dtype = torch.float16 if name in APPROXIMATE else torch.bfloat16  # bf16: two activation terms
+        return BatchedEngine(cuda_w, SLOTS, POSITIONS, kv_dtype=torch.float32, gemm_dtype=dtype)
     if name == "megakernel":
         from tts_server.engines import megakernel
 
@@ -65,7 +66,12 @@ def _to(obj, dev):
 
 ENGINES = ["torch", "faults", "batched",
            pytest.param("batched-cuda", marks=pytest.mark.gpu),
+           pytest.param("batched-cuda-fp16", marks=pytest.mark.gpu),
            pytest.param("megakernel", marks=pytest.mark.gpu)]
+# engines whose GEMM activations are rounded to fp16 (the batched engine's CUDA default): held to
+# issue 16's accuracy bar against the fp32 reference (test_batched_engine's GPU test), not to its
+# exact greedy codes
+APPROXIMATE = {"batched-cuda-fp16"}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +110,8 @@ def engine(request, weights):
 
 def test_greedy_codes_equal_the_reference(engine, weights, prompts):
     name, eng = engine
+    if name in APPROXIMATE:
+        pytest.skip("fp16 activations: held to the teacher-forced accuracy bar, not to exact greedy codes")
     ref = TorchEngine(weights, 1, POSITIONS)
     for p in prompts:
         want = _codes(ref, [0], 8, (Admission(0, p, GREEDY),))[0]

@@ -19,7 +19,8 @@ from .cuda_frame import scratch_bytes as cuda_frame_scratch_bytes
 from .frame import TALKER_BAD_BIT, FrameStep
 from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
-from .params import fused_bytes, gemm_dtype, prepare
+from .params import fused_bytes, prepare
+from .params import gemm_dtype as default_gemm_dtype
 from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
@@ -71,19 +72,24 @@ class BatchedEngine:
     csrc/batched/), the talker step a graph; "cuda": both halves are CUDA launches (no frame graphs
     to capture). The CUDA kernels are checked on the CPU emulator (tests/test_batched_kernel.py)
     but not yet measured on a GPU, hence not the default. Each choice is batch-invariant; they
-    give different bits."""
+    give different bits. gemm_dtype: the GEMM matrices' dtype (params.gemm_dtype: fp16 on CUDA
+    with the Triton frame by default, held to issue 16's accuracy bar; bf16, two activation terms,
+    gives an fp32 reference's greedy codes)."""
 
     name = "batched"
 
     def __init__(self, weights: DecodeWeights, max_streams: int = 8, max_positions: int = 4096,
                  num_blocks: int | None = None, block_size: int = 64, kv_dtype: torch.dtype = torch.bfloat16,
                  max_trailing: int = 1024, dump_logits: bool = False, use_graphs: bool | None = None,
-                 fused_cp: bool = True, prefill_graphs: bool = False, frame_kernel: str = "triton"):
+                 fused_cp: bool = True, prefill_graphs: bool = False, frame_kernel: str = "triton",
+                 gemm_dtype: torch.dtype | None = None):
         if max_streams < 1 or max_positions < 2:
             raise ValueError("max_streams >= 1 and max_positions >= 2 required")
         if frame_kernel not in FRAME_KERNELS:
             raise ValueError(f"frame_kernel must be one of {', '.join(FRAME_KERNELS)}, got {frame_kernel!r}")
-        self.gemm_dtype = gemm_dtype(weights.codec_head.device, frame_kernel)
+        if gemm_dtype is not None and gemm_dtype != torch.bfloat16 and frame_kernel != "triton":
+            raise ValueError(f"frame_kernel {frame_kernel!r} reads bf16 GEMM matrices only")
+        self.gemm_dtype = gemm_dtype or default_gemm_dtype(weights.codec_head.device, frame_kernel)
         self.p = prepare(weights, dtype=self.gemm_dtype)
         dev = self.device = self.p.codec_head.device
         cfg = self.p.talker.cfg
@@ -127,7 +133,8 @@ class BatchedEngine:
             self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
         self.row_graphs = None
         if dev.type == "cuda":
-            ops.warm_up(dev)  # every GEMM tile of every row-count bucket
+            # every GEMM tile of every row-count bucket (the down projection is bf16 in either mode)
+            ops.warm_up(dev, tuple({torch.bfloat16, self.gemm_dtype}))
             self._warm_admissions()  # eager admission kernels compiled for every row count
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)
@@ -153,7 +160,7 @@ class BatchedEngine:
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
-                + fused_bytes(weights, gemm_dtype(weights.codec_head.device, frame_kernel))
+                + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
                 + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
                    if graphs and kv_dtype != torch.float32 else 0)

@@ -106,7 +106,8 @@ def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: to
                                  stream, embed, into)
 
 
-def warm_up(device: torch.device) -> None:
-    """Compile the GEMM tiles of every row-count bucket before serving (CUDA only)."""
+def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
+    """Compile the GEMM tiles of every row-count bucket, for matrices of each of `dtypes`, before
+    serving (CUDA only)."""
     if device.type == "cuda":
-        _kernels().warm_up(device)
+        _kernels().warm_up(device, dtypes)

@@ -68,13 +68,15 @@ def config(kind: str, n: int, k: int, m: int = 1 << 30) -> tuple:
     return tuned
 
 
-def warm_up(device: torch.device) -> None:
-    """Compile every tuned tile once (a first compile while serving stalls a step for ~1 s)."""
+def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
+    """Compile every tuned tile once for matrices of each of `dtypes` (a first compile while
+    serving stalls a step for ~1 s)."""
     for (kind, n, k) in TUNED:
-        w = torch.zeros(n, k, dtype=torch.bfloat16, device=device)
-        for m in WARM_ROWS:
-            x = torch.zeros(m, k, dtype=torch.float32, device=device)
-            _gemm(x, w, w if kind == "swiglu" else None)
+        for dtype in dtypes:
+            w = torch.zeros(n, k, dtype=dtype, device=device)
+            for m in WARM_ROWS:
+                x = torch.zeros(m, k, dtype=torch.float32, device=device)
+                _gemm(x, w, w if kind == "swiglu" else None)
 
 
 @triton.jit
