@@ -1,6 +1,7 @@
 """Batch-invariant skinny GEMMs (linear, fused SwiGLU) and RMSNorm in Triton. Each row's reduction
-order depends on (N, K) only, never on M (the tile may); fp32 activations go through two bf16
-tensor-core dots (hi + lo parts)."""
+order depends on (N, K) only, never on M (the tile may). fp32 activations meet bf16 matrices as
+two bf16 tensor-core dots (hi + lo parts), and fp16 matrices (params.gemm_dtype) as one dot of
+the activations rounded to fp16."""
 
 from __future__ import annotations
 
