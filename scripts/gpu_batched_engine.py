@@ -241,7 +241,8 @@ def memory(w, res_bench: dict) -> dict:
 
     total = torch.cuda.mem_get_info()[1]
     wb = tensor_bytes(w)
-    out = dict(device_total_bytes=total, model_weight_bytes=wb, fused_copy_bytes=fused_bytes(w, gemm_dtype("cuda", ENGINE_KW.get("frame_kernel", "triton"))),
+    fused = fused_bytes(w, gemm_dtype("cuda", ENGINE_KW.get("frame_kernel", "triton")))
+    out = dict(device_total_bytes=total, model_weight_bytes=wb, fused_copy_bytes=fused,
                graph_memory_bytes_256=res_bench.get("graph_memory_bytes", 0))
     for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         mb = lambda n: BatchedEngine.memory_bytes(n, 2048, w, kv_dtype=dt, num_blocks=1)  # noqa: E731

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Same-call A/B of the batched engine's GEMM matrix dtype (params.gemm_dtype): bf16 with fp32
 activations as two bf16 terms (TTS_GEMM_DTYPE=bf16) against fp16 with activations rounded once to
-fp16 (TTS_GEMM_DTYPE=fp16, the default on CUDA since session 21: one dot instead of two). Each variant runs in its own process (the dtype is
-read at import), on the full-size synthetic model:
+fp16 (TTS_GEMM_DTYPE=fp16, the default on CUDA since session 21: one dot instead of two). Each
+variant runs in its own process (the environment is read when the engine is built), on the
+full-size synthetic model:
 
   frames      graph-replay frame time at B 1 / 8 / 64 / 256, mixed contexts (mean 500)
   admissions  one 20-token prompt's admission + first frame (c = 1), and the GPU time of
@@ -64,7 +65,8 @@ def run_variant(out: Path, sections: set[str]) -> dict:
                         eng.release(s)
                     torch.cuda.synchronize()
                     t = time.perf_counter()
-                    eng.run(StepPlan(admit=tuple(Admission(i, p, SamplingConfig(seed=i)) for i, p in enumerate(prompts))))
+                    admit = tuple(Admission(i, p, SamplingConfig(seed=i)) for i, p in enumerate(prompts))
+                    eng.run(StepPlan(admit=admit))
                     torch.cuda.synchronize()
                     ts.append((time.perf_counter() - t) * 1e3)
                 res["admit_ms"][n] = float(np.median(ts[1:]))
@@ -80,7 +82,8 @@ def run_variant(out: Path, sections: set[str]) -> dict:
         p = checks.random_prompt(0, 12, h, device="cuda")
         res["invariance_sampled"] = checks.invariance(eng, p, SamplingConfig(seed=7), sizes=(1, 3, 17, 64), frames=32)
         log("invariance:", res["invariance_sampled"])
-    (out / f"variant-{os.environ.get('TTS_GEMM_DTYPE', 'bf16')}.json").write_text(json.dumps(res, indent=1, default=str))
+    name = os.environ.get("TTS_GEMM_DTYPE", "default")
+    (out / f"variant-{name}.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 

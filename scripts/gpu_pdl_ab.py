@@ -2,10 +2,11 @@
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
 variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket,
 each a fresh engine with its graphs captured under that setting (the GEMMs' weight tiles loaded
-before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*). Per variant: graph-replay frame time at
-B 1 / 8 / 64 / 256 (mixed contexts, median of CUDA-event-timed replays), one stream's admission +
-first frame, and the codes and hidden state of 64 and of 4 real admissions (4: a PDL bucket) over
-16 sampled frames, which must be bitwise equal across variants.
+before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*).
+Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median of
+CUDA-event-timed replays), one stream's admission + first frame, and the codes and hidden state
+of 64 and of 4 real admissions (4: a PDL bucket) over 16 sampled frames, which must be bitwise
+equal across variants.
 
   PYTHONPATH=. python3 scripts/gpu_pdl_ab.py --out $OUT
 """

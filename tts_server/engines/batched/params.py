@@ -21,7 +21,8 @@ FP16 = torch.float16
 
 def gemm_dtype(device: torch.device | str, frame_kernel: str = "triton") -> torch.dtype:
     """The dtype of the GEMM matrices: fp16 on CUDA with the Triton frame kernels, else bf16;
-    TTS_GEMM_DTYPE=bf16|fp16 decides instead (A/Bs, and the CPU interpreter's tests).
+    TTS_GEMM_DTYPE=bf16|fp16 decides instead for the Triton frame (A/Bs, the CPU interpreter's
+    tests). The CUDA frame kernels (csrc/batched/) read bf16 only, whatever the variable says.
 
     bf16: fp32 activations enter the tensor cores as two bf16 terms (16 significant bits, two
     dots per K step). fp16: the matrices converted once (exact for bf16 values of magnitude
@@ -31,14 +32,15 @@ def gemm_dtype(device: torch.device | str, frame_kernel: str = "triton") -> torc
     batch-invariant. Only products whose input is bounded go to fp16: the normed hidden states
     (q|k|v, gate|up, the heads) and attention outputs (o_proj). The MLP's down projection stays
     bf16: its input, silu(gate) * up, exceeds fp16's 65504 in the real Qwen3-TTS 0.6B code
-    predictor (~1.4e5 in its block 2, found by CrispASR's fp16 port, their issue 38). The CUDA
-    frame kernels (csrc/batched/) read bf16 only."""
+    predictor (~1.4e5 in its block 2, found by CrispASR's fp16 port, their issue 38)."""
+    if frame_kernel != "triton":
+        return BF16
     env = os.environ.get("TTS_GEMM_DTYPE")
     if env in ("bf16", "fp16"):
         return FP16 if env == "fp16" else BF16
     if env:
         raise ValueError(f"TTS_GEMM_DTYPE must be bf16 or fp16, got {env!r}")
-    return FP16 if torch.device(device).type == "cuda" and frame_kernel == "triton" else BF16
+    return FP16 if torch.device(device).type == "cuda" else BF16
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # element's reduction order is fixed by (BLOCK_K, K chunk, x terms) alone: K > chunk is split into
 # ceil(K / chunk) fixed pieces summed in order (swiglu never splits: silu needs the full sum), and
 # each piece walks K in BLOCK_K steps, x's bf16 hi part then its lo part (x terms: fp32 x as 2 or 3
-# bf16 parts). Those three depend on (kind, N, K) only, never on M, which keeps every row's bits
-# independent of the batch. BLOCK_M / BLOCK_N / warps / stages only decide which program computes
-# an element, so they may follow M (measured bitwise equal on the H100 for every candidate tile,
+# bf16 parts; fp16 matrices take x as one fp16 part instead, whatever the config says). Those three
+# depend on (kind, N, K) only, never on M, which keeps every row's bits independent of the batch.
+# BLOCK_M / BLOCK_N / warps / stages only decide which program computes an element, so they may
+# follow M (measured bitwise equal on the H100 for every candidate tile,
 # benchmarks/results/h100-gemm-tiles-*.json; the engine's invariance test crosses M buckets).
 DEFAULT = {"linear": (16, 32, 128, 4, 4, 1024, 2), "swiglu": (16, 32, 128, 4, 4, 1 << 30, 2)}
 # The 0.6B shapes on an H100: BLOCK_K / chunk / terms from the ops sweep
@@ -164,7 +165,7 @@ def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
-    """x [M, K] fp32, w (, w2) [N, K] bf16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
+    """x [M, K] fp32, w (, w2) [N, K] bf16 or fp16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
     reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
     consumer to sum in piece order (glue.add_rms does: one launch fewer)."""
     assert x.dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float16), (x.dtype, w.dtype)
