@@ -195,7 +195,13 @@ async def test_1000_random_cancellations_leave_nothing_behind(make_server):
     _assert_clean(app)
     internal = app.worker.metrics.registry.get_sample_value("tts_requests_total", {"code": "INTERNAL"})
     assert not internal, f"{internal} cancelled calls ended as INTERNAL on the server"
-    assert len(asyncio.all_tasks()) <= tasks_before
+    # tasks of the last calls may still be winding down just after the clients close (make test
+    # once saw 12 against 10 there); a leak is a count that stays above
+    for _ in range(50):
+        if len(asyncio.all_tasks()) <= tasks_before:
+            break
+        await asyncio.sleep(0.1)
+    assert len(asyncio.all_tasks()) <= tasks_before, asyncio.all_tasks()
     assert sum(outcomes.values()) == 1000
     assert {"before_first_chunk", "mid_stream", "at_last_chunk", "complete"} <= outcomes.keys()
     assert growth < 40.0, f"RSS grew {growth:.1f} MB over 800 cancelled streams"

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the batched engine runs a frame: graphs of Triton kernels (default), or "
                         "persistent CUDA launches for all streams (csrc/batched/, built by make "
                         "kernel): the code-predictor half only (cuda-predict) or both halves (cuda). "
-                        "Experimental: checked on the CPU emulator, not yet measured on a GPU")
+                        "Experimental: batch-invariant on an H100 but slower than the default at every "
+                        "batch size (BENCHMARKS.md, session 15)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
                    help="run the model and engines in a child process, fed over a socket pair, so "
                         "that their Python and the RPC event loop's do not take turns on one GIL "

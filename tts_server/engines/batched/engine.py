@@ -71,8 +71,8 @@ class BatchedEngine:
     "cuda-predict": the code-predictor half is one persistent CUDA launch (cuda_frame.py,
     csrc/batched/), the talker step a graph; "cuda": both halves are CUDA launches (no frame graphs
     to capture). The CUDA kernels are checked on the CPU emulator (tests/test_batched_kernel.py)
-    but not yet measured on a GPU, hence not the default. Each choice is batch-invariant; they
-    give different bits. gemm_dtype: the GEMM matrices' dtype (params.gemm_dtype: fp16 on CUDA
+    and, on an H100, batch-invariant but slower than the graphs at every B (BENCHMARKS.md, session
+    15), hence not the default. Each choice is batch-invariant; they give different bits. gemm_dtype: the GEMM matrices' dtype (params.gemm_dtype: fp16 on CUDA
     with the Triton frame by default, held to issue 16's accuracy bar; bf16, two activation terms,
     gives an fp32 reference's greedy codes)."""
 
