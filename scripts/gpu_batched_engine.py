@@ -183,6 +183,19 @@ def unfused_cp(w, fused: BatchedEngine, iters: int) -> dict:
     return out
 
 
+def timed_run(eng: BatchedEngine, plan: StepPlan, wait: bool = False):
+    """eng.run(plan) on an engine with every slot released first -> (host wall seconds from a
+    synchronised start, the StepOutput); wait: also until the device is idle again."""
+    for s in list(eng.positions):
+        eng.release(s)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = eng.run(plan)
+    if wait:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
 def first_frame(eng: BatchedEngine) -> dict:
     """One stream alone: admission (prefill + first code-0 draw) and its first frame in ONE run
     call, host wall time (synchronised), median of 5 after a warm-up, per prompt length."""
@@ -192,12 +205,8 @@ def first_frame(eng: BatchedEngine) -> dict:
         p = checks.random_prompt(300 + n, n, h, device="cuda")
         rows = []
         for i in range(6):
-            for s in list(eng.positions):
-                eng.release(s)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            o = eng.run(StepPlan(admit=(Admission(0, p, SamplingConfig(seed=i)),), decode=(0,)))
-            rows.append((time.perf_counter() - t, o.prefill_s, o.decode_s))
+            dt, o = timed_run(eng, StepPlan(admit=(Admission(0, p, SamplingConfig(seed=i)),), decode=(0,)))
+            rows.append((dt, o.prefill_s, o.decode_s))
         med = np.median(np.array(rows[1:]) * 1e3, axis=0)
         out[n] = dict(total_ms=med[0], prefill_ms=med[1], first_frame_ms=med[2])
         log(f"first frame, prompt {n}: {out[n]}")

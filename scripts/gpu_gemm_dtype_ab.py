@@ -35,7 +35,7 @@ def run_variant(out: Path, sections: set[str]) -> dict:
     import numpy as np
     import torch
 
-    from gpu_batched_engine import fake_admit, first_frame, load_weights, log, time_replays
+    from gpu_batched_engine import fake_admit, first_frame, load_weights, log, time_replays, timed_run
     from tts_server.api import SamplingConfig
     from tts_server.engines.batched import checks, params
     from tts_server.engines.batched.engine import BatchedEngine
@@ -59,16 +59,8 @@ def run_variant(out: Path, sections: set[str]) -> dict:
             res["admit_ms"] = {}
             for n in (64, 160):
                 prompts = [checks.random_prompt(700 + i, 8 + (i * 13) % 40, h, device="cuda") for i in range(n)]
-                ts = []
-                for rep in range(4):
-                    for s in list(eng.positions):
-                        eng.release(s)
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    admit = tuple(Admission(i, p, SamplingConfig(seed=i)) for i, p in enumerate(prompts))
-                    eng.run(StepPlan(admit=admit))
-                    torch.cuda.synchronize()
-                    ts.append((time.perf_counter() - t) * 1e3)
+                admit = tuple(Admission(i, p, SamplingConfig(seed=i)) for i, p in enumerate(prompts))
+                ts = [timed_run(eng, StepPlan(admit=admit), wait=True)[0] * 1e3 for _ in range(4)]
                 res["admit_ms"][n] = float(np.median(ts[1:]))
                 log(f"admit {n} prompts: {res['admit_ms'][n]:.2f} ms (runs {', '.join(f'{t:.2f}' for t in ts)})")
         del eng

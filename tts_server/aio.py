@@ -1,8 +1,8 @@
 """The servers' event loop: uvloop where it is installed, else asyncio's; `--event-loop asyncio`
 keeps asyncio's. With the servicer and a stand-in engine in one process, uvloop took ~12% less
 event-loop CPU per call and a 256-call burst's first audio came ~20% sooner (this repo's 2-core
-machine; through the engine-process server there, and at one stream, no difference showed:
-BENCHMARKS.md). Not yet measured on a GPU host."""
+machine). On an H100 host (session 21, same-host A/B) a 256-stream burst's first audio p50 / p95
+fell from 193 / 248 to 151 / 223 ms, one stream unchanged (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
