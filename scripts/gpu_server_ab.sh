@@ -5,7 +5,8 @@
 # both started at once on the full-size synthetic model (--max-streams 256 each: two fit on an
 # 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests; ROUNDS times,
 # default 1, alternating the trees, for changes smaller than one run's spread), then STREAMS
-# (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes (STREAMS=0: none).
+# (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes (STREAMS=0: none),
+# BURST_ROUNDS times (default 1), alternating the trees.
 # Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
@@ -55,12 +56,15 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
   done
 done
 [ "$STREAMS" = 0 ] && BENCH_PROCS=""
-for procs in ${BENCH_PROCS//,/ }; do
-  for tree in base new; do
-    port=$([ $tree = base ] && echo 50081 || echo 50082)
-    echo "== $tree c=$STREAMS, $procs load processes"
-    bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
-      --max-duration 6 --fixed-duration --processes "$procs" --json "$R/cN-$tree-p$procs.json"
+for round in $(seq 1 "${BURST_ROUNDS:-1}"); do
+  for procs in ${BENCH_PROCS//,/ }; do
+    for tree in base new; do
+      port=$([ $tree = base ] && echo 50081 || echo 50082)
+      name=$tree-p$procs$([ "${BURST_ROUNDS:-1}" = 1 ] || echo "-r$round")
+      echo "== $name c=$STREAMS, $procs load processes"
+      bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
+        --max-duration 6 --fixed-duration --processes "$procs" --json "$R/cN-$name.json"
+    done
   done
 done
 kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null

@@ -90,7 +90,8 @@ class Worker:
         self.scheduler = Scheduler(SchedulerConfig(
             max_streams=self.max_streams, frame_s=self.frame_s, chunk_frames=config.chunk_frames,
             max_queue_wait_s=config.max_queue_wait_s, max_buffer_s=config.max_buffer_s,
-            preroll_s=config.player_preroll_ms / 1e3))
+            preroll_s=config.player_preroll_ms / 1e3,
+            sit_out=os.environ.get("TTS_SIT_OUT", "1") != "0"))  # 0: every runnable stream steps (A/B)
         self.watchdog_s = config.watchdog_s
         self.texts = TextFeeder(self.preparer, engine, config.idle_text_timeout_s, config.max_text_chars,
                                 codec.samples_per_frame, codec.sample_rate, self.frame_s)
@@ -459,7 +460,7 @@ class Worker:
         leads = [s.lead_s(t0, frame_s) for s in plan.step]
         leads = [x for x in leads if x != float("inf")]
         rec = dict(t=round(t0 - self._trace_t0, 4), dt=round(dt, 5), admit=num_admitted, step=len(plan.step),
-                   waiting=len(self.scheduler.waiting), admit_s=round(self._admit_s, 5),
+                   sat_out=plan.sat_out, waiting=len(self.scheduler.waiting), admit_s=round(self._admit_s, 5),
                    min_lead=round(min(leads), 4) if leads else None, **self._trace_rec)
         self._trace_rec = {}
         self._trace.write(json.dumps(rec) + "\n")

@@ -30,6 +30,10 @@ class SchedulerConfig:
     margin_s: float = 0.04  # kept free of prefill work below the most urgent stream's deadline
     preroll_s: float = 0.2  # audio a player buffers before it starts playing (--player-preroll-ms)
     max_admit_per_step: int = 256
+    # a step that admits requests leaves out running streams whose players are still pre-rolling
+    # with time to spare (see `sit_outs`), so that the admitted ones' first frames come sooner
+    sit_out: bool = True
+    sit_out_safety: float = 1.5  # the spare a stream leaving a step out keeps: this x the two steps' cost
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Plan:
 
     admit: list[tuple[StreamHandle, int]]
     step: list[Stream]
+    sat_out: int = 0  # runnable streams left out of this step for its admissions (`sit_outs`)
 
 
 class Scheduler:
@@ -125,7 +130,30 @@ class Scheduler:
         admit = [(h, self.take_slot()) for h in (self.ready()[:n] if n else ())]
         for h, _ in admit:
             self.waiting.remove(h)
-        return Plan(admit=admit, step=self.runnable())
+        step = self.runnable()
+        out = self.sit_outs(step, len(admit), now, prefill_cost, step_s) if admit else set()
+        return Plan(admit=admit, step=[s for s in step if s.slot not in out], sat_out=len(out))
+
+    def sit_outs(self, runnable: list[Stream], num_admit: int, now: float, prefill_cost, step_s) -> set[int]:
+        """The slots of running streams that can leave out a step admitting `num_admit` requests.
+
+        In a burst of new calls, every running stream is young, and each admission step also
+        makes a frame for all of them: 100+ streams' frames and codec steps in front of the new
+        ones' first audio. A stream whose player is still pre-rolling (its first chunk less than
+        `preroll_s` ago: the player plays nothing yet) whose player has more than `sit_out_safety`
+        x (this step + the next one) of audio to spare can skip this step. Its player loses nothing it needs, its audio is the same (frames never depend
+        on when they are made), and it steps again in the next step. A stream without a first
+        chunk never sits out (its first audio is what it waits for), nor one whose player is
+        playing: those keep their whole lead for hiccups."""
+        cfg = self.cfg
+        if not cfg.sit_out or not runnable:
+            return set()
+        step = step_s if callable(step_s) else (lambda b: step_s)
+        this = prefill_cost(num_admit) + step(len(runnable) + num_admit)  # an upper bound: all step
+        need = cfg.sit_out_safety * (this + step(len(runnable) + num_admit))
+        return {s.slot for s in runnable
+                if s.first_chunk_at is not None and now - s.first_chunk_at < cfg.preroll_s
+                and s.lead_s(now, cfg.frame_s) + cfg.preroll_s - cfg.margin_s > need}
 
     # ---- chunking -------------------------------------------------------------------------
     def chunk_due(self, stream: Stream, now: float) -> bool:
