@@ -6,7 +6,8 @@
 # 80 GB H100), then benchmarked one at a time, interleaved: c = 1 (30 requests; ROUNDS times,
 # default 1, alternating the trees, for changes smaller than one run's spread), then STREAMS
 # (256) concurrent 6 s streams from each BENCH_PROCS (1,8) load processes (STREAMS=0: none),
-# BURST_ROUNDS times (default 1), alternating the trees.
+# BURST_ROUNDS times (default 1), alternating the trees; then RPS (e.g. "20,60": open-loop Poisson
+# arrivals, 200 requests each, RPS_ROUNDS times, default 1; none by default).
 # Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
@@ -64,6 +65,18 @@ for round in $(seq 1 "${BURST_ROUNDS:-1}"); do
       echo "== $name c=$STREAMS, $procs load processes"
       bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
         --max-duration 6 --fixed-duration --processes "$procs" --json "$R/cN-$name.json"
+    done
+  done
+done
+RPS=${RPS:-}
+for round in $(seq 1 "${RPS_ROUNDS:-1}"); do
+  for rate in ${RPS//,/ }; do
+    for tree in base new; do
+      port=$([ $tree = base ] && echo 50081 || echo 50082)
+      name=$tree-rps$rate$([ "${RPS_ROUNDS:-1}" = 1 ] || echo "-r$round")
+      echo "== $name"
+      bench --address 127.0.0.1:$port --concurrency "" --rps "$rate" --requests 200 --warmup 0 --workload english \
+        --max-duration 20 --json "$R/rps-$name.json"
     done
   done
 done
