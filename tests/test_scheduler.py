@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -231,6 +232,7 @@ def test_pre_rolling_streams_with_time_to_spare_leave_an_admission_step_out():
     sch.add(fresh)  # no first chunk yet
     sch.waiting.extend(FakeHandle(submitted_at=1.0) for _ in range(4))
     step = StepCost(base_s=0.02, each_s=0.0)
+    sch.cfg = dataclasses.replace(sch.cfg, sit_out_min_admit=4)
     plan = sch.plan(1.0, per(0.01), step_s=step)  # this step ~60 ms, the next 20: 1.5 x 80 = 120 ms
     assert len(plan.admit) == 4 and plan.sat_out == 1
     assert {s.slot for s in plan.step} == {tight.slot, playing.slot, fresh.slot}
@@ -238,6 +240,10 @@ def test_pre_rolling_streams_with_time_to_spare_leave_an_admission_step_out():
     # without admissions every runnable stream steps
     plan = sch.plan(1.0, per(0.01), step_s=step)
     assert not plan.admit and plan.sat_out == 0 and len(plan.step) == 4
+    # ...and in a step admitting fewer than sit_out_min_admit (steady traffic, not a burst)
+    sch.waiting.extend(FakeHandle(submitted_at=1.0) for _ in range(3))
+    plan = sch.plan(1.0, per(0.001), step_s=step)
+    assert len(plan.admit) == 3 and plan.sat_out == 0 and len(plan.step) == 4
 
 
 def test_sit_outs_can_be_turned_off():
