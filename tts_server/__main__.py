@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--player-preroll-ms", type=float, default=d.player_preroll_ms,
                    help="audio a client's player buffers before playing (default %(default)g): new "
                         "requests are admitted only as fast as every running stream keeps that "
-                        "much ahead; lower it for players with a smaller jitter buffer")
+                        "much ahead, and in a burst of new calls, streams whose players are still "
+                        "pre-rolling sit out admission steps; lower it for players with a smaller "
+                        "jitter buffer (0: a player that plays the first byte at once)")
     p.add_argument("--idle-text-timeout-s", type=float, default=d.idle_text_timeout_s,
                    help="end a StreamSynthesize context that got no text and no end for this long")
     p.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s,
