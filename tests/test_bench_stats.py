@@ -77,6 +77,12 @@ def test_record_metrics_from_trace():
     assert rec.rtf == pytest.approx(0.3 / 0.24) and rec.num_chunks == 2
     assert rec.underruns == 1 and rec.stall_ms == pytest.approx(120)  # dry at 0.18, next at 0.30
     assert rec.chunk_arrival_ms == [100.0, 300.0] and rec.chunk_audio_ms == [80.0, 160.0]
+    assert rec.underruns_no_preroll == 1 and rec.stall_ms_no_preroll == pytest.approx(120)
+    rec.add_trace([0.1, 0.3], [0.08, 0.16], 0.3, preroll_s=0.2)  # plays from 0.3: the second chunk is in time
+    assert rec.underruns == 0 and rec.stall_ms == 0
+    assert rec.underruns_no_preroll == 1 and rec.stall_ms_no_preroll == pytest.approx(120)
+    a = aggregate([rec])
+    assert a["stall_ms_max"] == 0 and a["stall_ms_no_preroll_max"] == pytest.approx(120)
 
 
 def test_aggregate_rates_errors_and_underrun_rate():

@@ -334,7 +334,8 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
              f"OpenAI-compatible API, streamed PCM, one connection per stream); {len(items)} requests per level (same "
              f"texts and seeds at every level), {a.warmup} warm-up; TTFC = client send -> first audio "
              f"bytes; RTF = client wall / audio s; underrun = a player started {a.preroll_ms:.0f} ms after "
-             "the first chunk (@0ms: at the first chunk) runs dry; capacity = the largest level with "
+             "the first chunk (@0ms: at the first chunk) runs dry, stall max its longest total stall per "
+             "request (then @0ms again); capacity = the largest level with "
              "every request OK and zero underruns; qwen-tts is non-streaming, so its TTFC is the whole "
              "utterance",
              f"caps: max_duration_s = min(spoken length, {a.max_duration:g} s) per request, sent explicitly "

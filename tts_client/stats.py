@@ -64,6 +64,7 @@ class RequestRecord:
     underruns: int = 0  # at the run's pre-roll
     stall_ms: float = 0.0
     underruns_no_preroll: int = 0  # a player that starts at the first chunk
+    stall_ms_no_preroll: float = 0.0  # ...and its total stall
     lag_ms: float = 0.0  # open loop: actual send time - scheduled arrival (the load generator's lag)
     first_audio: dict = field(default_factory=dict)  # server-side breakdown of the TTFC (ms)
     chunk_arrival_ms: list[float] = field(default_factory=list)
@@ -80,7 +81,8 @@ class RequestRecord:
         self.rtf = wall_s / self.audio_s if self.audio_s else None
         self.underruns, stall = underruns(arrivals_s, durations_s, preroll_s)
         self.stall_ms = stall * 1000
-        self.underruns_no_preroll = underruns(arrivals_s, durations_s, 0.0)[0]
+        self.underruns_no_preroll, stall0 = underruns(arrivals_s, durations_s, 0.0)
+        self.stall_ms_no_preroll = stall0 * 1000
 
 
 def aggregate(records: list[RequestRecord]) -> dict:
@@ -104,6 +106,8 @@ def aggregate(records: list[RequestRecord]) -> dict:
     out["underruns_mean"] = sum(r.underruns for r in ok) / len(ok) if ok else None
     out["stall_ms_p95"] = percentile([r.stall_ms for r in ok], 95)
     out["stall_ms_max"] = max((r.stall_ms for r in ok), default=None)
+    out["stall_ms_no_preroll_p95"] = percentile([r.stall_ms_no_preroll for r in ok], 95)
+    out["stall_ms_no_preroll_max"] = max((r.stall_ms_no_preroll for r in ok), default=None)
     out["lag_ms_p95"] = percentile([r.lag_ms for r in records], 95)
     # first audio outside the server's own timer: the call reaching its handler (connection,
     # HTTP/2, the server's accept loop) and the first chunk reaching the client. Growing with
@@ -174,7 +178,7 @@ def _fmt(v, spec: str = ".0f") -> str:
 def format_table(levels: list[dict]) -> str:
     """A fixed-width table, one row per (system, concurrency)."""
     head = (f"{'system':<9}{'c|rps':>6}{'ok/n':>9}{'TTFC p50':>10}{'p95':>8}{'p99':>8}{'srv p50':>9}"
-            f"{'RTF p50':>9}{'p95':>7}{'underrun':>9}{'@0ms':>6}{'stall max':>10}{'xRT agg':>9}"
+            f"{'RTF p50':>9}{'p95':>7}{'underrun':>9}{'@0ms':>6}{'stall max':>10}{'@0ms':>6}{'xRT agg':>9}"
             f"{'frames/s':>10}{'tok/s':>8}  errors")
     rows = [head, "-" * len(head)]
     for a in levels:
@@ -186,7 +190,7 @@ def format_table(levels: list[dict]) -> str:
             f"{_fmt(a['ttfc_ms_p50']):>10}{_fmt(a['ttfc_ms_p95']):>8}{_fmt(a['ttfc_ms_p99']):>8}"
             f"{_fmt(a['server_ttfc_ms_p50']):>9}{_fmt(a['rtf_p50'], '.3f'):>9}{_fmt(a['rtf_p95'], '.2f'):>7}"
             f"{_fmt(rate, '.0f') + '%':>9}{_fmt(rate0, '.0f') + '%':>6}{_fmt(a['stall_ms_max']):>10}"
-            f"{_fmt(a['audio_s_per_s'], '.2f'):>9}"
+            f"{_fmt(a.get('stall_ms_no_preroll_max')):>6}{_fmt(a['audio_s_per_s'], '.2f'):>9}"
             f"{_fmt(a['frames_per_s'], '.1f'):>10}{_fmt(a['codec_tokens_per_s'], '.0f'):>8}  {errors}")
     return "\n".join(rows)
 
