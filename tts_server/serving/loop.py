@@ -40,11 +40,11 @@ from ..engines.contract import Admission, StepOutput, StepPlan
 from ..metrics import Metrics
 from .prepare import RequestPreparer
 from .scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
+from .streams import Stream, StreamHandle
+from .text_feed import TextFeeder
 
 PREPARE_AHEAD_BATCH = 16  # prompts built ahead per busy() check (~1 ms of host time on an H100 host)
 PREPARE_AHEAD_MAX = 256  # ...and per step (16 batches: prompt.py's _Staging has 32 buffers)
-from .streams import Stream, StreamHandle
-from .text_feed import TextFeeder
 
 log = logging.getLogger(__name__)
 

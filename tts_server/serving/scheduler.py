@@ -141,11 +141,12 @@ class Scheduler:
         In a burst of new calls, every running stream is young, and each admission step also
         makes a frame for all of them: 100+ streams' frames and codec steps in front of the new
         ones' first audio. A stream whose player is still pre-rolling (its first chunk less than
-        `preroll_s` ago: the player plays nothing yet) whose player has more than `sit_out_safety`
-        x (this step + the next one) of audio to spare can skip this step. Its player loses nothing it needs, its audio is the same (frames never depend
-        on when they are made), and it steps again in the next step. A stream without a first
-        chunk never sits out (its first audio is what it waits for), nor one whose player is
-        playing: those keep their whole lead for hiccups.
+        `preroll_s` ago: the player plays nothing yet) and has more than `sit_out_safety` x
+        (this step + the next one) of audio to spare can skip this step. Its player loses
+        nothing it needs, its audio is the same (frames never depend on when they are made), and
+        it is considered again at the next step. A stream without a first chunk never sits out
+        (its first audio is what it waits for), nor one whose player is playing: those keep
+        their whole lead for hiccups.
 
         Only in a burst (`sit_out_min_admit` admissions or more in the step): in open-loop
         traffic (20 and 60 requests/s on an H100: 1-6 admissions a step) leaving young streams
