@@ -299,3 +299,18 @@ def test_in_a_burst_sit_outs_bring_the_last_first_audio_forward_and_no_player_ru
     p95 = lambda xs: xs[int(0.95 * (len(xs) - 1))]  # noqa: E731
     assert new_worst > 0.04 and base_worst > 0.04  # every player kept audio (200 ms pre-roll)
     assert p95(new) < p95(base) - 0.01 and new[-1] < base[-1] - 0.01, (p95(base), p95(new))
+
+
+def test_no_sit_outs_for_players_without_pre_roll():
+    """--player-preroll-ms 0 (a player that plays the first byte at once): nobody sits out."""
+    sch = make(max_streams=64, preroll_s=0.0)
+    for _ in range(8):
+        young(sch, now=1.0, frames=10, age_s=0.0)  # 800 ms ahead, first chunk just out
+    sch.waiting.extend(FakeHandle(submitted_at=1.0) for _ in range(20))
+    plan = sch.plan(1.0, per(0.0001), step_s=0.001)
+    assert len(plan.admit) == 20 and plan.sat_out == 0 and len(plan.step) == 8
+    sch2 = make(max_streams=64, preroll_s=0.2)  # the same with the default pre-roll: they sit out
+    for _ in range(8):
+        young(sch2, now=1.0, frames=10, age_s=0.0)
+    sch2.waiting.extend(FakeHandle(submitted_at=1.0) for _ in range(20))
+    assert sch2.plan(1.0, per(0.0001), step_s=0.001).sat_out == 8
