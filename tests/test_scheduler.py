@@ -247,11 +247,12 @@ def test_pre_rolling_streams_with_time_to_spare_leave_an_admission_step_out():
 
 
 def test_sit_outs_can_be_turned_off():
-    sch = make(max_streams=8, preroll_s=0.2, sit_out=False)
-    young(sch, now=1.0, frames=3, age_s=0.01)
-    sch.waiting.append(FakeHandle(submitted_at=1.0))
-    plan = sch.plan(1.0, per(0.001), step_s=0.001)
-    assert plan.sat_out == 0 and len(plan.step) == 1 and len(plan.admit) == 1
+    for on in (True, False):  # TTS_SIT_OUT=0
+        sch = make(max_streams=8, preroll_s=0.2, sit_out=on, sit_out_min_admit=1)
+        young(sch, now=1.0, frames=3, age_s=0.01)
+        sch.waiting.append(FakeHandle(submitted_at=1.0))
+        plan = sch.plan(1.0, per(0.001), step_s=0.001)
+        assert len(plan.admit) == 1 and plan.sat_out == int(on) and len(plan.step) == 1 - int(on)
 
 
 def simulate_burst(sit_out: bool, n=256, per_ms=3.2, preroll_s=0.2):
