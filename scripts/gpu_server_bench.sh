@@ -7,7 +7,8 @@
 #      200 ms pre-roll (target: none) and TTFC p95 (target <= 150 ms) (STREAMS=0: skipped); BENCH_PROCS (default 1):
 #      load processes for that level (tts-bench --processes), so that the client's own event loop
 #      does not spread the sends and delay the reads; a list (1,8) runs the level once per value
-#      (cN.json for the first, cN-procsK.json for the others);
+#      (cN.json for the first, cN-procsK.json for the others); BURST_ROUNDS (default 1) repeats
+#      them (cN-rR.json, cN-procsK-rR.json for rounds R >= 2);
 #   3. open loop, Poisson arrivals at RPS (default 10,20,40) requests/s, English prompts of 5-40
 #      words: TTFA p95 (target <= 40 ms at 20) and the highest rate with zero underruns;
 #      RPS_REQUESTS (default 200) requests per level, or a list, one count per level (rps-R.json each).
@@ -47,12 +48,16 @@ phase() { echo "== $* == $(date +%s.%N)"; }  # the unix time lines the phases up
   bench --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 --json "$OUT/c1.json"
   first=1
   [ "$STREAMS" = 0 ] && BENCH_PROCS=  # STREAMS=0: no closed-loop level
-  for procs in ${BENCH_PROCS//,/ }; do  # BENCH_PROCS=1,8: the same level from 1 then 8 load processes
-    phase "c=$STREAMS x ${DURATION}s, $procs load processes"
-    [ $first = 1 ] && json=cN.json || json=cN-procs$procs.json
-    bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
-      --max-duration "$DURATION" --fixed-duration --processes "$procs" --json "$OUT/$json"
-    first=0
+  for round in $(seq 1 "${BURST_ROUNDS:-1}"); do  # a burst's p95 moves by tens of ms between runs
+    for procs in ${BENCH_PROCS//,/ }; do  # BENCH_PROCS=1,8: the same level from 1 then 8 load processes
+      phase "c=$STREAMS x ${DURATION}s, $procs load processes, round $round"
+      [ $first = 1 ] && json=cN.json || json=cN-procs$procs.json
+      [ "$round" = 1 ] || json=${json%.json}-r$round.json
+      bench --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
+        --max-duration "$DURATION" --fixed-duration --processes "$procs" --json "$OUT/$json"
+      first=0
+    done
+    first=1
   done
   if [ -n "$RPS" ] && [[ "${RPS_REQUESTS:-200}" == *,* ]]; then  # a request count per level: one run each
     IFS=, read -ra rates <<< "$RPS"; IFS=, read -ra counts <<< "$RPS_REQUESTS"
