@@ -45,11 +45,12 @@ echo "both SERVING after $SECONDS s"
 if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equal bytes?
   echo "== same bytes? $(timeout 300 $PY scripts/compare_servers.py 127.0.0.1:50081 127.0.0.1:50082)"
 fi
+port_of() { [ "$1" = base ] && echo 50081 || echo 50082; }
 bench() { timeout 120 $PY -m tts_client.bench --transport grpc --no-progress "$@" 2>&1 \
   | grep -E "^(grpc|first audio)"; }
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for tree in base new; do
-    port=$([ $tree = base ] && echo 50081 || echo 50082)
+    port=$(port_of $tree)
     name=$tree$([ "${ROUNDS:-1}" = 1 ] || echo "-r$round")
     echo "== $name c=1"
     bench --address 127.0.0.1:$port --concurrency 1 --requests 30 --warmup 3 --workload english --max-duration 2 \
@@ -60,7 +61,7 @@ done
 for round in $(seq 1 "${BURST_ROUNDS:-1}"); do
   for procs in ${BENCH_PROCS//,/ }; do
     for tree in base new; do
-      port=$([ $tree = base ] && echo 50081 || echo 50082)
+      port=$(port_of $tree)
       name=$tree-p$procs$([ "${BURST_ROUNDS:-1}" = 1 ] || echo "-r$round")
       echo "== $name c=$STREAMS, $procs load processes"
       bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
@@ -72,7 +73,7 @@ RPS=${RPS:-}
 for round in $(seq 1 "${RPS_ROUNDS:-1}"); do
   for rate in ${RPS//,/ }; do
     for tree in base new; do
-      port=$([ $tree = base ] && echo 50081 || echo 50082)
+      port=$(port_of $tree)
       name=$tree-rps$rate$([ "${RPS_ROUNDS:-1}" = 1 ] || echo "-r$round")
       echo "== $name"
       bench --address 127.0.0.1:$port --concurrency "" --rps "$rate" --requests 200 --warmup 0 --workload english \

@@ -376,13 +376,13 @@ class Worker:
                 self._end(handle, None, FinishReason.CANCELLED)
             else:
                 live.append((handle, slot))
+        ahead = [h for h, _ in live if h.prepared is not None]  # built while the device ran an earlier step
         whole = [h for h, _ in live if not h.request.incremental and h.prepared is None]
         texts = [h for h, _ in live if h.request.incremental]
         t0 = time.monotonic()
         try:
             built = dict(zip(whole, self.preparer.prepare_many([h.request for h in whole],
                                                                [h.text_ids for h in whole]))) if whole else {}
-            ahead = [h for h, _ in live if h.prepared is not None]  # built while the device ran an earlier step
             for h in ahead:
                 built[h], h.prepared = h.prepared, None
             self.prepared_ahead += len(ahead)
@@ -395,7 +395,7 @@ class Worker:
             built = {h: e for h, _ in live}
         if self._trace is not None:  # prompts + codec reset of the whole step
             self._trace_rec["prompts_s"] = round(time.monotonic() - t0, 5)
-            self._trace_rec["ahead"] = sum(1 for h, _ in live if not h.request.incremental) - len(whole)
+            self._trace_rec["ahead"] = len(ahead)
         out = (self._prepare(h, s, now, built[h]) for h, s in live)
         return [a for a in out if a is not None]
 

@@ -112,7 +112,7 @@ class Scheduler:
         spare = lead + self.cfg.preroll_s - self.cfg.margin_s + 1e-9  # rounding
         if math.isinf(spare):
             return room
-        step = step_s if callable(step_s) else (lambda b: step_s)
+        step = _per_streams(step_s)
         cost = lambda n: prefill_cost(n) + step(len(running) + n)  # noqa: E731
         if spare < cost(1):
             # a server that cannot protect its running streams still serves its queue: one
@@ -155,7 +155,7 @@ class Scheduler:
         cfg = self.cfg
         if not cfg.sit_out or not runnable or num_admit < cfg.sit_out_min_admit:
             return set()
-        step = step_s if callable(step_s) else (lambda b: step_s)
+        step = _per_streams(step_s)
         this = prefill_cost(num_admit) + step(len(runnable) + num_admit)  # an upper bound: all step
         need = cfg.sit_out_safety * (this + step(len(runnable) + num_admit))
         return {s.slot for s in runnable
@@ -186,6 +186,11 @@ class Scheduler:
             # for text (idle timeouts)
             timeouts.append(0.05)
         return min(timeouts) if timeouts else None
+
+
+def _per_streams(step_s):
+    """A step-cost argument as a function of the stream count (a number: the same for any)."""
+    return step_s if callable(step_s) else (lambda b: step_s)
 
 
 @dataclass
