@@ -107,9 +107,10 @@ def _gemms(tk_gemm) -> None:
     """Every tuned tile (tk_gemm.warm_up's row counts) for bf16 and fp16 matrices, and the many-row
     path of the prefill."""
     tk_gemm.warm_up(torch.device("cpu"), (torch.bfloat16, torch.float16))
-    for (kind, n, k) in tk_gemm.BIG_M:
-        w = torch.zeros(n, k, dtype=torch.bfloat16)
-        tk_gemm._gemm(torch.zeros(tk_gemm.BIG_M_MIN_ROWS, k), w, w if kind == "swiglu" else None)
+    for dtype, terms in ((torch.bfloat16, 2), (torch.float16, 0)):
+        for (kind, n, k) in tk_gemm.big_m_tiles(terms):
+            w = torch.zeros(n, k, dtype=dtype)
+            tk_gemm._gemm(torch.zeros(tk_gemm.big_m_min_rows(terms), k), w, w if kind == "swiglu" else None)
 
 
 def _engine(sizes, pdl) -> None:

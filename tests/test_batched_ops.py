@@ -308,26 +308,35 @@ def check_embed_sum(dev: str) -> None:
 
 def check_gemm_big(dev: str) -> None:
     """tk_gemm.gemm_big (x split once, the K pieces summed in the program) is `_gemm`'s value bit
-    for bit, for every talker product (CPU: a small tile; GPU: the many-row route of `_gemm`)."""
+    for bit, for every talker product, with bf16 and fp16 matrices (CPU: a small tile; GPU: the
+    many-row route of `_gemm` where it has a tile for the shape, else gemm_big's default tile)."""
     from tts_server.engines.batched import tk_gemm
 
     g = _gen(7)
-    for kind, n, k in (("linear", 4096, 1024), ("linear", 1024, 2048), ("swiglu", 3072, 1024), ("linear", 1024, 3072)):
-        m = 37 if dev == "cpu" else 2 * tk_gemm.BIG_M_MIN_ROWS + 5
-        x = torch.randn(m, k, generator=g).to(dev)
-        w = (torch.randn(n, k, generator=g) * 0.03).to(dev, torch.bfloat16)
-        w2 = (torch.randn(n, k, generator=g) * 0.03).to(dev, torch.bfloat16) if kind == "swiglu" else None
-        if dev == "cpu":
-            got = tk_gemm.gemm_big(x, w, w2, tile=(32, 64, 4, 2))
-        else:
-            assert (kind, n, k) in tk_gemm.BIG_M
-            got = tk_gemm._gemm(x, w, w2)  # routed through gemm_big
-        saved, tk_gemm.BIG_M_MIN_ROWS = tk_gemm.BIG_M_MIN_ROWS, 1 << 30
-        try:
-            want = tk_gemm._gemm(x, w, w2)
-        finally:
-            tk_gemm.BIG_M_MIN_ROWS = saved
-        assert torch.equal(got, want), (kind, n, k, (got - want).abs().max())
+    for dtype, terms in ((torch.bfloat16, 2), (torch.float16, 0)):
+        shapes = (("linear", 4096, 1024), ("linear", 1024, 2048), ("swiglu", 3072, 1024), ("linear", 1024, 3072))
+        if dev == "cpu":  # narrow matrices (the interpreter is slow), K of 1, 2 and 3 pieces
+            shapes = (("linear", 64, 1024), ("linear", 32, 2048), ("swiglu", 48, 1024), ("linear", 32, 3072))
+        for kind, n, k in shapes:
+            m = 37 if dev == "cpu" else 2 * tk_gemm.big_m_min_rows(terms) + 5
+            x = torch.randn(m, k, generator=g).to(dev)
+            w = (torch.randn(n, k, generator=g) * 0.03).to(dev, dtype)
+            w2 = (torch.randn(n, k, generator=g) * 0.03).to(dev, dtype) if kind == "swiglu" else None
+            if dev == "cpu":  # `_gemm`'s own tile: the interpreter's dots (numpy) round by their shapes
+                bm, bn, _, warps, stages = tk_gemm.config(kind, n, k, m)[:5]
+                got = tk_gemm.gemm_big(x, w, w2, tile=(bm, bn, warps, stages))
+            elif (kind, n, k) in tk_gemm.big_m_tiles(terms):
+                got = tk_gemm._gemm(x, w, w2)  # routed through gemm_big
+            else:
+                assert dtype == torch.float16, "every bf16 talker product has a many-row tile"
+                got = tk_gemm.gemm_big(x, w, w2)
+            saved = tk_gemm.BIG_M_MIN_ROWS, tk_gemm.BIG_M_FP16_MIN_ROWS
+            tk_gemm.BIG_M_MIN_ROWS = tk_gemm.BIG_M_FP16_MIN_ROWS = 1 << 30
+            try:
+                want = tk_gemm._gemm(x, w, w2)
+            finally:
+                tk_gemm.BIG_M_MIN_ROWS, tk_gemm.BIG_M_FP16_MIN_ROWS = saved
+            assert torch.equal(got, want), (dtype, kind, n, k, (got - want).abs().max())
 
 
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:

@@ -84,9 +84,12 @@ def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     # bf16 [BM, BK] @ bf16 [BK, BN] + fp32 acc; the interpreter's bf16 dot multiplies raw bits, so
-    # there the exact bf16 values go through an fp32 ("ieee") dot instead
+    # there the exact bf16 (fp16) values go through an fp64 dot (numpy's; products exact, the sum
+    # of a K step exact for such values) added to acc and rounded once: an element's value does
+    # not depend on the tile's shape (numpy's fp32 matmul, OpenBLAS 0.3.31, rounds by shape)
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        d = tl.dot(a.to(tl.float64), b.to(tl.float64), tl.zeros(acc.shape, tl.float64), input_precision="ieee")
+        return (d + acc.to(tl.float64)).to(tl.float32)
     return tl.dot(a, b, acc)
 
 
@@ -179,7 +182,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m)
     if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
-    if m >= BIG_M_MIN_ROWS and terms == 2 and not OVERRIDE and (kind, n, k) in BIG_M:
+    if m >= big_m_min_rows(terms) and not OVERRIDE and (kind, n, k) in big_m_tiles(terms):
         # the same bits, for many rows
         out = gemm_big(x, w, w2 if swiglu else None)
         return out if reduce else out[None]
@@ -238,12 +241,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---- many rows (the prefill): x split once, K pieces summed in the program ----------------------
-# The same value as `_gemm` + its split sum, bit for bit: x's bf16 hi / lo parts are computed
-# once (`_split_kernel`, the same roundings as `_gemm_kernel`'s) instead of once per output tile,
-# and one program walks all of an output tile's K pieces, each from a zero accumulator over
-# BLOCK_K steps (hi dot then lo dot), adding the pieces in order as `_sum_splits_kernel` and
-# `add_rms` do. For M in the thousands the split buys no parallelism, and its partial products
-# cost a write and a read of SPLIT x M x N fp32. 2-term configs only.
+# The same value as `_gemm` + its split sum, bit for bit: x's bf16 hi / lo parts (fp16 matrices:
+# x rounded to fp16, one part) are computed once (`_split_kernel`, the same roundings as
+# `_gemm_kernel`'s) instead of once per output tile, and one program walks all of an output
+# tile's K pieces, each from a zero accumulator over BLOCK_K steps (hi dot then lo dot), adding
+# the pieces in order as `_sum_splits_kernel` and `add_rms` do. For M in the thousands the split
+# buys no parallelism, and its partial products cost a write and a read of SPLIT x M x N fp32.
+# 2-term (bf16 matrices) and 0-term (fp16 matrices) configs.
 # (kind, N, K) -> (BLOCK_M, BLOCK_N, warps, stages): the fastest bitwise-equal tile at M = 4096 of
 # scripts/gpu_gemm_big.py on the H100 (benchmarks/results/h100-gemm-big-*.json); with the split,
 # 10-30% less time per product than `_gemm` + its partial products from M = 2048 (the prefill's
@@ -255,25 +259,49 @@ BIG_M: dict[tuple[str, int, int], tuple] = {
     ("linear", 1024, 3072): (128, 128, 8, 3),   # down: 149 vs 125 + 5 more parts to read
 }
 BIG_M_MIN_ROWS = 2048  # rows from which `_gemm` takes this path
+# The same for fp16 matrices (x one fp16 part: half the shared memory of the hi / lo pair, so
+# other tiles fit): `DTYPE=fp16 scripts/gpu_gemm_big.py` on the H100, fastest bitwise-equal tile
+# at M = 4096 (benchmarks/results/h100-gemm-big-fp16-*.json); split + product vs `_gemm`, µs at
+# M = 1024 / 4096. o_proj stays on `_gemm` (its fp32 input is twice as wide: 48.7 + 18.7 split
+# against 61.5 for `_gemm`'s partial products at 4096). From 1024 rows (at 512 gate|up lost).
+BIG_M_FP16: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): (128, 128, 4, 3),  # q|k|v: 28.9 vs 42.7; 98.5 vs 158.8
+    ("swiglu", 3072, 1024): (128, 64, 4, 3),   # gate|up: 42.0 vs 44.8; 136.2 vs 170.1
+}
+BIG_M_FP16_MIN_ROWS = 1024
+
+
+def big_m_tiles(terms: int) -> dict:
+    """The many-row path's tiles for a config's x terms (2: bf16 matrices, 0: fp16); {} for others."""
+    return BIG_M if terms == 2 else BIG_M_FP16 if terms == 0 else {}
+
+
+def big_m_min_rows(terms: int) -> int:
+    return BIG_M_FP16_MIN_ROWS if terms == 0 else BIG_M_MIN_ROWS
 
 
 @triton.jit
-def _split_kernel(x_ptr, out_ptr, NUMEL, BLOCK: tl.constexpr, GDC: tl.constexpr):
+def _split_kernel(x_ptr, out_ptr, NUMEL, TERMS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
-    # x [NUMEL] fp32 -> out [2, NUMEL] bf16: hi = rtne(x), lo = rtne(x - hi)
+    # x [NUMEL] fp32 -> out [2, NUMEL] bf16: hi = rtne(x), lo = rtne(x - hi); TERMS 0: out [1,
+    # NUMEL] fp16 = rtne(x)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < NUMEL
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    hi = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    lo = (x - hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + offs, hi, mask=mask)
-    tl.store(out_ptr + NUMEL + offs, lo, mask=mask)
+    if TERMS == 0:
+        tl.store(out_ptr + offs, x.to(tl.float16, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        hi = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + offs, hi, mask=mask)
+        tl.store(out_ptr + NUMEL + offs, lo, mask=mask)
 
 
 @triton.jit
 def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
            SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           INTERPRET: tl.constexpr):
+           TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    # TERMS 2: hi / lo bf16 parts, two dots per K step; TERMS 0: hi is x in fp16 (lo unused), one dot
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -281,36 +309,38 @@ def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_x
         kmask = kk < k_hi
         xm = (rm < M)[:, None] & kmask[None, :]
         x_hi = tl.load(hi_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
-        x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
         wmask = (rn < N)[:, None] & kmask[None, :]
         wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
         acc = _dot(x_hi, wk, acc, INTERPRET)
-        acc = _dot(x_lo, wk, acc, INTERPRET)
+        if TERMS == 2:
+            x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+            acc = _dot(x_lo, wk, acc, INTERPRET)
         if SWIGLU:
             wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask, other=0.0))
             acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
-            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+            if TERMS == 2:
+                acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
     return acc, acc2
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, SPLIT, stride_xm, stride_wn,
                      stride_w2n, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
+                     BLOCK_K: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
-    # hi/lo [M, K] bf16 (x's parts); w, w2 [N, K] bf16 -> out [M, N] fp32: the K pieces
-    # (K_PER_SPLIT each) from zero, summed in order
+    # hi/lo [M, K] bf16 (x's parts; TERMS 0: hi = x in fp16); w, w2 [N, K] bf16 (fp16) -> out
+    # [M, N] fp32: the K pieces (K_PER_SPLIT each) from zero, summed in order
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     y, y2 = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, 0, tl.minimum(K_PER_SPLIT, K), stride_xm,
-                   stride_wn, stride_w2n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+                   stride_wn, stride_w2n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET)
     for s in range(1, SPLIT):
         k_lo = s * K_PER_SPLIT
         p, _ = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, tl.minimum(k_lo + K_PER_SPLIT, K),
-                      stride_xm, stride_wn, stride_w2n, False, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+                      stride_xm, stride_wn, stride_w2n, False, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET)
         y += p
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * y2
@@ -318,36 +348,41 @@ def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLI
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=omask)
 
 
-def split_parts(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> [2, M, K] bf16: its hi and lo parts, as `_gemm_kernel` rounds them."""
+def split_parts(x: torch.Tensor, terms: int = 2) -> torch.Tensor:
+    """x [M, K] fp32 -> [2, M, K] bf16: its hi and lo parts, as `_gemm_kernel` rounds them;
+    terms 0 (fp16 matrices): [1, M, K] fp16, x rounded as `_gemm_kernel` rounds it."""
     x = x.contiguous()
-    out = torch.empty((2,) + tuple(x.shape), dtype=torch.bfloat16, device=x.device)
+    shape = (2 if terms == 2 else 1,) + tuple(x.shape)
+    out = torch.empty(shape, dtype=torch.bfloat16 if terms == 2 else torch.float16, device=x.device)
     blk = 2048
-    _split_kernel[(triton.cdiv(x.numel(), blk),)](x, out, x.numel(), BLOCK=blk, **pdl.kw())
+    _split_kernel[(triton.cdiv(x.numel(), blk),)](x, out, x.numel(), TERMS=terms, BLOCK=blk, **pdl.kw())
     return out
 
 
 def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tuple | None = None,
              parts: torch.Tensor | None = None) -> torch.Tensor:
     """`_gemm(x, w, w2)` (reduced) bitwise, through split_parts and one program per output tile
-    over all K pieces. tile: (BLOCK_M, BLOCK_N, warps, stages), default BIG_M's or TUNED's.
-    parts: x's split_parts when the caller has them (one split for several products of x)."""
+    over all K pieces. tile: (BLOCK_M, BLOCK_N, warps, stages), default BIG_M's (BIG_M_FP16's for
+    fp16 matrices) or TUNED's. parts: x's split_parts when the caller has them (one split for
+    several products of x)."""
     m, k = x.shape
     n = w.shape[0]
     swiglu = w2 is not None
     kind = "swiglu" if swiglu else "linear"
     bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k)
-    assert terms == 2, "the pre-split path is for 2-term configs"
+    if w.dtype == torch.float16:  # as `_gemm`: fp16 matrices take x as one fp16 part
+        terms = 0
+    assert terms in (0, 2), "the pre-split path is for 2-term configs and fp16 matrices"
     if tile is None:
-        tile = BIG_M.get((kind, n, k), (bm, bn, warps, stages))
+        tile = big_m_tiles(terms).get((kind, n, k), (bm, bn, warps, stages))
     bm, bn, warps, stages = tile
     split, k_per = _pieces(swiglu, k, chunk, bk)
-    hl = split_parts(x) if parts is None else parts
+    hl = split_parts(x, terms) if parts is None else parts
     w = w.contiguous()
     w2 = w2.contiguous() if swiglu else w
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _gemm_big_kernel[grid](hl[0], hl[1], w, w2, out, m, n, k, k_per, split, k, w.stride(0), w2.stride(0), n,
-                           SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRET=_INTERPRET, num_warps=warps,
-                           num_stages=stages, **pdl.kw())
+    _gemm_big_kernel[grid](hl[0], hl[-1], w, w2, out, m, n, k, k_per, split, k, w.stride(0), w2.stride(0), n,
+                           SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TERMS=terms, INTERPRET=_INTERPRET,
+                           num_warps=warps, num_stages=stages, **pdl.kw())
     return out
