@@ -114,6 +114,8 @@ def _gemms(tk_gemm) -> None:
 
 
 def _engine(sizes, pdl) -> None:
+    from dataclasses import replace
+
     from tts_server.api import SamplingConfig
     from tts_server.engines.batched import checks
     from tts_server.engines.batched.engine import BatchedEngine
@@ -123,9 +125,11 @@ def _engine(sizes, pdl) -> None:
     for dtype in (torch.float16, torch.bfloat16):  # the GEMM matrices: CUDA's default, and bf16
         eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512, gemm_dtype=dtype)
         h = eng.p.talker.cfg.hidden_size
-        # admissions: one short prompt, then three of mixed lengths (row prefill + first draws)
+        # admissions: one short prompt, then three of mixed lengths (row prefill + first draws), the
+        # last two with a shared prefix (its copies between scratch blocks)
         for lens in ((20,), (9, 45, 130)):
-            adm = tuple(Admission(i, checks.random_prompt(i, n, h), SamplingConfig(seed=i, do_sample=i % 2 == 0))
+            adm = tuple(Admission(i, replace(checks.random_prompt(i, n, h), shared=(("voice",), 8) if i else None),
+                                  SamplingConfig(seed=i, do_sample=i % 2 == 0))
                         for i, n in enumerate(lens))
             eng.run(StepPlan(admit=adm))
             for a in adm:

@@ -339,6 +339,23 @@ def check_gemm_big(dev: str) -> None:
             assert torch.equal(got, want), (dtype, kind, n, k, (got - want).abs().max())
 
 
+def check_copy_prefix(dev: str) -> None:
+    """glue.copy_prefix (a shared prompt prefix's per-layer copy between scratch blocks): the
+    kernel equals the torch loop; positions past n and other blocks are untouched."""
+    from tts_server.engines.batched import glue
+
+    g = _gen(13)
+    k, v = torch.randn(6, 2, 16, 32, generator=g), torch.randn(6, 2, 16, 32, generator=g)
+    src, dst, n = (torch.tensor(t, dtype=torch.int32) for t in ([0, 0, 4, 0], [3, 5, 1, 0], [9, 16, 1, 0]))
+    want_k, want_v = k.clone(), v.clone()
+    for s_, d_, c in zip(src.tolist(), dst.tolist(), n.tolist()):
+        want_k[d_, :, :c], want_v[d_, :, :c] = k[s_, :, :c], v[s_, :, :c]
+    gk, gv = k.clone().to(dev), v.clone().to(dev)
+    glue.copy_prefix(gk, gv, src.to(dev), dst.to(dev), n.to(dev))
+    assert torch.equal(gk.cpu(), want_k) and torch.equal(gv.cpu(), want_v)
+    assert not torch.equal(want_k, k)
+
+
 def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     from tts_server.engines.batched import ops
 
@@ -348,6 +365,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)
+    check_copy_prefix(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)

@@ -247,3 +247,44 @@ def test_row_graph_chunks_are_the_greedy_runs_that_fit_a_bucket():
             want.append((i, j))
             i = j
         assert rg.chunks(lens, nblocks) == want, (lens, nblocks)
+
+
+def test_prefill_row_inputs_with_a_shared_prefix():
+    """stage_rows with skip / lead (prefill.shared_rows): a prompt that shares its first positions
+    with an earlier one has rows from that position on (positions from skip, query blocks from its
+    first row), and a copy of those positions from the earlier prompt's first scratch block."""
+    import numpy as np
+
+    from tts_server.engines.batched.ops import PREFILL_QB
+    from tts_server.engines.batched.prefill import max_query_blocks, rows_plan, stage_rows
+
+    lens, bs = [5, 37, 30, 90], 16
+    skip, lead = [0, 0, 9, 9], [-1, -1, 1, 1]
+    blocks = [[7], [4, 9, 2], [11, 1], [3, 5, 6, 8, 10, 12]]
+    table, pos, last, qrow, qn, base = [], [], [], [], [], 0
+    for n, k, bl in zip(lens, skip, blocks):
+        own = list(range(base, base + len(bl))) + [0] * (6 - len(bl))
+        start = len(pos)
+        table += [own] * (n - k)
+        pos += list(range(k, n))
+        last.append(start + n - k - 1)
+        qrow += list(range(start, start + n - k, PREFILL_QB))
+        qn += [min(PREFILL_QB, n - k - r) for r in range(0, n - k, PREFILL_QB)]
+        base += len(bl)
+    # scratch blocks: prompt 0 has 0, prompt 1 1..3, prompt 2 4..5, prompt 3 6..11
+    want = dict(table=table, pos=pos, last=last, qrow=qrow, qn=qn, cp_src=[1, 1, 0, 0], cp_dst=[4, 6, 0, 0],
+                cp_n=[9, 9, 0, 0])
+    plan = rows_plan(lens, blocks, bs, skip, lead)
+    for k, w in want.items():
+        assert plan[k].tolist() == w, k
+    n, a = 256, 8
+    cols, nblk, nq, rows = -(-n // bs), -(-n // bs) + a + 1, max_query_blocks(n, a, PREFILL_QB), len(pos)
+    views = dict(table=np.full((n, cols), 99, np.int32), pos=np.full(n, 99, np.int32), last=np.full(a, 99, np.int32),
+                 dst=np.full(nblk, 99, np.int32), qrow=np.full(nq, 99, np.int32), qn=np.full(nq, 99, np.int32),
+                 cp_src=np.full(a, 99, np.int32), cp_dst=np.full(a, 99, np.int32), cp_n=np.full(a, 99, np.int32))
+    stage_rows(views, lens, blocks, nblk - 1, skip, lead)
+    assert views["pos"].tolist() == pos + [0] * (n - rows)
+    assert views["cp_src"].tolist() == [1, 1] + [0] * (a - 2) and views["cp_n"].tolist() == [9, 9] + [0] * (a - 2)
+    assert views["cp_dst"].tolist() == [4, 6] + [0] * (a - 2)
+    stage_rows(views, lens, blocks, nblk - 1)  # no sharing: no copies left from the last step
+    assert views["cp_n"].tolist() == [0] * a and views["pos"][:lens[0]].tolist() == list(range(lens[0]))

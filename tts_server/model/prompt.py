@@ -28,6 +28,10 @@ class Prompt:
     embeds: torch.Tensor  # [L, H] talker input embeddings of the prefill positions
     trailing: torch.Tensor  # [N, H] pending text-track vectors, consumed one per step
     pad_embed: torch.Tensor  # [H] text-track vector once `trailing` is exhausted (tts_pad)
+    # (key, n): embeds[:n] is a function of `key` alone, bitwise (the role rows and the codec
+    # prefix: the same for every prompt of one voice and language), so a batched prefill may
+    # compute those rows' K/V once for all prompts with this key; None: nothing shared
+    shared: tuple[tuple, int] | None = None
 
 
 @dataclass
@@ -62,6 +66,13 @@ class PlannedRows:
     codec: list[int]
     xvec: torch.Tensor | None  # the clone's x-vector, for the _XVEC row
     trailing: list[int]
+    shared: int = 0  # leading rows that are a function of their (text, codec) ids alone
+
+    def shared_key(self) -> tuple[tuple, int] | None:
+        """Prompt.shared for these rows: keyed by the ids of the shared rows (equal ids, equal
+        embeddings: `materialise` builds each row from its own ids)."""
+        n = self.shared
+        return ((tuple(self.text[:n]), tuple(self.codec[:n])), n) if n else None
 
 
 def project_vocabulary(model, chunk: int = 8192) -> torch.Tensor:
@@ -256,6 +267,7 @@ class PromptBuilder:
         # role rows alone, then the head: pad... bos over the codec prefix (as in `build`)
         text = ids[:3] + [pad] * (len(codec) - 2) + [bos]
         adds = [_NO_CODEC] * len(ids[:3]) + codec[:-1]
+        shared = len(text) if clone is None else 0  # a clone's x-vector row is its own
         if item.non_streaming:
             body = ids[3:-5] + [eos]
             text += body + [pad]
@@ -266,7 +278,7 @@ class PromptBuilder:
             text += first
             adds += [c.codec_bos_id] * len(first)
             trailing = ids[4:-5] + [eos]
-        return PlannedRows(text, adds, clone.speaker_embedding if clone is not None else None, trailing)
+        return PlannedRows(text, adds, clone.speaker_embedding if clone is not None else None, trailing, shared)
 
     @torch.inference_mode()
     def materialise(self, plans: Sequence[Prompt | PlannedRows]) -> list[Prompt]:
@@ -303,7 +315,8 @@ class PromptBuilder:
         for p in plans:
             if isinstance(p, PlannedRows):
                 out.append(Prompt(embeds=embeds.narrow(0, e0, len(p.text)),
-                                  trailing=trail.narrow(0, t0, len(p.trailing)), pad_embed=pad_embed))
+                                  trailing=trail.narrow(0, t0, len(p.trailing)), pad_embed=pad_embed,
+                                  shared=p.shared_key()))
                 e0, t0 = e0 + len(p.text), t0 + len(p.trailing)
             else:
                 out.append(p)

@@ -8,6 +8,7 @@ early nor hear tts_pad: when the text runs dry the scheduler stops stepping it."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -84,7 +85,7 @@ class TextFeeder:
 
         def finish(prompt: Prompt) -> tuple[Prepared, int]:
             if not track.ended:  # no tts_eos until the text has ended
-                prompt = Prompt(embeds=prompt.embeds, trailing=prompt.trailing[:-1], pad_embed=prompt.pad_embed)
+                prompt = dataclasses.replace(prompt, trailing=prompt.trailing[:-1])
             track.fed, track.closed = len(track.ids), track.ended
             return Prepared(prompt, None), (len(track.ids) - 1 if track.ended else OPEN_TRACK)
         return plan, finish

@@ -6,6 +6,7 @@ row of the same batch-invariant ops, through CUDA graphs of row-count buckets (p
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -21,12 +22,16 @@ from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
 from .params import gemm_dtype as default_gemm_dtype
-from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention
+from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention, shared_rows
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 from .state import to_device as _to_device
 
 FRAME_KERNELS = ("triton", "cuda-predict", "cuda")
+# A step's prompts with the same leading rows (one voice and language: role + codec prefix, 8-9
+# rows of a ~30-row English prompt) compute those rows' K/V once (prefill.shared_rows); the bits
+# are the same either way (tests/test_shared_prefix.py). TTS_SHARE_PREFIX=0 turns it off (A/Bs).
+SHARE_PREFIX = os.environ.get("TTS_SHARE_PREFIX", "1") != "0"
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths with a captured prefill graph
 DEFAULT_AVG_POSITIONS = 1024  # default pool: max_streams x this many positions (or max_positions)
 ROW_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)  # prompt rows of a graph-captured prefill (steps of <= 1.5x: less padding)
@@ -308,15 +313,25 @@ class BatchedEngine:
                     hidden = self._prefill_chunk(admissions, lens, blocks, i, j)
                 finite.append(self._first_draws(rows[i:j], hidden))
             return torch.cat(finite)
-        x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
         if self.kv_dtype == torch.float32:
+            x = torch.cat([a.prompt.embeds for a in admissions]).to(dev, torch.float32)
             rows_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens))
             pos = torch.cat([torch.arange(n) for n in lens])
             last = torch.tensor(np.cumsum(lens) - 1)
             hidden = prefill_rows(self.p.talker, self.kv, x, rows_of.to(dev), pos.to(dev), last.to(dev))
         else:  # the prompts attend over fp32 K/V (bf16 K/V there compounds over 28 layers: run 2)
-            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks)
+            x, share = self._rows(admissions)
+            hidden = prefill_rows_fp32_attention(self.p.talker, self.kv, x, lens, blocks, *share)
         return self._first_draws(rows, hidden)
+
+    def _rows(self, adm: list[Admission]) -> tuple[torch.Tensor, tuple]:
+        """The prefill rows of these admissions [N, H] fp32 on the device, without the shared
+        prefixes that an earlier one of them computes (prefill.shared_rows), and (skip, lead) for
+        them, or () when none is shared (or sharing is off: TTS_SHARE_PREFIX=0)."""
+        share = shared_rows([a.prompt for a in adm], self.kv.block_size) if SHARE_PREFIX else None
+        skip = share[0] if share else [0] * len(adm)
+        x = torch.cat([a.prompt.embeds[k:] for a, k in zip(adm, skip)]).to(self.device, torch.float32)
+        return x, (share or ())
 
     def _prefill_chunk(self, admissions: list[Admission], lens: list[int], blocks: list[list[int]], i: int,
                        j: int) -> torch.Tensor:
@@ -324,11 +339,11 @@ class BatchedEngine:
         the eager path when they fit no bucket (a prompt longer than the largest) -> their last
         hidden states [j - i, H]."""
         adm, ln, blocks = admissions[i:j], lens[i:j], blocks[i:j]
-        x = torch.cat([a.prompt.embeds for a in adm]).to(self.device, torch.float32)
-        n = self.row_graphs.bucket(ln, blocks)
+        x, share = self._rows(adm)
+        n = self.row_graphs.bucket([a - k for a, k in zip(ln, share[0])] if share else ln, blocks)
         if n is None:
-            return prefill_rows_fp32_attention(self.p.talker, self.kv, x, ln, blocks)
-        return self.row_graphs.run(n, x, ln, blocks)
+            return prefill_rows_fp32_attention(self.p.talker, self.kv, x, ln, blocks, *share)
+        return self.row_graphs.run(n, x, ln, blocks, *share)
 
     def _first_draws(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The admitted slots' past hidden, and code 0 of their first frame from it (rows [A] long

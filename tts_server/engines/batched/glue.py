@@ -99,6 +99,20 @@ def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor,
     v_pool[dst[keep]] = src_v[keep].to(v_pool.dtype)
 
 
+def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, n: torch.Tensor) -> None:
+    """A batched prefill's shared prompt prefix: positions 0..n[c]-1 of scratch block src[c] (its
+    first prompt's, just stored) copied into block dst[c] (another prompt's) in k and v [S, NKV,
+    BS, HD] fp32, before the layer's attention reads them; src/dst/n [C] int32, n 0: no copy."""
+    if _use_triton(k):
+        from .tk_glue import copy_prefix as tk
+
+        return tk(k, v, src, dst, n)
+    for s, d, c in zip(src.tolist(), dst.tolist(), n.tolist()):
+        if c:
+            k[d, :, :c] = k[s, :, :c]
+            v[d, :, :c] = v[s, :, :c]
+
+
 def embed_sum(e0: torch.Tensor | None, tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """e0 [B, H] fp32 (or None); tables [K, V, H] (bf16); codes [B, K] int, each < V -> [B, H] fp32:
     e0 + tables[0][codes[:, 0]] + ... + tables[K-1][codes[:, K-1]], added in that order (or from

@@ -141,54 +141,99 @@ def max_query_blocks(rows: int, prompts: int, qb: int) -> int:
     return rows // qb + prompts
 
 
-def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], pad_block: int) -> None:
+def stage_rows(views: dict[str, np.ndarray], lens: list[int], blocks: list[list[int]], pad_block: int,
+               skip: list[int] | None = None, lead: list[int] | None = None) -> None:
     """Fill a batched prefill's integer inputs in place. Each prompt's tokens are rows; prompt a's
     K/V go to its own scratch blocks (numbered in order), which are copied to its slot's blocks
     `blocks[a]`: table [n, cols] (each row's scratch blocks; 0 past its prompt's own up to the
     widest prompt's, pad_block beyond and in padding rows), pos [n] (the row's position in its
     prompt; padding 0), last [A'] (each prompt's last row; padding 0), dst [S] (the pool block of
     every scratch block; padding -1), qrow / qn [Q'] (the attention's query blocks,
-    `query_blocks`; padding: blocks of 0 rows). Views larger than the prompts need are padded."""
+    `query_blocks`; padding: blocks of 0 rows). Views larger than the prompts need are padded.
+
+    A shared prefix (`shared_rows`): prompt a has no rows for its first skip[a] positions (<= one
+    block); their K/V are prompt lead[a]'s, copied each layer from lead[a]'s first scratch block
+    into a's: cp_src / cp_dst / cp_n [A'] (scratch blocks and positions of each copy; n 0: none)."""
     ln = np.asarray(lens, dtype=np.int64)
-    rows = int(ln.sum())
+    sk = np.zeros_like(ln) if skip is None else np.asarray(skip, dtype=np.int64)
+    rn = ln - sk  # each prompt's rows
+    rows = int(rn.sum())
     nb = np.asarray([len(x) for x in blocks], dtype=np.int64)
     base = np.concatenate(([0], np.cumsum(nb)[:-1]))
-    starts = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    starts = np.concatenate(([0], np.cumsum(rn)[:-1]))
     table = views["table"]
     c = np.arange(table.shape[1])
     per_prompt = np.where(c[None, :] < nb[:, None], base[:, None] + c[None, :], np.where(c < nb.max(), 0, pad_block))
-    table[:rows] = np.repeat(per_prompt, ln, axis=0)
+    table[:rows] = np.repeat(per_prompt, rn, axis=0)
     table[rows:] = pad_block
-    views["pos"][:rows] = np.arange(rows) - np.repeat(starts, ln)
+    views["pos"][:rows] = np.arange(rows) - np.repeat(starts - sk, rn)
     views["pos"][rows:] = 0
-    views["last"][:len(lens)] = starts + ln - 1
+    views["last"][:len(lens)] = starts + rn - 1
     views["last"][len(lens):] = 0
     total = int(nb.sum())
     views["dst"][:total] = [x for bl in blocks for x in bl]
     views["dst"][total:] = -1
-    for k, v in zip(("qrow", "qn"), query_blocks(ln, PREFILL_QB)):
+    for k, v in zip(("qrow", "qn"), query_blocks(rn, PREFILL_QB)):
         views[k][:v.shape[0]] = v
         views[k][v.shape[0]:] = 0
+    if "cp_n" in views:
+        views["cp_src"][:] = views["cp_dst"][:] = views["cp_n"][:] = 0
+        if skip is not None:
+            sel = np.flatnonzero(sk)
+            views["cp_src"][:sel.shape[0]] = base[np.asarray(lead, dtype=np.int64)[sel]]
+            views["cp_dst"][:sel.shape[0]] = base[sel]
+            views["cp_n"][:sel.shape[0]] = sk[sel]
 
 
-def rows_plan(lens: list[int], blocks: list[list[int]], bs: int) -> dict[str, torch.Tensor]:
+def shared_rows(prompts, block_size: int) -> tuple[list[int], list[int]] | None:
+    """Which prompts of one batched prefill take their first rows from an earlier prompt's K/V
+    (`Prompt.shared`: the same key, the same rows, bitwise): -> (skip, lead) per prompt, the first
+    prompt of each key computing its rows (skip 0, lead -1), or None when nothing is shared. Exact:
+    every row's ops are the decode step's batch-invariant ones and a row attends over its own
+    prompt's positions 0..pos, whatever rows its query block starts with (`prefill_attention`).
+    Shared rows fit one block, and every prompt keeps a row of its own (its last hidden state)."""
+    first: dict = {}
+    skip, lead = [0] * len(prompts), [-1] * len(prompts)
+    for a, pr in enumerate(prompts):
+        if pr.shared is None:
+            continue
+        key, n = pr.shared
+        if n > block_size or n >= pr.embeds.shape[0]:
+            continue
+        if key in first:
+            skip[a], lead[a] = n, first[key]
+        else:
+            first[key] = a
+    return (skip, lead) if any(skip) else None
+
+
+def rows_plan(lens: list[int], blocks: list[list[int]], bs: int, skip: list[int] | None = None,
+              lead: list[int] | None = None) -> dict[str, torch.Tensor]:
     """`stage_rows`'s inputs for exactly these prompts, as host tensors: table [N, max blocks]
-    int32, pos [N] int32, last [A] long, dst [total blocks] long, qrow / qn [Q] int32."""
-    nq = int((-(-np.asarray(lens) // PREFILL_QB)).sum())
-    views = dict(table=np.empty((sum(lens), max(len(b) for b in blocks)), np.int32), pos=np.empty(sum(lens), np.int32),
-                 last=np.empty(len(lens), np.int64), dst=np.empty(sum(len(b) for b in blocks), np.int64),
-                 qrow=np.empty(nq, np.int32), qn=np.empty(nq, np.int32))
-    stage_rows(views, lens, blocks, 0)
+    int32, pos [N] int32, last [A] long, dst [total blocks] long, qrow / qn [Q] int32 (and cp_src /
+    cp_dst / cp_n [A] int32 with a shared prefix)."""
+    rn = np.asarray(lens) - (0 if skip is None else np.asarray(skip))
+    nq = int((-(-rn // PREFILL_QB)).sum())
+    views = dict(table=np.empty((int(rn.sum()), max(len(b) for b in blocks)), np.int32),
+                 pos=np.empty(int(rn.sum()), np.int32), last=np.empty(len(lens), np.int64),
+                 dst=np.empty(sum(len(b) for b in blocks), np.int64), qrow=np.empty(nq, np.int32),
+                 qn=np.empty(nq, np.int32))
+    if skip is not None:
+        views.update({k: np.empty(len(lens), np.int32) for k in ("cp_src", "cp_dst", "cp_n")})
+    stage_rows(views, lens, blocks, 0, skip, lead)
     return {k: torch.from_numpy(v) for k, v in views.items()}
 
 
 @torch.inference_mode()
 def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-                      last: torch.Tensor, dst: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor) -> torch.Tensor:
+                      last: torch.Tensor, dst: torch.Tensor, qrow: torch.Tensor, qn: torch.Tensor,
+                      cp_src: torch.Tensor | None = None, cp_dst: torch.Tensor | None = None,
+                      cp_n: torch.Tensor | None = None) -> torch.Tensor:
     """The device part of `prefill_rows_fp32_attention` (no host values: CUDA-graph capturable).
     x [N, H] fp32; table [N, B] int32 (scratch blocks of each row); pos [N] int32; last [A] long;
     dst [S] long: the pool block each of the S scratch blocks is copied to (< 0: none); qrow / qn [Q] int32: the
-    attention's query blocks (`query_blocks`) -> [A, H] fp32."""
+    attention's query blocks (`query_blocks`); cp_src / cp_dst / cp_n [C] int32: a shared prefix's
+    per-layer copies between scratch blocks (`stage_rows`; None: none) -> [A, H] fp32."""
     from . import glue, ops
     from .frame import stack_forward
 
@@ -205,6 +250,8 @@ def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor,
 
     def attend(i, qkv):
         q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, tk, tv, blk, off, nh, nkv, eps)
+        if cp_src is not None:  # shared prefixes: their first prompt's K/V, just stored, into the others'
+            glue.copy_prefix(tk, tv, cp_src, cp_dst, cp_n)
         out = ops.prefill_attention(q, tk, tv, table, pos, qrow, qn, scale)
         glue.store_blocks(tk, tv, kv.k[i], kv.v[i], dst)
         return out
@@ -213,17 +260,21 @@ def prefill_rows_core(sp: StackParams, kv, x: torch.Tensor, table: torch.Tensor,
 
 
 def prefill_rows_fp32_attention(sp: StackParams, kv, x: torch.Tensor, lens: list[int],
-                                blocks: list[list[int]]) -> torch.Tensor:
+                                blocks: list[list[int]], skip: list[int] | None = None,
+                                lead: list[int] | None = None) -> torch.Tensor:
     """prefill_rows (every prompt token a row of the decode step's batch-invariant ops), but the
     prompts attend over fp32 K/V: each layer's K/V go to a one-layer fp32 scratch pool (the step's
     prompts only), attention reads that, and the layer's blocks are then copied, rounded to the
     pool's dtype, into the slots' blocks. Same attention precision as an fp32 prefill, the same K/V
     in the pool as the frames will read; alone or beside other prompts, bitwise the same.
     x [N, H] fp32 (the prompts concatenated); lens: each prompt's length; blocks: each prompt's slot
-    blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H]."""
-    plan = rows_plan(lens, blocks, kv.block_size)
+    blocks (>= its length) -> the final-normed hidden state of each prompt's last position [A, H].
+    skip / lead (`shared_rows`): prompt a's rows in x start at position skip[a], its first skip[a]
+    positions' K/V being prompt lead[a]'s."""
+    plan = rows_plan(lens, blocks, kv.block_size, skip, lead)
     dev = x.device
-    return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in ("table", "pos", "last", "dst", "qrow", "qn")))
+    keys = ("table", "pos", "last", "dst", "qrow", "qn") + (("cp_src", "cp_dst", "cp_n") if skip is not None else ())
+    return prefill_rows_core(sp, kv, x, *(plan[k].to(dev) for k in keys))
 
 
 class RowPrefillGraphs:
@@ -247,7 +298,7 @@ class RowPrefillGraphs:
             cols = -(-n // bs)
             nblk = cols + a + 1  # every prompt's blocks, plus the padding block (last)
             nq = max_query_blocks(n, a, PREFILL_QB)
-            layout = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq)
+            layout = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq, cp_src=a, cp_dst=a, cp_n=a)
             ints = torch.zeros(sum(layout.values()), dtype=torch.int32, device=dev)
             b: dict = dict(x=torch.zeros(n, h, device=dev), out=torch.zeros(a, h, device=dev), ints=ints,
                            a=a, cols=cols, nblk=nblk, at={})
@@ -269,7 +320,8 @@ class RowPrefillGraphs:
         def fn(n):
             b = self.bufs[n]
             b["out"].copy_(prefill_rows_core(sp, kv, b["x"], b["table"], b["pos"], b["last"].long(),
-                                             b["dst"].long(), b["qrow"], b["qn"]))
+                                             b["dst"].long(), b["qrow"], b["qn"], b["cp_src"], b["cp_dst"],
+                                             b["cp_n"]))
 
         self.graphs = capture(fn, sizes, dev)  # warm-up: dst all -1, so no pool block is written
 
@@ -283,9 +335,10 @@ class RowPrefillGraphs:
         b = self.bufs[n]
         return rows <= n and prompts <= b["a"] and nblk < b["nblk"] and cols <= b["cols"]
 
-    def bucket(self, lens: list[int], blocks: list[list[int]]) -> int | None:
-        """The smallest bucket that holds these prompts, or None (then prefill eagerly)."""
-        need = (sum(lens), len(lens), sum(len(b) for b in blocks), max(len(x) for x in blocks))
+    def bucket(self, rows: list[int], blocks: list[list[int]]) -> int | None:
+        """The smallest bucket that holds these prompts (rows each, after any shared prefix), or
+        None (then prefill eagerly)."""
+        need = (sum(rows), len(rows), sum(len(b) for b in blocks), max(len(x) for x in blocks))
         return next((n for n in self.sizes if self._fits(n, *need)), None)
 
     def chunks(self, lens: list[int], num_blocks: list[int]) -> list[tuple[int, int]]:
@@ -302,20 +355,23 @@ class RowPrefillGraphs:
         cuts.append((i, len(lens)))
         return cuts
 
-    def _stage(self, n: int, lens: list[int], blocks: list[list[int]]) -> None:
+    def _stage(self, n: int, lens: list[int], blocks: list[list[int]], skip: list[int] | None,
+               lead: list[int] | None) -> None:
         """Write bucket n's integer inputs for these prompts into the pinned host buffer."""
         b = self.bufs[n]
         if self._copied is not None:
             self._copied.synchronize()  # the previous replay's copy has left the host buffer
         views = {k: self._host_np[o:o + size] for k, (o, size) in b["at"].items()}
         views["table"] = views["table"].reshape(n, b["cols"])
-        stage_rows(views, lens, blocks, b["nblk"] - 1)  # rows_plan's layout, padded
+        stage_rows(views, lens, blocks, b["nblk"] - 1, skip, lead)  # rows_plan's layout, padded
 
-    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+    def run(self, n: int, x: torch.Tensor, lens: list[int], blocks: list[list[int]],
+            skip: list[int] | None = None, lead: list[int] | None = None) -> torch.Tensor:
         """Prefill in bucket n (from `bucket`): x [N, H] fp32 -> hidden of each prompt's last row
-        [A, H] fp32, a view of the bucket's buffer (read it before the bucket's next replay)."""
+        [A, H] fp32, a view of the bucket's buffer (read it before the bucket's next replay).
+        skip / lead: a shared prefix (`shared_rows`; x holds prompt a's rows from skip[a])."""
         b = self.bufs[n]
-        self._stage(n, lens, blocks)
+        self._stage(n, lens, blocks, skip, lead)
         ints = b["ints"]
         ints.copy_(self.host[:ints.numel()], non_blocking=True)
         if self._copied is not None:

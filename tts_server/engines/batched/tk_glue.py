@@ -209,6 +209,35 @@ def store_blocks(src_k: torch.Tensor, src_v: torch.Tensor, k_pool: torch.Tensor,
 
 
 @triton.jit
+def _copy_prefix_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, n_ptr, NKV: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr,
+                        GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program (copy c, kv head h): positions [0, n[c]) of scratch block src[c] -> block dst[c], K and V
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(n_ptr + c)
+    if n == 0:
+        return
+    p = tl.arange(0, BS)
+    d = tl.arange(0, HD)
+    src = tl.load(src_ptr + c).to(tl.int64)
+    dst = tl.load(dst_ptr + c).to(tl.int64)
+    offs = (h * BS + p[:, None]) * HD + d[None, :]
+    mask = (p < n)[:, None]
+    size = NKV * BS * HD
+    tl.store(k_ptr + dst * size + offs, tl.load(k_ptr + src * size + offs, mask=mask), mask=mask)
+    tl.store(v_ptr + dst * size + offs, tl.load(v_ptr + src * size + offs, mask=mask), mask=mask)
+
+
+def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, n: torch.Tensor) -> None:
+    """k/v [S, NKV, BS, HD] scratch blocks; src/dst/n [C] int32: positions 0..n[c]-1 of block src[c]
+    copied into block dst[c] (n 0: nothing). One launch for every copy."""
+    _, nkv, bs, hd = k.shape
+    assert k.is_contiguous() and v.is_contiguous()
+    _copy_prefix_kernel[(src.shape[0], nkv)](k, v, src, dst, n, NKV=nkv, BS=bs, HD=hd, num_warps=4, **pdl.kw())
+
+
+@triton.jit
 def _embed_sum_kernel(e0_ptr, tab_ptr, codes_ptr, out_ptr, V, code_stride, H: tl.constexpr, HP2: tl.constexpr,
                       K: tl.constexpr, HAS_E0: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
