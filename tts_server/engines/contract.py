@@ -113,13 +113,7 @@ class DecodeEngine(Protocol):
         holds the final codes once the device passes `ready` (a CUDA event, or None where the
         codes are already there) and stays valid until that group's on_codes returns. The caller
         may queue device work on it (the codec) meanwhile; on_codes for those slots follows. A
-        slot whose frame then reports an error has garbage codes there.
-
-        An engine whose `waits_for_device` is True also takes `on_wait(busy)`: called at most
-        once per run, on the calling thread, once the step's work is launched and before the
-        engine first blocks on the device. `busy()` says whether the device is still on that
-        work. The caller may do host work of its own meanwhile (the next step's prompts),
-        should stop when `busy()` turns False, and must not call the engine."""
+        slot whose frame then reports an error has garbage codes there."""
         ...
 
     def release(self, slot: int) -> None:

@@ -95,12 +95,9 @@ class _Staging:
     used to be a blocking one from pageable memory, which (CUDA's API synchronization rules)
     first waits for the work queued on the stream, here the previous frame's talker step; from
     pinned memory it is only queued behind that work. (Not measured on its own.) A buffer is
-    reused only after its last copy ran (an event). The engine loop builds up to ~17 prompt
-    batches inside one step (serving/loop.py `_prepare_ahead`, while the device runs it), and
-    every step ends with a device sync: with 32 buffers a reused one's copy is always done, so
-    building a prompt never waits for the device."""
+    reused only after its last copy ran (an event; long done by then, `slots` steps later)."""
 
-    def __init__(self, slots: int = 32):
+    def __init__(self, slots: int = 4):
         self._bufs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * slots
         self._next = 0
 

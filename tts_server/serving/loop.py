@@ -43,9 +43,6 @@ from .scheduler import PrefillCost, Scheduler, SchedulerConfig, StepCost
 from .streams import Stream, StreamHandle
 from .text_feed import TextFeeder
 
-PREPARE_AHEAD_BATCH = 16  # prompts built ahead per busy() check (~1 ms of host time on an H100 host)
-PREPARE_AHEAD_MAX = 256  # ...and per step (16 batches: prompt.py's _Staging has 32 buffers)
-
 log = logging.getLogger(__name__)
 
 MAX_PRIMED_VOICES = 16  # codec slot states kept (~slot_state_bytes each: a few MB on a GPU)
@@ -135,12 +132,6 @@ class Worker:
         # the codec queued on the frame's device codes as soon as it is launched (engines that can)
         self._launch_codec = (config.early_codec and bool(getattr(engine, "launches_codes", False))
                               and hasattr(codec, "launch"))
-        # TTS_PREPARE_AHEAD=1: while the device runs a step, the engine thread builds the prompts
-        # of requests that the next step may admit (`_prepare_ahead`). Off until a same-host GPU
-        # A/B has measured it (the CPU tests check its bytes).
-        self._ahead = (bool(getattr(engine, "waits_for_device", False))
-                       and os.environ.get("TTS_PREPARE_AHEAD", "0") == "1")
-        self.prepared_ahead = 0  # admissions whose prompt was built ahead (tests, step trace)
 
     # ---- any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -376,16 +367,12 @@ class Worker:
                 self._end(handle, None, FinishReason.CANCELLED)
             else:
                 live.append((handle, slot))
-        ahead = [h for h, _ in live if h.prepared is not None]  # built while the device ran an earlier step
-        whole = [h for h, _ in live if not h.request.incremental and h.prepared is None]
+        whole = [h for h, _ in live if not h.request.incremental]
         texts = [h for h, _ in live if h.request.incremental]
         t0 = time.monotonic()
         try:
             built = dict(zip(whole, self.preparer.prepare_many([h.request for h in whole],
                                                                [h.text_ids for h in whole]))) if whole else {}
-            for h in ahead:
-                built[h], h.prepared = h.prepared, None
-            self.prepared_ahead += len(ahead)
             if texts:  # StreamSynthesize contexts: (prepared, eos_from) each
                 built.update(zip(texts, self.texts.prompts(texts)))
             # every admitted slot's codec state zeroed at once (a voice clone then primes or restores it)
@@ -395,38 +382,8 @@ class Worker:
             built = {h: e for h, _ in live}
         if self._trace is not None:  # prompts + codec reset of the whole step
             self._trace_rec["prompts_s"] = round(time.monotonic() - t0, 5)
-            self._trace_rec["ahead"] = len(ahead)
         out = (self._prepare(h, s, now, built[h]) for h, s in live)
         return [a for a in out if a is not None]
-
-    def _prepare_ahead(self, busy) -> None:
-        """engine.run's on_wait: while the device runs this step, build the prompts of waiting
-        requests (those that arrived meanwhile included), a few at a time while `busy()`, so that
-        the step that admits them skips that host work: in a burst, ~0.07 ms a prompt (~10 ms for a
-        wave of 150) that the device otherwise idles through. The same prompts, bitwise
-        (`prepare_many` builds each on its own rows). Whole-text requests without a reference
-        only (a voice clone's encoder is device work; a context's prompt waits for its text).
-        A request's own error (an unknown voice, ...) is kept and reported at its admission; if
-        the batch as a whole fails, its requests are prepared at admission as usual."""
-        if not busy():
-            return
-        sch = self.scheduler
-        with self._cond:
-            sch.waiting.extend(self._incoming)
-            self._incoming.clear()
-        todo = [h for h in sch.waiting if h.prepared is None and not h.cancelled and not h.request.incremental
-                and h.request.reference is None][:min(len(sch.free_slots) + PREPARE_AHEAD_BATCH, PREPARE_AHEAD_MAX)]
-        for i in range(0, len(todo), PREPARE_AHEAD_BATCH):
-            part = todo[i:i + PREPARE_AHEAD_BATCH]
-            try:
-                built = self.preparer.prepare_many([h.request for h in part], [h.text_ids for h in part])
-            except Exception:  # noqa: BLE001 - left to the admission, which reports it
-                log.debug("preparing ahead failed", exc_info=True)
-                return
-            for h, b in zip(part, built):
-                h.prepared = b  # a Prepared, or this request's own error (reported at admission)
-            if not busy():
-                return
 
     def _prepare(self, handle: StreamHandle, slot: int, now: float, built) -> Admission | None:
         """Prompt and codec state for one admission; None (stream ended) when it cannot start.
@@ -521,8 +478,6 @@ class Worker:
             # the engine hands over the frames' codes early when it can (while its talker step
             # still runs): their audio goes out then; else after the call, the same way
             kw = dict(on_launch=lambda *a: self._launch(step, *a)) if self._launch_codec else {}
-            if self._ahead:
-                kw["on_wait"] = self._prepare_ahead
             out = self.engine.run(StepPlan(decode=slots, admit=tuple(admissions)),
                                   on_codes=lambda early: self._audio(early, step), **kw)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams in it

@@ -22,8 +22,6 @@ class StreamHandle:
     def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop, wake):
         self.request = request
         self.text_ids: list[int] | None = None  # the prompt's token ids, once tokenized
-        # its prompt (serving.prepare.Prepared) or that preparation's error, when built ahead of admission
-        self.prepared = None
         self.submitted_at = time.monotonic()
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()

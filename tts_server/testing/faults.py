@@ -55,10 +55,8 @@ class FaultInjectingEngine:
         self._owner: dict[int, str] = {}
         self._steps: dict[int, int] = {}
         self.released = threading.Event()  # set to let a hung step return (tests only)
-        # an engine that hands over device codes (on_launch), or host time while the device works
-        # (on_wait), keeps doing so under the faults
+        # an engine that hands over device codes (on_launch) keeps doing so under the faults
         self.launches_codes = bool(getattr(engine, "launches_codes", False))
-        self.waits_for_device = bool(getattr(engine, "waits_for_device", False))
 
     def bind_request(self, slot: int, request_id: str) -> None:
         self._owner[slot] = request_id
@@ -81,7 +79,7 @@ class FaultInjectingEngine:
                 due[slot] = fault
         return due
 
-    def run(self, plan: StepPlan, on_codes=None, **extra) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None, on_launch=None) -> StepOutput:
         due = self._due(plan.decode)
         kinds = {f.kind for f in due.values()}
         if "hang" in kinds:
@@ -89,7 +87,7 @@ class FaultInjectingEngine:
         if "device_error" in kinds:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         # an injected stream error lands after the codes, as a talker one
-        out = self.inner.run(plan, on_codes, **extra)  # on_launch / on_wait: only if the inner takes them
+        out = self.inner.run(plan, on_codes, on_launch) if self.launches_codes else self.inner.run(plan, on_codes)
         for r in out.frames:
             if r.slot in due and due[r.slot].kind == "stream_error":
                 r.error = "non-finite talker logits (injected)"

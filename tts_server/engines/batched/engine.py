@@ -173,15 +173,13 @@ class BatchedEngine:
 
     # -- DecodeEngine ---------------------------------------------------------------------
     launches_codes = True  # run() takes on_launch (the contract)
-    waits_for_device = True  # ...and on_wait
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, on_codes=None, on_launch=None, on_wait=None) -> StepOutput:
+    def run(self, plan: StepPlan, on_codes=None, on_launch=None) -> StepOutput:
         """Admissions (all of the plan's prompts in one batched prefill, unless prefill_graphs
         is on), then one frame for every slot of plan.decode. on_codes (see the contract) gets
         the frames' codes while the talker step that ends the frame still runs on the device;
-        on_launch, the device view of those codes as soon as their frame is launched; on_wait,
-        host time while the device runs the step (before the first wait for it)."""
+        on_launch, the device view of those codes as soon as their frame is launched."""
         out = StepOutput()
         t0 = time.perf_counter()
         ready = []
@@ -228,17 +226,8 @@ class BatchedEngine:
                 on_codes(StepOutput(frames=[r for r in frames if r.slot not in out.failed], failed=dict(out.failed),
                                     prefill_s=out.prefill_s, decode_s=time.perf_counter() - t0 - out.prefill_s))
 
-        waited = []
-
-        def wait(ev) -> None:
-            """The caller's host work, once, while the device is busy (ev: what it is busy on)."""
-            if on_wait is not None and not waited:
-                waited.append(True)
-                on_wait((lambda: not ev.query()) if ev is not None else (lambda: False))
-
-        frames = self._decode([s for s in plan.decode if s not in out.failed], early, on_launch, wait)
+        frames = self._decode([s for s in plan.decode if s not in out.failed], early, on_launch)
         if not checked:  # nothing decoded: wait for the admissions themselves
-            wait(self._ev_admit[1] if ready and gpu else None)
             self._sync()
             check_admissions()
         for adm in ready:
@@ -398,7 +387,7 @@ class BatchedEngine:
         self.positions[slot] = length
 
     # -- frames ---------------------------------------------------------------------------
-    def _decode(self, slots: list[int], early, on_launch=None, wait=None) -> list[FrameResult]:
+    def _decode(self, slots: list[int], early, on_launch=None) -> list[FrameResult]:
         if len(set(slots)) != len(slots):
             raise ValueError("a slot appears twice in one step")
         errors, live = {}, []
@@ -425,19 +414,18 @@ class BatchedEngine:
 
         for i in range(0, len(live), self.sizes[-1]):
             chunk = live[i:i + self.sizes[-1]]
-            codes = self._step(chunk, on_launch, wait)
+            codes = self._step(chunk, on_launch)
             early(results(codes, chunk, False))
             for r in results(self._finish_step(len(chunk)), chunk, True):
                 rows[r.slot] = r
                 positions[r.slot] += 1
         return [rows[s] if s not in errors else FrameResult(s, zeros.copy(), False, errors[s]) for s in slots]
 
-    def _step(self, chunk: list[int], on_launch=None, wait=None) -> np.ndarray:
+    def _step(self, chunk: list[int], on_launch=None) -> np.ndarray:
         """Launch one frame for the slots of `chunk` (<= the largest bucket) -> its code rows
         [n, 18] int32 (columns 16, 17: not final) once they are on the host; the talker step
         that ends the frame is still running (`_finish_step` waits for it). on_launch (the
-        contract) gets the codes' device view once both halves are launched, then wait(event)
-        the host time until the codes are on the host."""
+        contract) gets the codes' device view once both halves are launched."""
         n = len(chunk)
         b = bucket_for(n, self.sizes) if self.graphs else n
         gpu = self.device.type == "cuda"
@@ -456,8 +444,6 @@ class BatchedEngine:
         self.out_host[:b].copy_(self.frame.out[:b], non_blocking=gpu)
         if on_launch is not None:  # columns 0..15 are final after predict (advance writes 16, 17)
             on_launch(list(chunk), self.frame.out[:n, :self.p.ids.num_code_groups], self._predicted)
-        if wait is not None:
-            wait(self._codes_ready if gpu else None)
         if gpu:
             self._codes_ready.synchronize()
         if self.cuda_predict:
