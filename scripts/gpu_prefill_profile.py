@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from tts_server.api import SamplingConfig, SynthesisRequest  # noqa: E402
 from tts_server.app import create_engine  # noqa: E402
 from tts_server.config import ServerConfig  # noqa: E402
+from tts_server.engines.batched import engine as engine_mod  # noqa: E402
 from tts_server.engines.contract import Admission, StepPlan  # noqa: E402
 from tts_server.model.loader import load_model  # noqa: E402
 from tts_server.serving.prepare import RequestPreparer  # noqa: E402
@@ -37,7 +38,9 @@ def main() -> None:
     ap.add_argument("--max-streams", type=int, default=64)
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile-prompts", default="32", help="comma list of prompt counts to profile")
+    ap.add_argument("--profile-prompts", default="32", help="comma list of prompt counts to profile ('' for none)")
+    ap.add_argument("--share-ab", action="store_true",
+                    help="also time each admission without the shared prompt prefix (engine.SHARE_PREFIX off)")
     args = ap.parse_args()
     loaded = load_model("synthetic", "cuda")
     engine = create_engine("batched", loaded, ServerConfig(max_streams=args.max_streams))
@@ -64,7 +67,7 @@ def main() -> None:
             engine.release(i)
 
     for a in [int(x) for x in args.batches.split(",") if int(x) <= args.max_streams]:
-        one, many, run = [], [], []
+        one, many, run, unshared = [], [], [], []
         for r in range(args.repeats + 1):
             prompts, t1 = timed(lambda: [prep.prepare(q, i) for q, i in zip(reqs[:a], ids[:a])])
             t2 = None
@@ -72,10 +75,17 @@ def main() -> None:
                 _, t2 = timed(lambda: prep.prepare_many(reqs[:a], ids[:a]))
             _, t3 = timed(lambda: admit(prompts))
             release(a)
+            if args.share_ab:  # the same admission, every prompt computing its own prefix rows
+                engine_mod.SHARE_PREFIX = False
+                _, t4 = timed(lambda: admit(prompts))
+                release(a)
+                engine_mod.SHARE_PREFIX = True
             if r == 0:
                 continue  # warm-up
             one.append(t1)
             run.append(t3)
+            if args.share_ab:
+                unshared.append(t4)
             if t2 is not None:
                 many.append(t2)
         rows = sum(p.prompt.embeds.shape[0] for p in prompts)
@@ -83,11 +93,13 @@ def main() -> None:
                "engine_admit_ms": round(statistics.median(run), 3)}
         if many:
             lvl["prepare_many_ms"] = round(statistics.median(many), 3)
+        if unshared:
+            lvl["engine_admit_unshared_ms"] = round(statistics.median(unshared), 3)
         res["levels"][a] = lvl
         print(a, lvl, flush=True)
 
     res["profiles"] = {}
-    for a in [min(int(x), args.max_streams) for x in str(args.profile_prompts).split(",")]:
+    for a in [min(int(x), args.max_streams) for x in str(args.profile_prompts).split(",") if x]:
         prompts = [prep.prepare(q, i) for q, i in zip(reqs[:a], ids[:a])]
         admit(prompts)
         release(a)

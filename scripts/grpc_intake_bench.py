@@ -1,0 +1,106 @@
+"""How fast a grpc.aio server takes in a burst of calls (CPU, no model): a server-streaming method
+that notes when its handler starts, writes a few small messages ~80 ms apart (as audio chunks) and
+returns; N calls at once from P client processes. Prints the spread of handler starts (first to
+last) and the client-side time to the first message, per grpcio version and event loop: the
+intake half of issue 18's 256-stream burst without the engine.
+
+    python scripts/grpc_intake_bench.py [--calls 256] [--procs 8] [--loop uvloop|asyncio]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import grpc
+
+METHOD = "/bench.Intake/Stream"
+
+
+def _serve(port: int, loop_kind: str, ready, starts_q, n_calls: int, chunks: int) -> None:
+    if loop_kind == "uvloop":
+        import uvloop
+        uvloop.install()
+    starts: list[float] = []
+
+    async def stream(request: bytes, context):
+        starts.append(time.monotonic())
+        await context.send_initial_metadata((("x-request-id", "r"),))
+        for _ in range(chunks):
+            await context.write(b"\0" * 3840)  # 80 ms of 24 kHz s16 audio
+            await asyncio.sleep(0.08)
+        if len(starts) == n_calls:
+            starts_q.put(starts)
+
+    async def main():
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler("bench.Intake", {
+            "Stream": grpc.unary_stream_rpc_method_handler(stream)})
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _client(port: int, n: int, go, out_q) -> None:
+    async def main():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await ch.channel_ready()
+            call = ch.unary_stream(METHOD)
+            go.wait()
+
+            async def one():
+                t0 = time.monotonic()
+                first = None
+                async for _ in call(b"x"):
+                    if first is None:
+                        first = time.monotonic() - t0
+                return first
+
+            out_q.put(await asyncio.gather(*(one() for _ in range(n))))
+
+    asyncio.run(main())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=256)
+    ap.add_argument("--procs", type=int, default=8)
+    ap.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"])
+    ap.add_argument("--chunks", type=int, default=3)
+    ap.add_argument("--port", type=int, default=50999)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    ready, go, starts_q, out_q = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    srv = ctx.Process(target=_serve, args=(args.port, args.loop, ready, starts_q, args.calls, args.chunks), daemon=True)
+    srv.start()
+    ready.wait(30)
+    per = [args.calls // args.procs + (i < args.calls % args.procs) for i in range(args.procs)]
+    clients = [ctx.Process(target=_client, args=(args.port, n, go, out_q), daemon=True) for n in per]
+    for c in clients:
+        c.start()
+    time.sleep(2)  # channels ready
+    go.set()
+    firsts = [x for _ in clients for x in out_q.get(timeout=120)]
+    starts = sorted(starts_q.get(timeout=60))
+    for c in clients:
+        c.join(10)
+    srv.terminate()
+    spread = [(t - starts[0]) * 1e3 for t in starts]
+    ms = sorted(f * 1e3 for f in firsts)
+    print(json.dumps({"grpcio": grpc.__version__, "loop": args.loop, "calls": args.calls, "procs": args.procs,
+                      "handler_start_spread_ms": {"p50": round(spread[len(spread) // 2], 1), "max": round(spread[-1], 1)},
+                      "per_call_ms": round(spread[-1] / max(1, len(spread) - 1), 3),
+                      "first_message_ms": {"p50": round(statistics.median(ms), 1),
+                                           "p95": round(ms[int(0.95 * (len(ms) - 1))], 1), "max": round(ms[-1], 1)}}))
+
+
+if __name__ == "__main__":
+    main()
