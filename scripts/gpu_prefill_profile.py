@@ -71,8 +71,8 @@ def main() -> None:
         for r in range(args.repeats + 1):
             prompts, t1 = timed(lambda: [prep.prepare(q, i) for q, i in zip(reqs[:a], ids[:a])])
             t2 = None
-            if hasattr(prep, "prepare_many"):
-                _, t2 = timed(lambda: prep.prepare_many(reqs[:a], ids[:a]))
+            if hasattr(prep, "prepare_many"):  # as the server builds a step's prompts (shared prefixes keyed)
+                prompts, t2 = timed(lambda: prep.prepare_many(reqs[:a], ids[:a]))
             _, t3 = timed(lambda: admit(prompts))
             release(a)
             if args.share_ab:  # the same admission, every prompt computing its own prefix rows
