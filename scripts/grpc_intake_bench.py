@@ -21,7 +21,7 @@ import grpc
 METHOD = "/bench.Intake/Stream"
 
 
-def _serve(port: int, loop_kind: str, ready, starts_q, n_calls: int, chunks: int) -> None:
+def _serve(port: int, loop_kind: str, ready, starts_q, n_calls: int, chunks: int, registered: bool) -> None:
     if loop_kind == "uvloop":
         import uvloop
         uvloop.install()
@@ -38,9 +38,10 @@ def _serve(port: int, loop_kind: str, ready, starts_q, n_calls: int, chunks: int
 
     async def main():
         server = grpc.aio.server()
-        handler = grpc.method_handlers_generic_handler("bench.Intake", {
-            "Stream": grpc.unary_stream_rpc_method_handler(stream)})
-        server.add_generic_rpc_handlers((handler,))
+        handlers = {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Intake", handlers),))
+        if registered:  # as generated stubs (and tts_server/rpc/server.py) do
+            server.add_registered_method_handlers("bench.Intake", handlers)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
@@ -76,10 +77,11 @@ def main() -> None:
     ap.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"])
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--port", type=int, default=50999)
+    ap.add_argument("--registered", action="store_true", help="also add_registered_method_handlers")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ready, go, starts_q, out_q = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
-    srv = ctx.Process(target=_serve, args=(args.port, args.loop, ready, starts_q, args.calls, args.chunks), daemon=True)
+    srv = ctx.Process(target=_serve, args=(args.port, args.loop, ready, starts_q, args.calls, args.chunks, args.registered), daemon=True)
     srv.start()
     ready.wait(30)
     per = [args.calls // args.procs + (i < args.calls % args.procs) for i in range(args.procs)]
@@ -95,7 +97,7 @@ def main() -> None:
     srv.terminate()
     spread = [(t - starts[0]) * 1e3 for t in starts]
     ms = sorted(f * 1e3 for f in firsts)
-    print(json.dumps({"grpcio": grpc.__version__, "loop": args.loop, "calls": args.calls, "procs": args.procs,
+    print(json.dumps({"grpcio": grpc.__version__, "loop": args.loop, "registered": args.registered, "calls": args.calls, "procs": args.procs,
                       "handler_start_spread_ms": {"p50": round(spread[len(spread) // 2], 1), "max": round(spread[-1], 1)},
                       "per_call_ms": round(spread[-1] / max(1, len(spread) - 1), 3),
                       "first_message_ms": {"p50": round(statistics.median(ms), 1),
