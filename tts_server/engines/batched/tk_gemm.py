@@ -309,11 +309,12 @@ def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_x
         kmask = kk < k_hi
         xm = (rm < M)[:, None] & kmask[None, :]
         x_hi = tl.load(hi_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+        if TERMS == 2:  # the loads in the order the 2-term kernel was measured with
+            x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
         wmask = (rn < N)[:, None] & kmask[None, :]
         wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
         acc = _dot(x_hi, wk, acc, INTERPRET)
         if TERMS == 2:
-            x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
             acc = _dot(x_lo, wk, acc, INTERPRET)
         if SWIGLU:
             wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask, other=0.0))
