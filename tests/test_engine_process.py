@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from test_devices import _until
 from tts_client.client import TTSClient, build_request
 
 pytestmark = pytest.mark.slow
@@ -209,7 +210,8 @@ async def test_a_failed_stream_and_a_failed_engine_as_in_process():
         for outcome in (dev, await bystander):
             assert outcome[0] == grpc.StatusCode.UNAVAILABLE, outcome
         assert "illegal memory access" in dev[1]
-        assert worker.failure is not None and server.failure is not None
+        assert worker.failure is not None
+        await _until(lambda: server.failure is not None, 5)  # told after the streams end (see below)
         async with grpc.aio.insecure_channel(address) as ch:
             r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -231,7 +233,10 @@ async def test_an_engine_process_that_dies_ends_every_stream_unavailable():
         for outcome in await asyncio.gather(*streams):
             assert outcome[0] == grpc.StatusCode.UNAVAILABLE, outcome
             assert "engine process ended" in outcome[1]
-        assert server.failure is not None and worker.num_outstanding == 0
+        # the worker ends the streams, then tells the server's loop (call_soon_threadsafe): the
+        # calls may finish first
+        await _until(lambda: server.failure is not None, 5)
+        assert worker.num_outstanding == 0
     finally:
         await _stop(server, worker)
 
