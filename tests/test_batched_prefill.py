@@ -288,3 +288,109 @@ def test_prefill_row_inputs_with_a_shared_prefix():
     assert views["cp_dst"].tolist() == [4, 6] + [0] * (a - 2)
     stage_rows(views, lens, blocks, nblk - 1)  # no sharing: no copies left from the last step
     assert views["cp_n"].tolist() == [0] * a and views["pos"][:lens[0]].tolist() == list(range(lens[0]))
+
+
+def test_prefill_row_inputs_prompt_by_prompt_equal_the_numpy_layout():
+    """stage_rows fills few prompts' inputs prompt by prompt (_stage_few) and many with whole-array
+    numpy (_stage_many): the same views for random prompts, blocks and shared prefixes, from
+    views holding another step's values."""
+    import random
+
+    import numpy as np
+
+    from tts_server.engines.batched import prefill as pf
+    from tts_server.engines.batched.ops import PREFILL_QB
+
+    n, bs, a = 512, 16, 12
+    cols, nq = -(-n // bs), pf.max_query_blocks(n, a, PREFILL_QB)
+    nblk = cols + a + 1
+    sizes = dict(table=n * cols, pos=n, last=a, dst=nblk, qrow=nq, qn=nq, cp_src=a, cp_dst=a, cp_n=a)
+    rnd = random.Random(7)
+
+    def views(fill):
+        v = {k: np.full(s, fill, np.int32) for k, s in sizes.items()}
+        v["table"] = v["table"].reshape(n, cols)
+        return v
+
+    for trial in range(300):
+        count = rnd.randint(1, a)
+        lens = [rnd.randint(1, 60) for _ in range(count)]
+        while sum(lens) > n:
+            lens.pop()
+        blocks = [[rnd.randint(1, 500) for _ in range(-(-x // bs) + rnd.choice((0, 0, 1)))] for x in lens]
+        skip = lead = None
+        if trial % 2:
+            skip, lead, first = [0] * len(lens), [-1] * len(lens), None
+            for i, x in enumerate(lens):
+                if x > 9:
+                    if first is None:
+                        first = i
+                    else:
+                        skip[i], lead[i] = 9, first
+        few, many = views(77), views(-5)
+        pf._stage_few(few, lens, blocks, nblk - 1, skip, lead)
+        pf._stage_many(many, lens, blocks, nblk - 1, skip, lead)
+        for k in sizes:
+            assert np.array_equal(few[k], many[k]), (k, lens, skip)
+
+
+@pytest.mark.gpu
+def test_gpu_admissions_launch_without_a_host_wait_and_draw_graphs_equal_eager(tiny_custom):
+    """A step's admissions (prefill replay, slot state, first draws) are launched without an
+    implicit host wait (torch's sync debug mode raises on one: a pageable copy, .item(), ...), so
+    the host prepares the first frame while the device prefills; and the first draws' graphs
+    (one per frame bucket, scratch-slot padding) give the eager draws' bits: past hidden, code
+    0, the seen row."""
+    from tts_server.api import SamplingConfig
+    from tts_server.engines.batched.state import CODE0, N_SAMPLED
+    from tts_server.engines.contract import Admission, Prompt, StepPlan
+
+    eng = BatchedEngine(_cuda(decode_weights(tiny_custom.model)), max_streams=4, max_positions=512, block_size=16)
+    assert sorted(eng.draw_graphs) == eng.sizes
+    h = tiny_custom.model.talker.config.hidden_size
+    g = torch.Generator().manual_seed(9)
+    admits = tuple(Admission(s, Prompt(embeds=torch.randn(n, h, generator=g).cuda(), trailing=torch.zeros(2, h).cuda(),
+                                       pad_embed=torch.zeros(h).cuda()),
+                             SamplingConfig(seed=s + 3, do_sample=True, temperature=1.3))
+                   for s, n in ((0, 20), (2, 33), (3, 7)))
+
+    def admit(adms):
+        for a in adms:
+            eng.release(a.slot)
+        out = eng.run(StepPlan(decode=(), admit=adms))
+        assert not out.failed
+        s = eng.state
+        return {a.slot: (s.past_hidden[a.slot].clone(), int(s.ints[CODE0, a.slot]), int(s.ints[N_SAMPLED, a.slot]),
+                         s.seen[a.slot].clone()) for a in adms}
+
+    graphed = admit(admits)
+    draw_graphs, eng.draw_graphs = eng.draw_graphs, {}
+    try:
+        eager = admit(admits)
+    finally:
+        eng.draw_graphs = draw_graphs
+    for slot, want in eager.items():
+        got = graphed[slot]
+        assert torch.equal(got[0], want[0]) and got[1:3] == want[1:3] and torch.equal(got[3], want[3]), slot
+        assert got[2] == 1 and int(got[3].sum()) == 1
+    assert len({v[1] for v in graphed.values()}) > 1 or not torch.equal(graphed[0][0], graphed[2][0])
+
+    for a in admits:
+        eng.release(a.slot)
+        eng._reserve(a)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        finite = eng._admit_rows(list(admits))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert finite.tolist() == [True] * 3
+    rows = torch.tensor([0], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the check can fail: `seen[rows] = 0`, as admit_many had it
+            eng.state.seen[rows] = 0
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a in admits:
+        eng.release(a.slot)

@@ -137,10 +137,17 @@ class BatchedEngine:
             torch.cuda.synchronize(dev)
             self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
         self.row_graphs = None
+        self.draw_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if dev.type == "cuda":
             # every GEMM tile of every row-count bucket (the down projection is bf16 in either mode)
             ops.warm_up(dev, tuple({torch.bfloat16, self.gemm_dtype}))
             self._warm_admissions()  # eager admission kernels compiled for every row count
+            if use_graphs:
+                before = torch.cuda.memory_reserved(dev)
+                t0 = time.perf_counter()
+                self._capture_draws()
+                self.capture_s += time.perf_counter() - t0
+                self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
             if use_graphs and kv_dtype != torch.float32 and self.prefill_graphs is None:
                 before = torch.cuda.memory_reserved(dev)
                 t0 = time.perf_counter()
@@ -337,7 +344,43 @@ class BatchedEngine:
     def _first_draws(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The admitted slots' past hidden, and code 0 of their first frame from it (rows [A] long
         on the device, hidden [A, H]; draw index 0, stream 0), all in one batch-invariant pass;
-        -> finite per slot ([A] bool, on the device)."""
+        -> finite per slot ([A] bool, on the device). With graphs: one replay of the next bucket's
+        graph, the rows past A being the scratch slot (as a frame's padding), instead of ~15
+        launches from Python (0.8 ms of host time on an H100 host, which one stream's first
+        frame waited for: scripts/gpu_admit_timeline.py)."""
+        a = rows.shape[0]
+        if not self.draw_graphs:
+            return self._draw(rows, hidden)
+        b = bucket_for(a, self.sizes)
+        graph, finite = self.draw_graphs[b]
+        self._draw_rows[:a].copy_(rows)
+        self._draw_rows[a:b].fill_(self.state.scratch)
+        self._draw_hidden[:a].copy_(hidden)
+        graph.replay()
+        return finite[:a].clone()  # the next replay overwrites it
+
+    def _capture_draws(self) -> None:
+        """`_draw` as one CUDA graph per frame bucket over the engine's draw buffers (rows: the
+        scratch slot until a replay's admissions fill them)."""
+        dev, h = self.device, self.p.talker.cfg.hidden_size
+        self._draw_rows = torch.full((self.sizes[-1],), self.state.scratch, dtype=torch.long, device=dev)
+        self._draw_hidden = torch.zeros(self.sizes[-1], h, dtype=torch.float32, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile and warm the allocator off the capture
+            for b in self.sizes:
+                self._draw(self._draw_rows[:b], self._draw_hidden[:b])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool blocks
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=side):  # on dev (see graphs.py)
+                finite = self._draw(self._draw_rows[:b], self._draw_hidden[:b])
+            self.draw_graphs[b] = (g, finite)
+        torch.cuda.synchronize(dev)
+
+    def _draw(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`_first_draws`' device work, launched op by op (what the draw graphs hold)."""
         s, ids = self.state, self.p.ids
         s.past_hidden[rows] = hidden
         logits = ops.linear(hidden, self.p.codec_head)  # [A, V]

@@ -82,7 +82,10 @@ class SlotState:
             vectors = torch.cat([t.to(dev) for t in trailings if t.shape[0]])
             self.trailing[which, at] = vectors.to(self.trailing.dtype)
         self.pad_embed[rows] = torch.stack([p.to(dev) for p in pad_embeds]).to(self.pad_embed.dtype)
-        self.seen[rows] = 0
+        # index_fill_ takes the value as a scalar argument; `seen[rows] = 0` would copy a CPU scalar
+        # tensor from pageable memory, which waits for the stream: the prefill graph launched just
+        # before (1.2 ms of one stream's first audio on an H100, scripts/gpu_admit_timeline.py)
+        self.seen.index_fill_(0, rows, 0)
 
     def extend_text(self, slot: int, start: int, vectors: torch.Tensor, eos_from: int | None) -> None:
         """Write text-track vectors [n, H] at `start` of `slot`'s track (StreamSynthesize)."""
