@@ -6,6 +6,7 @@ step's slot list yields every field as a contiguous [B] row.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...api import SamplingConfig
@@ -17,6 +18,7 @@ NUM_STEP_INTS = 4  # POS..TEXT_STEP: what a frame advances
 # float32 fields, rows of `floats`
 TEMPERATURE, TOP_P, PENALTY, SUB_TEMPERATURE, SUB_TOP_P = range(5)
 NUM_FLOATS = 5
+SEED_COL, STAGED_COLS = 16, 18  # admit_many's staging rows: ints, floats' bits, pad, seed (2 words)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -67,20 +69,27 @@ class SlotState:
         dev = self.ints.device
         if rows is None:
             rows = to_device(torch.tensor(slots, dtype=torch.long), dev)
-        self.ints[:, rows] = to_device(torch.tensor(
-            [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample), int(s.subtalker_top_k), e]
-             for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)], dtype=torch.int32).T, dev)
-        self.floats[:, rows] = to_device(torch.tensor(
+        # one staging copy for the int, float and seed fields: [A, 18] int32 = ints 0..9, the
+        # floats' bits 10..14, the seed's two words 16..17 (an int64 view needs an even column)
+        host = np.zeros((len(slots), STAGED_COLS), dtype=np.int32)
+        host[:, :NUM_INTS] = [[n, 0, 0, 0, t, int(s.do_sample), int(s.top_k), int(s.subtalker_do_sample),
+                               int(s.subtalker_top_k), e] for s, n, t, e in zip(samplings, lengths, n_tr, eos_froms)]
+        host[:, NUM_INTS:NUM_INTS + NUM_FLOATS] = np.asarray(
             [[s.temperature, s.top_p, s.repetition_penalty, s.subtalker_temperature, s.subtalker_top_p]
-             for s in samplings], dtype=torch.float32).T, dev)
-        self.seed[rows] = to_device(torch.tensor([int(s.seed) & (2**63 - 1) for s in samplings], dtype=torch.int64), dev)
+             for s in samplings], dtype=np.float32).view(np.int32)
+        host[:, SEED_COL:SEED_COL + 2] = np.asarray([int(s.seed) & (2**63 - 1) for s in samplings],
+                                                    dtype=np.int64)[:, None].view(np.int32)
+        staged = to_device(torch.from_numpy(host), dev)
+        self.ints[:, rows] = staged[:, :NUM_INTS].T
+        self.floats[:, rows] = staged[:, NUM_INTS:NUM_INTS + NUM_FLOATS].view(torch.float32).T
+        self.seed[rows] = staged[:, SEED_COL:SEED_COL + 2].view(torch.int64)[:, 0]
         if past_hidden is not None:
             self.past_hidden[rows] = past_hidden.to(self.past_hidden.dtype)
         if sum(n_tr):
-            which = to_device(torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)), dev)
-            at = to_device(torch.cat([torch.arange(t) for t in n_tr]), dev)
+            where = to_device(torch.stack((torch.repeat_interleave(torch.tensor(slots), torch.tensor(n_tr)),
+                                           torch.cat([torch.arange(t) for t in n_tr]))), dev)
             vectors = torch.cat([t.to(dev) for t in trailings if t.shape[0]])
-            self.trailing[which, at] = vectors.to(self.trailing.dtype)
+            self.trailing[where[0], where[1]] = vectors.to(self.trailing.dtype)
         self.pad_embed[rows] = torch.stack([p.to(dev) for p in pad_embeds]).to(self.pad_embed.dtype)
         # index_fill_ takes the value as a scalar argument; `seen[rows] = 0` would copy a CPU scalar
         # tensor from pageable memory, which waits for the stream: the prefill graph launched just
