@@ -221,3 +221,59 @@ def test_build_many_on_cuda_equals_build(tiny_custom):
     items = _custom_items(tiny_custom)
     for n in (1, len(items), 3, len(items), 2, 5, 1, len(items)):
         _check_step(b, items[:n], [n > 1] * n)
+
+
+def embed_rows_vs_torch(dtype: str, device: str = "cpu") -> list:
+    """materialise through the one-launch row kernel (embed_rows) and through its torch ops, for
+    the same plans: per prompt, whether the two are bit for bit equal (-0.0 planted in the table);
+    and the number of kernel launches. Run under TRITON_INTERPRET=1 (or with CUDA tables)."""
+    from tts_server.model import embed_rows
+
+    tts = build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"], dtype=getattr(torch, dtype), device=device)
+    b = PromptBuilder(tts.model, _table(tts.model))
+    plans = [b.plan(it) for it in _custom_items(tts)]
+    calls = []
+    fn = embed_rows.embed_rows
+    embed_rows.embed_rows = lambda *a: calls.append(1) or fn(*a)
+    try:
+        fast = b.materialise(plans)
+    finally:
+        embed_rows.embed_rows = fn
+    usable, embed_rows.usable = embed_rows.usable, lambda *a: False
+    try:
+        slow = b.materialise(plans)
+    finally:
+        embed_rows.usable = usable
+    return [_same(x, y) for x, y in zip(fast, slow)] + [len(calls)]
+
+
+def test_prompt_rows_in_one_launch_equal_the_torch_ops():
+    """The row kernel (`materialise` on a GPU) gives the torch path's prompts bit for bit, in bf16
+    and fp32: text rows copied (a -0.0 stays), codec rows added and rounded once (Triton
+    interpreter, a subprocess so that no other module sees it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_prompt_many as t; "
+            "print('RESULT', json.dumps([t.embed_rows_vs_torch(d) for d in ('bfloat16', 'float32')]))")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for got in json.loads(proc.stdout.split("RESULT", 1)[1]):
+        assert got[-1] == 1 and all(got[:-1]) and len(got) == 13, got
+
+
+@pytest.mark.gpu
+def test_prompt_rows_in_one_launch_on_cuda():
+    """The row kernel on a GPU: bf16 prompts bit for bit the torch ops'."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled kernels only")
+    got = embed_rows_vs_torch("bfloat16", "cuda")
+    assert got[-1] == 1 and all(got[:-1]), got

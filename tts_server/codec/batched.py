@@ -79,6 +79,7 @@ class BatchedCodecDecoder:
         self._vc = [torch.zeros(kv_shape, **z) for _ in pl.layers]
         self._hist = [torch.zeros(rows, h, c, **z) for h, c in pl.states]
         self._nf = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._slot_views: dict[int, list[torch.Tensor]] = {}  # reset()'s views of a slot's state
         nb = self.buckets[-1]
         self._idx = torch.full((nb,), self._scratch, dtype=torch.long, device=self.device)
         self._codes = torch.zeros(nb, self.num_quantizers, dtype=torch.long, device=self.device)
@@ -135,8 +136,12 @@ class BatchedCodecDecoder:
         self._check_slots([slot])
         with torch.inference_mode():
             # one multi-tensor kernel instead of a launch per state tensor (~40); the fast path
-            # takes one dtype per list, so the int64 frame counter goes apart
-            torch._foreach_zero_([t[slot] for t in self._kc + self._vc + self._hist])
+            # takes one dtype per list, so the int64 frame counter goes apart. The slot's views
+            # are made once (~40 indexings: 0.1-0.2 ms of a first chunk's host time)
+            views = self._slot_views.get(slot)
+            if views is None:
+                views = self._slot_views[slot] = [t[slot] for t in self._kc + self._vc + self._hist]
+            torch._foreach_zero_(views)
             self._nf[slot:slot + 1].zero_()
             if ref_codes is not None:
                 ref = torch.as_tensor(ref_codes).to(self.device, torch.long)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import embed_rows
+
 # Without a vocabulary table, text-track vectors are projected in blocks of this many rows aligned
 # to their track index, so a vector's value does not depend on how the text arrived (a GEMM's rows
 # depend on its row count).
@@ -298,14 +300,18 @@ class PromptBuilder:
         table = self.text_table
         idx = self._staging.to_device(text + trailing + [max(a, 0) for a in adds]  # the one host -> device
                                       + [int(a != _NO_CODEC) for a in adds] + xpos, table.device)  # copy
-        text_idx, trailing_idx, codec_idx, has_codec, xpos_idx = idx.split([n, m, n, n, len(xpos)])
-        t_rows = table[text_idx]  # [n, H]
-        c_rows = self.talker.get_input_embeddings()(codec_idx)  # [n, H]
-        if xvecs:
-            xv = torch.stack([x.reshape(-1).to(table.device) for x in xvecs]).to(table.dtype)
-            c_rows = c_rows.index_copy(0, xpos_idx, xv)
-        embeds = torch.where(has_codec.bool()[:, None], t_rows + c_rows, t_rows)  # text + codec, as `build`
-        trail = table[trailing_idx]  # [m, H], apart: it outlives the prefill
+        codec_table = self.talker.get_input_embeddings().weight
+        if not xvecs and embed_rows.usable(table, codec_table):  # the same bits in one launch
+            embeds, trail = embed_rows.embed_rows(table, codec_table, idx, n, m)
+        else:
+            text_idx, trailing_idx, codec_idx, has_codec, xpos_idx = idx.split([n, m, n, n, len(xpos)])
+            t_rows = table[text_idx]  # [n, H]
+            c_rows = self.talker.get_input_embeddings()(codec_idx)  # [n, H]
+            if xvecs:
+                xv = torch.stack([x.reshape(-1).to(table.device) for x in xvecs]).to(table.dtype)
+                c_rows = c_rows.index_copy(0, xpos_idx, xv)
+            embeds = torch.where(has_codec.bool()[:, None], t_rows + c_rows, t_rows)  # text + codec, as `build`
+            trail = table[trailing_idx]  # [m, H], apart: it outlives the prefill
         pad_embed = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
                                          self.cfg.tts_pad_token_id))[0, 2]
         out, e0, t0 = [], 0, 0
