@@ -227,11 +227,14 @@ def embed_rows_vs_torch(dtype: str, device: str = "cpu") -> list:
     """materialise through the one-launch row kernel (embed_rows) and through its torch ops, for
     the same plans: per prompt, whether the two are bit for bit equal (-0.0 planted in the table);
     and the number of kernel launches. Run under TRITON_INTERPRET=1 (or with CUDA tables)."""
+    from dataclasses import replace
+
     from tts_server.model import embed_rows
 
     tts = build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"], dtype=getattr(torch, dtype), device=device)
     b = PromptBuilder(tts.model, _table(tts.model))
-    plans = [b.plan(it) for it in _custom_items(tts)]
+    # the ids on the CPU, as the server tokenizes them (ids on the device would take `build`)
+    plans = [b.plan(replace(it, input_ids=it.input_ids.cpu())) for it in _custom_items(tts)]
     calls = []
     fn = embed_rows.embed_rows
     embed_rows.embed_rows = lambda *a: calls.append(1) or fn(*a)
