@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Compile, for sm_90 and without a GPU, every Triton kernel specialisation the GPU serving path
 launches: the batched engine's (admissions through the row prefill, frames at several batch
-sizes with and without PDL, every tuned GEMM tile) and the codec step's (B = 1, 8, 64, bf16 and
-fp32). The real host code runs on CPU tensors at the full-size 0.6B shapes; each launch is
+sizes with and without PDL, every tuned GEMM tile), the codec step's (B = 1, 8, 64, bf16 and
+fp32) and a step's prompt rows (model/embed_rows.py). The real host code runs on CPU tensors at the full-size 0.6B shapes; each launch is
 compiled to a cubin instead of run (the values are garbage, integer tensors zeros; the shapes,
 dtypes, constexprs and integer specialisations are the launch's own). A device call is
 too dear to find a kernel that does not compile; `make check-kernels` runs this.
@@ -52,6 +52,7 @@ def main() -> int:
     # every kernel module imported while TRITON_INTERPRET is unset (so JITFunctions) ...
     from tts_server.codec import triton_kernels  # noqa: F401
     from tts_server.engines.batched import pdl, tk_attention, tk_gemm, tk_glue, tk_sample, triton_ops  # noqa: F401
+    from tts_server.model import embed_rows
 
     compiled: dict[str, int] = {}
     failures: list[tuple[str, str]] = []
@@ -92,6 +93,7 @@ def main() -> int:
     section("gemm tiles", lambda: _gemms(tk_gemm))
     section("engine", lambda: _engine(sizes, pdl))
     section("codec", lambda: _codec((1, 64) if args.quick else (1, 8, 64)))
+    section("prompt rows", lambda: _prompt_rows(embed_rows))
     os.environ.pop("TRITON_INTERPRET", None)
     print(f"{sum(compiled.values())} launches compiled for sm_90 ({len(compiled)} kernels) in "
           f"{time.time() - t0:.0f} s: {', '.join(sorted(compiled))}")
@@ -111,6 +113,14 @@ def _gemms(tk_gemm) -> None:
         for (kind, n, k) in tk_gemm.big_m_tiles(terms):
             w = torch.zeros(n, k, dtype=dtype)
             tk_gemm._gemm(torch.zeros(tk_gemm.big_m_min_rows(terms), k), w, w if kind == "swiglu" else None)
+
+
+def _prompt_rows(embed_rows) -> None:
+    """A step's prompt rows (PromptBuilder.materialise on a GPU): bf16 tables (the served model's)
+    and fp32 ones, at the 0.6B hidden size."""
+    for dtype in (torch.bfloat16, torch.float32):
+        text, codec = torch.zeros(64, 1024, dtype=dtype), torch.zeros(32, 1024, dtype=dtype)
+        embed_rows.embed_rows(text, codec, torch.zeros(3 * 7 + 4, dtype=torch.long), 7, 4)
 
 
 def _engine(sizes, pdl) -> None:
