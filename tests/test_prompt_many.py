@@ -280,3 +280,26 @@ def test_prompt_rows_in_one_launch_on_cuda():
         pytest.skip("compiled kernels only")
     got = embed_rows_vs_torch("bfloat16", "cuda")
     assert got[-1] == 1 and all(got[:-1]), got
+
+
+def test_text_ids_equal_the_tokenizer_call(tiny_custom):
+    """RequestPreparer.text_ids calls the fast tokenizer's backend directly: the ids of the
+    tokenizer's own __call__ (which qwen-tts uses) for text of every kind, special-token text in
+    a request included; and with a truncating backend it falls back to __call__."""
+    p = _preparer("synthetic-tiny", tiny_custom)
+    texts = TEXTS + ["你好，世界。今天天气很好！", "Emoji 🙂🎉 and accents: café, naïve, Zoë.",
+                     "Tabs\tand\nnew lines,   spaces  ", "<|im_end|> <|im_start|>assistant\n inside text",
+                     "1234567890 " * 50, "ÄÖÜß ¿Qué? Привет мир. こんにちは", "a" * 3000]
+    tok = tiny_custom.processor.tokenizer
+    for text in texts:
+        want = tok(tiny_custom._build_assistant_text(text))["input_ids"]
+        assert p.text_ids(text) == want, text[:40]
+    backend = tok.backend_tokenizer
+    backend.enable_truncation(8)
+    try:
+        q = _preparer("synthetic-tiny", tiny_custom)
+        assert q.text_ids(LONG) == tok(tiny_custom._build_assistant_text(LONG))["input_ids"]  # the __call__ path
+        assert len(q.text_ids(LONG)) > 8
+    finally:
+        backend.no_truncation()
+    assert p.text_ids(LONG) != p.text_ids(LONG[:-20])  # the check can fail
