@@ -15,6 +15,7 @@ import functools
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,27 +41,56 @@ PHASES = [(engine_mod.BatchedEngine, "_reserve"), (engine_mod.BatchedEngine, "_r
           (engine_mod.BatchedEngine, "_advance"), (engine_mod.BatchedEngine, "_step"),
           (engine_mod.BatchedEngine, "_finish_step")]
 
-marks: list = []  # (name, "in"/"out", host s, event)
-on = {"v": False}
+marks: list = []  # (name, "in"/"out", host s, CUDA event or None)
+on = {"v": False, "main_thread": True}  # recording; whether the main thread's calls count
 
 
-def wrap(cls, name):
+def _event():
+    if not torch.cuda.is_available():
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def wrap(cls, name) -> None:
+    """Record host time and a CUDA event at each entry and exit of cls.name while on["v"]."""
     orig = getattr(cls, name)
 
     @functools.wraps(orig)
     def f(*a, **k):
-        if not on["v"]:
+        if not on["v"] or (not on["main_thread"] and threading.current_thread() is threading.main_thread()):
             return orig(*a, **k)
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        marks.append((name, "in", time.perf_counter(), ev))
+        marks.append((name, "in", time.perf_counter(), _event()))
         try:
             return orig(*a, **k)
         finally:
-            ev2 = torch.cuda.Event(enable_timing=True)
-            ev2.record()
-            marks.append((name, "out", time.perf_counter(), ev2))
+            marks.append((name, "out", time.perf_counter(), _event()))
     setattr(cls, name, f)
+
+
+def collect(rows: dict, t0: float, base) -> None:
+    """This run's marks into rows ({"name#i in|out": [(host ms, gpu ms)]}), from t0 / base."""
+    seen: dict[str, int] = {}
+    for name, io, t, ev in list(marks):
+        k = f"{name}#{seen.get(name + io, 0)} {io}"
+        seen[name + io] = seen.get(name + io, 0) + 1
+        rows.setdefault(k, []).append(((t - t0) * 1e3, base.elapsed_time(ev) if base is not None else 0.0))
+
+
+def table(rows: dict, min_runs: int = 1) -> list:
+    """Print and return [(phase, runs, host ms, gpu ms)] medians, in host order (phases seen in
+    fewer than min_runs runs left out)."""
+    out = []
+    print(f"{'phase':32s} {'n':>3s} {'host ms':>8s} {'gpu ms':>8s}")
+    for k in sorted(rows, key=lambda k: statistics.median(h for h, _ in rows[k])):
+        if len(rows[k]) < min_runs:
+            continue
+        h = statistics.median(x for x, _ in rows[k])
+        g = statistics.median(y for _, y in rows[k])
+        out.append((k, len(rows[k]), round(h, 3), round(g, 3)))
+        print(f"{k:32s} {len(rows[k]):3d} {h:8.3f} {g:8.3f}")
+    return out
 
 
 def main() -> None:
@@ -87,8 +117,7 @@ def main() -> None:
         torch.cuda.synchronize()
         marks.clear()
         on["v"] = True
-        base = torch.cuda.Event(enable_timing=True)
-        base.record()
+        base = _event()
         t0 = time.perf_counter()
         engine.run(plan)
         t1 = time.perf_counter()
@@ -98,21 +127,11 @@ def main() -> None:
         if i < 3:
             continue
         totals.append((t1 - t0) * 1e3)
-        seen: dict[str, int] = {}
-        for name, io, t, ev in marks:
-            k = f"{name}#{seen.get(name + io, 0)} {io}"
-            seen[name + io] = seen.get(name + io, 0) + 1
-            rows.setdefault(k, []).append(((t - t0) * 1e3, base.elapsed_time(ev)))
-    order = sorted(rows, key=lambda k: statistics.median(h for h, _ in rows[k]))
+        collect(rows, t0, base)
     res = {"device": torch.cuda.get_device_name(), "repeats": args.repeats,
-           "run_ms_median": round(statistics.median(totals), 3), "timeline": []}
+           "run_ms_median": round(statistics.median(totals), 3)}
     print(f"engine.run (admit + first frame), host wall median {res['run_ms_median']:.3f} ms")
-    print(f"{'phase':32s} {'host ms':>8s} {'gpu ms':>8s}")
-    for k in order:
-        h = statistics.median(x for x, _ in rows[k])
-        g = statistics.median(y for _, y in rows[k])
-        res["timeline"].append((k, round(h, 3), round(g, 3)))
-        print(f"{k:32s} {h:8.3f} {g:8.3f}")
+    res["timeline"] = table(rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "admit_timeline.json").write_text(json.dumps(res, indent=1))
 

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,37 +35,14 @@ from tts_server.model.loader import load_model  # noqa: E402
 from tts_server.serving import loop as loop_mod  # noqa: E402
 from tts_server.serving import prepare as prepare_mod  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_admit_timeline import _event, collect, marks, on, table, wrap  # noqa: E402
+
 W, E, C = loop_mod.Worker, engine_mod.BatchedEngine, codec_mod.BatchedCodecDecoder
 PHASES = [(W, "_step"), (W, "_prepare_all"), (prepare_mod.RequestPreparer, "prepare_many"),
           (prompt_mod.PromptBuilder, "plan"), (prompt_mod.PromptBuilder, "materialise"), (C, "reset_many"),
           (C, "reset"), (W, "_prepare"), (W, "_run_step"), (E, "run"), (E, "_admit_rows"), (E, "_step"),
           (W, "_launch"), (C, "launch"), (W, "_audio"), (C, "collect"), (W, "_add_audio"), (E, "_finish_step")]
-
-marks: list = []
-state = {"on": False, "t0": 0.0}
-
-
-def _event():
-    if not torch.cuda.is_available():
-        return None
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
-def wrap(cls, name):
-    orig = getattr(cls, name)
-
-    @functools.wraps(orig)
-    def f(*a, **k):
-        if not state["on"] or threading.current_thread() is threading.main_thread():
-            return orig(*a, **k)
-        marks.append((name, "in", time.perf_counter(), _event()))
-        try:
-            return orig(*a, **k)
-        finally:
-            marks.append((name, "out", time.perf_counter(), _event()))
-    setattr(cls, name, f)
 
 
 def main() -> None:
@@ -77,6 +52,7 @@ def main() -> None:
     ap.add_argument("--model", default="synthetic")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    on["main_thread"] = False  # the engine thread's calls only (submit tokenizes on the main one)
     for cls, name in PHASES:
         wrap(cls, name)
     loaded = load_model(args.model, args.device)
@@ -93,26 +69,22 @@ def main() -> None:
         if gpu:
             torch.cuda.synchronize()
         base = _event()
-        state["on"] = record
+        on["v"] = record
         t0 = time.perf_counter()
         first = None
         async for ev in worker.submit(req, asyncio.get_running_loop()):
             if isinstance(ev, AudioChunk) and first is None:
                 first = time.perf_counter()
-                state["on"] = False
+                on["v"] = False
             if isinstance(ev, StreamEnd):
                 break
-        state["on"] = False
+        on["v"] = False
         if not record:
             return
         if gpu:
             torch.cuda.synchronize()
         firsts.append((first - t0) * 1e3)
-        seen: dict[str, int] = {}
-        for name, io, t, ev in list(marks):
-            k = f"{name}#{seen.get(name + io, 0)} {io}"
-            seen[name + io] = seen.get(name + io, 0) + 1
-            rows.setdefault(k, []).append(((t - t0) * 1e3, base.elapsed_time(ev) if gpu else 0.0))
+        collect(rows, t0, base)
 
     async def run() -> None:
         for i in range(4):
@@ -124,16 +96,9 @@ def main() -> None:
     asyncio.run(run())
     worker.stop(10)
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "requests": args.requests,
-           "first_chunk_ms_median": round(statistics.median(firsts), 3), "timeline": []}
+           "first_chunk_ms_median": round(statistics.median(firsts), 3)}
     print(f"submit -> first chunk in the loop: median {res['first_chunk_ms_median']:.3f} ms")
-    print(f"{'phase':28s} {'n':>3s} {'host ms':>8s} {'gpu ms':>8s}")
-    for k in sorted(rows, key=lambda k: statistics.median(h for h, _ in rows[k])):
-        if len(rows[k]) < args.requests // 2:
-            continue
-        h = statistics.median(x for x, _ in rows[k])
-        g = statistics.median(y for _, y in rows[k])
-        res["timeline"].append((k, len(rows[k]), round(h, 3), round(g, 3)))
-        print(f"{k:28s} {len(rows[k]):3d} {h:8.3f} {g:8.3f}")
+    res["timeline"] = table(rows, args.requests // 2)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "worker_timeline.json").write_text(json.dumps(res, indent=1))
 
