@@ -7,6 +7,8 @@ tensors (finite embeddings: the hand rounding of bf16 does not keep NaN payloads
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # the GPU path; CPU-only installs use materialise's torch ops
@@ -48,8 +50,6 @@ if HAS_TRITON:
 
 def usable(text_table: torch.Tensor, codec_table: torch.Tensor) -> bool:
     """Whether `embed_rows` can serve these tables (CUDA, or the Triton interpreter on the CPU)."""
-    import os
-
     on = text_table.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     return (HAS_TRITON and on and text_table.dtype == codec_table.dtype and text_table.is_contiguous()
             and codec_table.is_contiguous() and text_table.shape[1] == codec_table.shape[1])

@@ -61,7 +61,7 @@ class RequestPreparer:
 
     def _ids(self, text: str) -> torch.Tensor:
         with self._tokenizer_lock:
-            return torch.tensor([self._tokenizer(text)["input_ids"]], dtype=torch.long)  # [1, T] on the CPU
+            return torch.tensor([self._encode(text)], dtype=torch.long)  # [1, T] on the CPU
 
     def _item(self, req: SynthesisRequest, text_ids: list[int] | None) -> tuple[PromptItem, str | None]:
         """The builder's input for a request, and its voice key (voice clones)."""

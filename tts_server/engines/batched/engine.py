@@ -22,7 +22,7 @@ from .graphs import StepGraphs, bucket_for, bucket_sizes
 from .kv_pool import PagedKV
 from .params import fused_bytes, prepare
 from .params import gemm_dtype as default_gemm_dtype
-from .prefill import PrefillGraphs, RowPrefillGraphs, prefill, prefill_rows_fp32_attention, shared_rows
+from .prefill import PrefillGraphs, RowPrefillGraphs, capture, prefill, prefill_rows_fp32_attention, shared_rows
 from .prefill_rows import prefill_rows
 from .state import CODE0, DO_SAMPLE, N_SAMPLED, PENALTY, TEMPERATURE, TOP_K, TOP_P, SlotState
 from .state import to_device as _to_device
@@ -361,22 +361,17 @@ class BatchedEngine:
 
     def _capture_draws(self) -> None:
         """`_draw` as one CUDA graph per frame bucket over the engine's draw buffers (rows: the
-        scratch slot until a replay's admissions fill them)."""
+        scratch slot until a replay's admissions fill them), without PDL."""
         dev, h = self.device, self.p.talker.cfg.hidden_size
         self._draw_rows = torch.full((self.sizes[-1],), self.state.scratch, dtype=torch.long, device=dev)
         self._draw_hidden = torch.zeros(self.sizes[-1], h, dtype=torch.float32, device=dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # compile and warm the allocator off the capture
-            for b in self.sizes:
-                self._draw(self._draw_rows[:b], self._draw_hidden[:b])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool blocks
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=side):  # on dev (see graphs.py)
-                finite = self._draw(self._draw_rows[:b], self._draw_hidden[:b])
-            self.draw_graphs[b] = (g, finite)
+        finite = {}  # per bucket, the captured draw's output (the warm-up's are replaced)
+
+        def fn(b):
+            finite[b] = self._draw(self._draw_rows[:b], self._draw_hidden[:b])
+
+        graphs = capture(fn, self.sizes, dev, pdl_rows=0)
+        self.draw_graphs = {b: (g, finite[b]) for b, g in graphs.items()}
         torch.cuda.synchronize(dev)
 
     def _draw(self, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

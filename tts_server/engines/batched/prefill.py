@@ -69,20 +69,21 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 PDL_MAX_ROWS = pdl.max_rows("PREFILL", 64)
 
 
-def capture(fn, sizes: list[int], dev: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+def capture(fn, sizes: list[int], dev: torch.device, pdl_rows: int = PDL_MAX_ROWS) -> dict[int, torch.cuda.CUDAGraph]:
     """fn(n) once per size off the capture stream (compiles the kernels, warms the allocator),
-    then one CUDA graph of fn(n) per size, largest first, all in one memory pool."""
+    then one CUDA graph of fn(n) per size, largest first, all in one memory pool; sizes up to
+    pdl_rows with PDL."""
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         for n in sizes:
-            with pdl.scope(n <= PDL_MAX_ROWS):
+            with pdl.scope(n <= pdl_rows):
                 fn(n)
     torch.cuda.current_stream(dev).wait_stream(side)
     pool, graphs = torch.cuda.graph_pool_handle(), {}
     for n in reversed(sizes):
         graphs[n] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[n], pool=pool, stream=side), pdl.scope(n <= PDL_MAX_ROWS):  # on dev (see graphs.py)
+        with torch.cuda.graph(graphs[n], pool=pool, stream=side), pdl.scope(n <= pdl_rows):  # on dev (see graphs.py)
             fn(n)
     return graphs
 
