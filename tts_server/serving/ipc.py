@@ -3,36 +3,86 @@ small tuples, pickled, over one Unix socket (multiprocessing.connection framing)
 
 Each side sends from one thread that takes everything queued since its last send (so a step's
 hundreds of audio chunks cross in a few messages, not one each) and receives on another, so
-neither side ever blocks the other on a full socket buffer.
+neither side ever blocks the other on a full socket buffer. An urgent item (a request, a
+stream's first audio) put while that thread has nothing to do is written by the caller itself,
+without waiting: one thread wake-up less on the way to first audio (whatever the socket does not
+take at once, the thread writes).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
+import socket
+import struct
 import threading
+import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
+INLINE_MAX_BYTES = 1 << 16  # an urgent item larger than this goes through the thread
+INLINE_GAP_S = 0.0005  # urgent items closer together than this (a burst) go through the thread too
+
 
 class Outbox:
-    """Items put from any thread, sent as lists by the outbox's own thread."""
+    """Items put from any thread, sent as lists by the outbox's own thread; `put(item, urgent=True)`
+    writes the item from the caller's thread when nothing is queued or being sent (one
+    non-blocking write; a burst of urgent items still goes through the thread)."""
 
     def __init__(self, conn: Connection, name: str):
         self._conn = conn
         self._items: list = []
+        self._rest = b""  # the tail of a message an urgent write left: the thread writes it first
+        self._busy = False  # a send is in progress (the thread's or an urgent caller's)
+        self._last_inline = 0.0
         self._cond = threading.Condition()
         self._closed = False
+        try:  # the same socket on a second descriptor, for non-blocking writes
+            self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:  # not a socket: every item through the thread
+            self._sock = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, item) -> None:
+    def put(self, item, urgent: bool = False) -> None:
         with self._cond:
-            if not self._closed:
+            if self._closed:
+                return
+            now = time.monotonic() if urgent else 0.0
+            if not (urgent and self._sock is not None and not self._busy and not self._items
+                    and not self._rest and now - self._last_inline >= INLINE_GAP_S):
                 self._items.append(item)
+                self._cond.notify()
+                return
+            self._busy, self._last_inline = True, now
+        data, sent = b"", 0
+        try:
+            body = ForkingPickler.dumps([item])
+            if len(body) > INLINE_MAX_BYTES:
+                with self._cond:
+                    self._items.append(item)
+                return
+            data = struct.pack("!i", len(body)) + bytes(body)  # multiprocessing.connection's framing
+            try:
+                sent = self._sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:  # the other side is gone: its reader says so
+                log.debug("pipe send failed: %r", e)
+                data = b""
+                with self._cond:
+                    self._closed = True
+                    self._items = []
+        finally:
+            with self._cond:
+                self._busy = False
+                if sent < len(data):
+                    self._rest = data[sent:]
                 self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -41,25 +91,34 @@ class Outbox:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._items and not self._closed:
+                while self._busy or not (self._items or self._rest or self._closed):
                     self._cond.wait()
                 items, self._items = self._items, []
+                rest, self._rest = self._rest, b""
                 closed = self._closed
-            if items:
-                try:
+                self._busy = bool(items or rest)
+            try:
+                if rest:
+                    self._sock.sendall(rest)
+                if items:
                     self._conn.send(items)
-                except (OSError, ValueError) as e:  # the other side is gone: its reader says so
-                    log.debug("pipe send failed: %r", e)
-                    with self._cond:
-                        self._closed = True  # later puts are dropped, not kept
-                        self._items = []
-                    return
-            if closed:
+            except (OSError, ValueError) as e:  # the other side is gone: its reader says so
+                log.debug("pipe send failed: %r", e)
+                with self._cond:
+                    self._closed = True  # later puts are dropped, not kept
+                    self._items = []
+                    self._busy = False
                 return
+            with self._cond:
+                self._busy = False
+                if closed and not (self._items or self._rest):
+                    return
 
 
 def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable[[], None],

@@ -55,7 +55,7 @@ class RemoteHandle(StreamHandle):
                 self._outbox.put(("cancel", self.sid))
 
     def push_text(self, event) -> None:
-        self._outbox.put(("text", self.sid, event))
+        self._outbox.put(("text", self.sid, event), urgent=True)
 
     def mark_sent(self, num_samples: int) -> None:
         self.sent_samples += num_samples
@@ -199,7 +199,7 @@ class RemoteWorker:
                                  f"{self.max_outstanding - self.max_streams} requests are queued")
             handle = RemoteHandle(request, loop, next(self._sids), self._outbox)
             self._handles[handle.sid] = handle
-        self._outbox.put(("submit", handle.sid, request, handle.submitted_at))
+        self._outbox.put(("submit", handle.sid, request, handle.submitted_at), urgent=True)
         return handle
 
     def stop(self, timeout: float | None = None) -> None:

@@ -1,0 +1,106 @@
+"""The engine process's pipe (serving/ipc.py) over a real Unix socket pair: every item arrives
+once and in order whether the outbox's thread or an urgent caller wrote it, also when the
+socket is full and an urgent write is cut short (the thread writes the rest)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from tts_server.serving import ipc
+
+
+def _pair():
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
+
+
+class _Spy:
+    """The outbox's socket, reporting each non-blocking write (bytes taken, bytes offered)."""
+
+    def __init__(self, sock, report):
+        self._sock, self._report = sock, report
+
+    def send(self, data, flags=0):
+        n = 0
+        try:
+            n = self._sock.send(data, flags)
+            return n
+        finally:
+            self._report(n, len(data))
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def _drain(conn: Connection, n: int, timeout: float = 20.0) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        if conn.poll(0.1):
+            got.extend(conn.recv())
+    return got
+
+
+def test_urgent_items_are_written_by_the_caller_in_order():
+    ours, theirs = _pair()
+    box = ipc.Outbox(ours, "test-out")
+    writer = threading.current_thread()
+    sent_by = []
+    box._sock = _Spy(box._sock, lambda n, size: sent_by.append(threading.current_thread()))
+    try:
+        box.put(("submit", 1), urgent=True)  # idle outbox: written at once, by this thread
+        time.sleep(2 * ipc.INLINE_GAP_S)
+        box.put(("sent", 1, 1920))  # not urgent: the thread
+        for i in range(2, 50):  # a burst: after the first, through the thread, still in order
+            box.put(("submit", i), urgent=True)
+        got = _drain(theirs, 50)
+    finally:
+        box.close()
+    assert got == [("submit", 1), ("sent", 1, 1920)] + [("submit", i) for i in range(2, 50)]
+    assert sent_by and sent_by[0] is writer
+
+
+def test_an_urgent_write_into_a_full_socket_is_finished_by_the_thread():
+    ours, theirs = _pair()
+    box = ipc.Outbox(ours, "test-out")
+    try:
+        bigs = [bytes([i]) * 60_000 for i in range(40)]  # (distinct: pickle would share one)
+        for i in range(40):  # ~2.4 MB queued: more than the socket holds while nobody reads
+            box.put(("a", i, bigs[i]))
+        deadline = time.monotonic() + 10
+        while (box._items or not box._busy) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread is blocked in a write
+        assert box._busy
+        # an urgent item now waits for the thread (busy): order kept
+        box.put(("a", 99, b"y" * 30_000), urgent=True)
+        got = _drain(theirs, 41)
+        assert [g[1] for g in got] == list(range(40)) + [99]
+        assert [g[2] for g in got[:40]] == bigs and got[40][2] == b"y" * 30_000
+        # the outbox idle again and the socket nearly full: an urgent write is cut short, and
+        # its rest follows before anything put after it
+        filler = socket.socket(fileno=ours.fileno())  # the same socket, to fill its buffer
+        try:
+            filler.setblocking(False)
+            junk = 0
+            try:
+                while True:
+                    junk += filler.send(b"\0" * 4096)
+            except BlockingIOError:
+                pass
+        finally:
+            filler.setblocking(True)
+            filler.detach()
+        time.sleep(2 * ipc.INLINE_GAP_S)
+        wrote = []
+        box._sock = _Spy(box._sock, lambda n, size: wrote.append((n, size)))
+        box.put(("a", 100, b"z" * 50_000), urgent=True)
+        assert len(wrote) == 1 and wrote[0][0] < wrote[0][1]  # cut short: the thread owes the rest
+        box.put(("ev", 100, "end"))
+        raw = theirs._recv(junk)  # what the filler wrote (not framed)
+        assert raw.getbuffer().nbytes == junk
+        got = _drain(theirs, 2)
+        assert got == [("a", 100, b"z" * 50_000), ("ev", 100, "end")]
+    finally:
+        box.close()
