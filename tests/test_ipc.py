@@ -1,10 +1,13 @@
 """The engine process's pipe (serving/ipc.py) over a real Unix socket pair: every item arrives
 once and in order whether the outbox's thread or an urgent caller wrote it, also when the
-socket is full and an urgent write is cut short (the thread writes the rest)."""
+socket is full and an urgent write is cut short (the thread writes the rest); the event loop's
+reader takes messages cut anywhere across reads, and reports the pipe's end."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -104,3 +107,34 @@ def test_an_urgent_write_into_a_full_socket_is_finished_by_the_thread():
         assert got == [("a", 100, b"z" * 50_000), ("ev", 100, "end")]
     finally:
         box.close()
+
+
+def test_the_loop_reader_takes_messages_split_across_reads_and_reports_the_end():
+    ours, theirs = _pair()
+    items = [[("a", i, bytes([i % 256]) * (7 + 37_000 * (i % 5)))] for i in range(60)]
+    items.append([("big", b"b" * (3 << 20))])  # larger than one read
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        got, ended = [], loop.create_future()
+        reader = ipc.LoopReader(ours, loop, got.append,
+                                lambda: loop.call_soon_threadsafe(ended.set_result, True), "test-eof")
+
+        def write():  # a raw byte stream cut at odd places, as the socket may deliver it
+            data = b"".join(
+                struct.pack("!i", len(b)) + bytes(b)
+                for b in (ipc.ForkingPickler.dumps(x) for x in items))
+            sock = socket.socket(fileno=theirs.fileno())
+            try:
+                for i in range(0, len(data), 10_007):
+                    sock.sendall(data[i:i + 10_007])
+            finally:
+                sock.detach()
+            theirs.close()
+
+        await asyncio.to_thread(write)
+        await asyncio.wait_for(ended, 20)
+        assert reader._sock.fileno() == -1  # closed at the end
+        return got
+
+    assert asyncio.run(run()) == items

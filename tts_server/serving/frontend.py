@@ -44,10 +44,10 @@ def main() -> None:
     except StartupError as e:
         logging.getLogger("tts_server").critical("RPC process: cannot start: %s", e)
         raise SystemExit(2) from None
-    worker.start()
     threading.Thread(target=_send_calls, args=(worker,), name="tts-rpc-calls", daemon=True).start()
 
     async def serve() -> int:  # (grpc.aio binds its server to the loop it is made in)
+        worker.start()  # the engine's events read on this loop
         return await TTSServer(worker, worker.info, config).serve_forever()
 
     code = aio.run(serve(), config.event_loop)

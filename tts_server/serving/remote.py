@@ -33,7 +33,7 @@ from ..api import (AudioChunk, EngineFailure, FinishReason, ModelInfo, Overloade
 from ..config import ServerConfig
 from ..memory_plan import StartupError
 from ..metrics import Metrics, merge_families
-from .ipc import Outbox, receive
+from .ipc import LoopReader, Outbox, receive
 from .streams import StreamHandle
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class RemoteWorker:
         self._stopping = False
         self._draining = False
         self._outbox = Outbox(conn, "tts-server-pipe-out")
+        self._reader: LoopReader | None = None  # start(): the events read on the servers' loop
 
     # ---- start-up -----------------------------------------------------------------------
     @staticmethod
@@ -174,7 +175,14 @@ class RemoteWorker:
         return worker
 
     def start(self) -> None:
-        receive(self.conn, self._on_batch, self._on_eof, "tts-server-pipe-in")
+        """Read the engine's events: on the running event loop when called from one (the
+        servers' loop: no reader thread between the pipe and the handlers), else a thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            receive(self.conn, self._on_batch, self._on_eof, "tts-server-pipe-in")
+            return
+        self._reader = LoopReader(self.conn, loop, self._on_batch, self._on_eof, "tts-server-pipe-eof")
 
     # ---- the Worker interface ------------------------------------------------------------
     @property
@@ -215,6 +223,11 @@ class RemoteWorker:
         else:  # an extra RPC process: its last calls' series before it goes
             self._outbox.put(("calls", self.metrics.calls_snapshot()))
         self._outbox.close()
+        if self._reader is not None:  # the loop's reader lets go of its copy of the socket
+            try:
+                self._reader._loop.call_soon_threadsafe(self._reader.close)
+            except RuntimeError:  # that loop has closed
+                pass
         if self.proc is None:
             self.conn.close()
             return
@@ -304,11 +317,19 @@ class RemoteWorker:
         self._deliver_all(events)
 
     def _deliver_all(self, events: list) -> None:
-        """One event-loop callback per loop for a batch of (handle, event)."""
+        """A batch of (handle, event) to their loops: at once on the loop that reads the pipe,
+        one callback per other loop."""
         by_loop: dict = {}
         for handle, event in events:
             by_loop.setdefault(handle._loop, []).append((handle, event))
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         for loop, pairs in by_loop.items():
+            if loop is running:
+                _deliver(pairs)
+                continue
             try:
                 loop.call_soon_threadsafe(_deliver, pairs)
             except RuntimeError:  # that loop has closed
