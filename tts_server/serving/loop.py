@@ -58,6 +58,12 @@ def is_device_fault(e: BaseException) -> bool:
     return any(m in str(e) for m in DEVICE_FAULT_MARKERS)
 
 
+def _ref_codes(built):
+    """A built admission's voice-clone reference codes (None: no clone, or it failed to build)."""
+    prepared = built[0] if isinstance(built, tuple) else built
+    return getattr(prepared, "ref_codes", None)
+
+
 class _StepAudio:
     """One step's bookkeeping between the engine's early codes and the end of its call."""
 
@@ -99,6 +105,7 @@ class Worker:
         self.prefill_cost = PrefillCost()
         self.step_cost = StepCost()
         self._admit_s = 0.0  # this step's preparation + prefill
+        self._codec_resets: list[int] = []  # admitted slots whose codec state is zeroed later
         self.metrics = metrics or Metrics()
         m = self.engine_metrics = self.metrics.engine(self.label)
         m.active_streams.set_function(lambda: self.num_active)
@@ -375,9 +382,14 @@ class Worker:
                                                                [h.text_ids for h in whole]))) if whole else {}
             if texts:  # StreamSynthesize contexts: (prepared, eos_from) each
                 built.update(zip(texts, self.texts.prompts(texts)))
-            # every admitted slot's codec state zeroed at once (a voice clone then primes or restores it)
-            with self._codec_stream():
-                self.codec.reset_many([s for _, s in live])
+            # every admitted slot's codec state zeroed at once: a voice clone's now (it then primes
+            # or restores it), the others' once the prefill is launched (_flush_codec_resets: off
+            # the host's path to the first frame; the codec's stream runs the zeroing first)
+            clones = [s for h, s in live if _ref_codes(built[h]) is not None]
+            if clones:
+                with self._codec_stream():
+                    self.codec.reset_many(clones)
+            self._codec_resets += [s for _, s in live if s not in clones]
         except Exception as e:  # noqa: BLE001 - reported to each of these streams by _prepare
             built = {h: e for h, _ in live}
         if self._trace is not None:  # prompts + codec reset of the whole step
@@ -418,6 +430,14 @@ class Worker:
             self.texts.admitted(stream)
         return Admission(slot, prepared.prompt, req.sampling, req.request_id, eos_from)
 
+    def _flush_codec_resets(self) -> None:
+        """Zero the codec state of this step's admitted slots (those without a voice clone), queued
+        on the codec's stream before its next use; raises as the codec does (the slots stay due)."""
+        if self._codec_resets:
+            with self._codec_stream():
+                self.codec.reset_many(self._codec_resets)
+            self._codec_resets = []
+
     def _reset_codec(self, slot: int, prepared) -> None:
         """The slot's codec state for a new stream. An in-context voice clone primes it with the
         reference's frames (one codec step each, ~1.4 ms on an H100: ~50 ms for a 3 s reference,
@@ -446,6 +466,13 @@ class Worker:
             if self.failure is None:
                 self._run_step(plan.step, admissions, t0)
         finally:
+            if self._codec_resets and self.failure is None:  # a step that never reached the codec
+                try:
+                    self._flush_codec_resets()
+                except Exception as e:  # noqa: BLE001 - the next admission of these slots resets them
+                    if not self._fault(e, "the codec reset"):
+                        log.exception("codec reset failed for slots %s", self._codec_resets)
+                    self._codec_resets = []
             self._busy(None)
         dt = time.monotonic() - t0
         self.engine_metrics.step.observe(dt)
@@ -529,6 +556,7 @@ class Worker:
         audio is collected when the codes reach the host (`_audio`). A failure here leaves
         those slots to `_audio`'s own codec call."""
         try:
+            self._flush_codec_resets()
             with self._codec_stream():
                 launched = self.codec.launch(slots, codes, ready)
         except Exception:  # noqa: BLE001 - the host path below decodes them instead
@@ -541,6 +569,7 @@ class Worker:
         """These slots' next frame of audio: from the step's launches where every slot has one
         (the codes they decoded are these: the engine's own), else one codec step from the host
         codes."""
+        self._flush_codec_resets()
         launches = [step.launched.get(s) for s in slots]
         if all(launches):
             pcm: dict[int, np.ndarray] = {}  # per launch (id), its rows on the host
