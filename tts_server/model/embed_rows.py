@@ -21,7 +21,8 @@ HAS_TRITON = triton is not None
 
 if HAS_TRITON:
 
-    @triton.jit
+    # N, M: row counts that change with every request (not specialized: no compile while serving)
+    @triton.jit(do_not_specialize=["N", "M"])
     def _embed_rows_kernel(text_ptr, codec_ptr, idx_ptr, out_ptr, trail_ptr, N, M, H,
                            BF16: tl.constexpr, BLOCK_H: tl.constexpr):
         # idx [N + M + N + N] int64: text ids, trailing ids, codec ids, has-codec flags;
