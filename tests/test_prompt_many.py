@@ -303,3 +303,31 @@ def test_text_ids_equal_the_tokenizer_call(tiny_custom):
     finally:
         backend.no_truncation()
     assert p.text_ids(LONG) != p.text_ids(LONG[:-20])  # the check can fail
+
+
+@pytest.mark.gpu
+def test_the_row_kernel_is_compiled_before_serving_and_only_once():
+    """PromptBuilder.warm_up (the server's start-up) compiles the row kernel; prompts of every
+    length then run on that one variant (a compile while serving cost a request ~90 ms on an
+    H100: scripts/gpu_c1_profile.py)."""
+    from dataclasses import replace
+
+    from tts_server.model import embed_rows
+
+    tts = build_synthetic(SYNTHETIC_NAMES["synthetic-tiny"], dtype=torch.bfloat16, device="cuda")
+    b = PromptBuilder(tts.model, _table(tts.model))
+    caches = embed_rows._embed_rows_kernel.device_caches
+
+    def variants() -> int:  # compiled kernels of every device (the cache's first field)
+        return sum(len(c[0]) for c in caches.values())
+
+    b.warm_up()  # (a variant for bf16 tables may exist already: an earlier test's)
+    warm = variants()
+    assert warm >= 1
+    plans = [b.plan(replace(it, input_ids=it.input_ids.cpu())) for it in _custom_items(tts)]
+    lengths = set()
+    for k in range(len(plans)):
+        for some in (plans[k:k + 1], plans[:k + 1]):
+            lengths.add(sum(len(p.text) for p in some))
+            b.materialise(some)
+    assert len(lengths) > 8 and variants() == warm

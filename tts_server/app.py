@@ -150,7 +150,10 @@ def build_worker(config: ServerConfig, loaded: LoadedModel, metrics: Metrics, la
                      loaded.text_table.numel() * loaded.text_table.element_size() / 2**20)
     engine = create_engine(config.engine, loaded, config)
     codec = create_codec(loaded, engine.max_streams)
-    return Worker(loaded, engine, codec, config, metrics=metrics, label=label)
+    worker = Worker(loaded, engine, codec, config, metrics=metrics, label=label)
+    if loaded.device.type == "cuda":
+        worker.preparer.builder.warm_up()
+    return worker
 
 
 def _model_for(placement: Placement, config: ServerConfig, loaded: LoadedModel | None) -> LoadedModel:

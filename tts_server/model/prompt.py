@@ -280,6 +280,15 @@ class PromptBuilder:
         return PlannedRows(text, adds, clone.speaker_embedding if clone is not None else None, trailing, shared)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile `materialise`'s row kernel before serving (its first launch compiles it, ~0.1 s
+        that the first request would otherwise wait for; its row counts are not specialized, so
+        one compile serves every prompt)."""
+        codec_table = self.talker.get_input_embeddings().weight
+        if self.text_table is not None and embed_rows.usable(self.text_table, codec_table):
+            idx = torch.zeros(4, dtype=torch.long, device=self.text_table.device)  # one row of each kind
+            embed_rows.embed_rows(self.text_table, codec_table, idx, 1, 1)
+
     def materialise(self, plans: Sequence[Prompt | PlannedRows]) -> list[Prompt]:
         """The prompts of `plan`s (built ones pass through): one index copy to the device, a
         gather of every text row, one of every codec row, the x-vectors placed by index, one
