@@ -177,7 +177,7 @@ class LoopReader:
             return
         buf = self._buf
         buf += data
-        start = 0
+        start, bodies = 0, []
         while True:  # multiprocessing.connection's framing: !i length (-1: then a !Q length)
             if len(buf) - start < 4:
                 break
@@ -188,10 +188,14 @@ class LoopReader:
                 n, head = struct.unpack_from("!Q", buf, start + 4)[0], 12
             if len(buf) - start < head + n:
                 break
-            items = ForkingPickler.loads(bytes(buf[start + head:start + head + n]))
+            bodies.append(bytes(buf[start + head:start + head + n]))
             start += head + n
-            self._on_batch(items)
-        del buf[:start]
+        del buf[:start]  # (before the callbacks: a failing one must not see its message again)
+        for body in bodies:
+            try:
+                self._on_batch(ForkingPickler.loads(body))
+            except Exception:  # noqa: BLE001 - one bad batch; the pipe goes on
+                log.exception("%s: a message from the pipe failed", self._name)
 
 
 def die_with_parent() -> None:
