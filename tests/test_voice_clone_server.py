@@ -82,3 +82,47 @@ async def test_repeated_icl_reference_restores_the_primed_codec_state(base_app, 
     await _say(base_server, reference_audio=_wav_bytes(wav[::-1].copy(), rate),
                reference_text="This is the reference transcript.")
     assert worker.primed_voice_hits == hits + 1  # another voice is primed, not restored
+
+
+async def test_codec_state_is_zeroed_after_the_prefill_launch_and_a_primed_clone_is_kept(
+        base_app, base_server, reference_audio, monkeypatch):
+    """A stream's codec state is zeroed after its prefill is launched (off the host's path to the
+    first frame) and before the codec's first use; an in-context clone's slot is zeroed first and
+    then primed, and nothing zeroes it again (the real codec and engine run; their calls are
+    recorded in order)."""
+    wav, rate = reference_audio
+    worker = base_app.worker
+    calls = []
+
+    def spy(obj, name, record):
+        real = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            calls.append(record(*a, **k))
+            return real(*a, **k)
+        monkeypatch.setattr(obj, name, wrapped)
+
+    spy(worker.codec, "reset_many", lambda slots: ("zero", tuple(int(s) for s in slots)))
+    spy(worker.codec, "reset", lambda slot, ref=None: ("prime" if ref is not None else "zero", (int(slot),)))
+    spy(worker.codec, "restore", lambda slot, state: ("restore", (int(slot),)))
+    spy(worker.codec, "step", lambda slots, codes: ("decode", tuple(int(s) for s in slots)))
+    spy(worker.engine, "run", lambda plan, **k: ("run", tuple(a.slot for a in plan.admit)))
+
+    def first(kind, slot, after=0):
+        return next(i for i, (k, s) in enumerate(calls) if i >= after and k == kind and slot in s)
+
+    # an x-vector clone (no reference frames): zeroed once its prefill is launched
+    await _say(base_server, reference_audio=_wav_bytes(wav, rate))
+    run = next(i for i, c in enumerate(calls) if c[0] == "run" and c[1])
+    slot = calls[run][1][0]
+    assert first("zero", slot) > run, calls[:8]
+    assert first("zero", slot) < first("decode", slot)
+    # an in-context clone: zeroed, primed, then never zeroed again before its audio
+    calls.clear()
+    await _say(base_server, reference_audio=_wav_bytes(wav[::-1].copy(), rate),
+               reference_text="This is the reference transcript.")
+    run = next(i for i, c in enumerate(calls) if c[0] == "run" and c[1])
+    slot = calls[run][1][0]
+    zero, prime = first("zero", slot), first("prime", slot)
+    assert zero < prime < run
+    assert not any(k == "zero" and slot in s for k, s in calls[prime:first("decode", slot)]), calls
