@@ -117,12 +117,14 @@ async def test_codec_state_is_zeroed_after_the_prefill_launch_and_a_primed_clone
     slot = calls[run][1][0]
     assert first("zero", slot) > run, calls[:8]
     assert first("zero", slot) < first("decode", slot)
-    # an in-context clone: zeroed, primed, then never zeroed again before its audio
-    calls.clear()
-    await _say(base_server, reference_audio=_wav_bytes(wav[::-1].copy(), rate),
-               reference_text="This is the reference transcript.")
-    run = next(i for i, c in enumerate(calls) if c[0] == "run" and c[1])
-    slot = calls[run][1][0]
-    zero, prime = first("zero", slot), first("prime", slot)
-    assert zero < prime < run
-    assert not any(k == "zero" and slot in s for k, s in calls[prime:first("decode", slot)]), calls
+    # an in-context clone (a voice of its own: the app is shared with the other tests), primed,
+    # then the same voice again, restored: each zeroed first and never zeroed again before its audio
+    ref = dict(reference_audio=_wav_bytes(0.5 * wav, rate), reference_text="A transcript of its own.")
+    for kind in ("prime", "restore"):
+        calls.clear()
+        await _say(base_server, **ref)
+        run = next(i for i, c in enumerate(calls) if c[0] == "run" and c[1])
+        slot = calls[run][1][0]
+        zero, state = first("zero", slot), first(kind, slot)
+        assert zero < state < run, calls[:8]
+        assert not any(k == "zero" and slot in s for k, s in calls[state:first("decode", slot)]), calls
