@@ -289,6 +289,7 @@ class PromptBuilder:
             idx = torch.zeros(4, dtype=torch.long, device=self.text_table.device)  # one row of each kind
             embed_rows.embed_rows(self.text_table, codec_table, idx, 1, 1)
 
+    @torch.inference_mode()
     def materialise(self, plans: Sequence[Prompt | PlannedRows]) -> list[Prompt]:
         """The prompts of `plan`s (built ones pass through): one index copy to the device, a
         gather of every text row, one of every codec row, the x-vectors placed by index, one
