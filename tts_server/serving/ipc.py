@@ -25,7 +25,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-INLINE_MAX_BYTES = 1 << 16  # an urgent item larger than this goes through the thread
+INLINE_MAX_BYTES = 1 << 16  # an urgent item larger than this is written by the thread
 INLINE_GAP_S = 0.0005  # urgent items closer together than this (a burst) go through the thread too
 
 
@@ -63,21 +63,18 @@ class Outbox:
         data, sent = b"", 0
         try:
             body = ForkingPickler.dumps([item])
-            if len(body) > INLINE_MAX_BYTES:
-                with self._cond:
-                    self._items.append(item)
-                return
             data = struct.pack("!i", len(body)) + bytes(body)  # multiprocessing.connection's framing
-            try:
-                sent = self._sock.send(data, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:  # the other side is gone: its reader says so
-                log.debug("pipe send failed: %r", e)
-                data = b""
-                with self._cond:
-                    self._closed = True
-                    self._items = []
+            if len(body) <= INLINE_MAX_BYTES:  # (a larger one is all left to the thread, pickled)
+                try:
+                    sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:  # the other side is gone: its reader says so
+                    log.debug("pipe send failed: %r", e)
+                    data = b""
+                    with self._cond:
+                        self._closed = True
+                        self._items = []
         finally:
             with self._cond:
                 self._busy = False
@@ -156,6 +153,13 @@ class LoopReader:
         self._loop, self._on_batch, self._on_eof, self._name = loop, on_batch, on_eof, name
         self._buf = bytearray()
         loop.add_reader(self._sock.fileno(), self._readable)
+
+    def close_soon(self) -> None:
+        """`close` from any thread (nothing when the loop has closed)."""
+        try:
+            self._loop.call_soon_threadsafe(self.close)
+        except RuntimeError:  # that loop has closed
+            pass
 
     def close(self) -> None:
         """Stop reading (on the loop's thread), without on_eof."""

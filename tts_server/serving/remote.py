@@ -224,10 +224,7 @@ class RemoteWorker:
             self._outbox.put(("calls", self.metrics.calls_snapshot()))
         self._outbox.close()
         if self._reader is not None:  # the loop's reader lets go of its copy of the socket
-            try:
-                self._reader._loop.call_soon_threadsafe(self._reader.close)
-            except RuntimeError:  # that loop has closed
-                pass
+            self._reader.close_soon()
         if self.proc is None:
             self.conn.close()
             return
