@@ -365,6 +365,8 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)
+    if dev != "cpu":  # the interpreter's dots round by their shapes, so only a GPU can say
+        check_gemm_buckets(dev)
     check_copy_prefix(dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
@@ -390,6 +392,23 @@ def check_gemm_fp16(dev: str) -> None:
             ref = torch.nn.functional.silu(ref) * (xh @ w2.double().T)
         assert _rel(out, ref) < LIN_TOL, (swiglu, _rel(out, ref))
         assert torch.equal(tk_gemm._gemm(x[5:6], w, w2)[0], out[5]), swiglu
+
+
+def check_gemm_buckets(dev: str) -> None:
+    """Every tuned product, with bf16 and with fp16 matrices: a row's bits are the same in every
+    row-count bucket's tile (BY_M, BY_M_FP16), so a stream's output does not depend on the batch."""
+    from tts_server.engines.batched import tk_gemm
+
+    rows = sorted({1, 300, *tk_gemm.WARM_ROWS} - {513})
+    for (kind, n, k) in tk_gemm.TUNED:
+        for dtype in (torch.bfloat16, torch.float16):
+            x, w, w2 = gemm_case(max(rows), k, n, 5 + n + k, dev)
+            w, w2 = w.to(dtype), (w2.to(dtype) if kind == "swiglu" else None)
+            want = tk_gemm._gemm(x, w, w2)
+            for m in rows:
+                got = tk_gemm._gemm(x[:m], w, w2)
+                assert torch.equal(got, want[:m]), (kind, n, k, dtype, m, tk_gemm.config(
+                    kind, n, k, m, fp16=dtype == torch.float16))
 
 
 # ---------------------------------------------------------------- CPU: references vs sampler.py
@@ -468,14 +487,18 @@ def test_gemm_tiles_keep_each_rows_reduction_order():
     from tts_server.engines.batched import tk_gemm
 
     for (kind, n, k), tuned in tk_gemm.TUNED.items():
-        bounds = [b for b, _ in tk_gemm.BY_M.get((kind, n, k), ())]
-        assert bounds == sorted(bounds), (kind, n, k)
-        for m in sorted({1, 2, 3, 16, 17, 31, 33, 64, 65, 128, 129, 256, 4096, *bounds}):
-            cfg = tk_gemm.config(kind, n, k, m)
-            assert (cfg[2], cfg[5], cfg[6]) == (tuned[2], tuned[5], tuned[6]), (kind, n, k, m, cfg)
-            assert n % cfg[1] == 0 and cfg[0] in (16, 32, 64, 128), (kind, n, k, m, cfg)
-        assert tk_gemm.config(kind, n, k) == tuned
-    assert set(tk_gemm.BY_M) <= set(tk_gemm.TUNED)
+        for fp16, table in ((False, tk_gemm.BY_M), (True, tk_gemm.BY_M_FP16)):
+            bounds = [b for b, _ in table.get((kind, n, k), ())]
+            assert bounds == sorted(bounds), (kind, n, k)
+            for m in sorted({1, 2, 3, 16, 17, 31, 33, 64, 65, 128, 129, 256, 4096, *bounds}):
+                cfg = tk_gemm.config(kind, n, k, m, fp16=fp16)
+                assert (cfg[2], cfg[5], cfg[6]) == (tuned[2], tuned[5], tuned[6]), (kind, n, k, m, cfg)
+                assert n % cfg[1] == 0 and cfg[0] in (16, 32, 64, 128), (kind, n, k, m, cfg)
+                # warm_up compiles one row count per bucket: every bucket must have one
+                assert any(tk_gemm.config(kind, n, k, r, fp16=fp16) == cfg for r in tk_gemm.WARM_ROWS), \
+                    (kind, n, k, m, fp16)
+            assert tk_gemm.config(kind, n, k, fp16=fp16) == tuned
+    assert set(tk_gemm.BY_M) <= set(tk_gemm.TUNED) and set(tk_gemm.BY_M_FP16) <= set(tk_gemm.TUNED)
 
 
 # ---------------------------------------------------------------- kernels: interpreter / GPU

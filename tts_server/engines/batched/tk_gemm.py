@@ -52,19 +52,36 @@ BY_M: dict[tuple[str, int, int], tuple] = {
     ("linear", 3072, 1024): ((16, (16, 16, 2, 3)), (32, (16, 64, 4, 3)), (64, (64, 32, 4, 4))),
     ("linear", 2048, 1024): ((16, (16, 32, 4, 5)), (64, (16, 64, 2, 5))),
 }
+# The same for fp16 matrices (one x term: a tile's dot work halves, so other tiles win), the
+# fastest bitwise-equal tiles of `DTYPE=fp16 scripts/gpu_gemm_tiles.py` on the H100
+# (benchmarks/results/h100-gemm-tiles-fp16-*.json; µs per product, graph replays, weights past
+# L2: q|k|v 6.4-7.1 -> 6.2 at 1-16 rows, gate|up 8.1 -> 7.2, the code-predictor heads 13.1 ->
+# 10.1 at 256). Shapes not here (down stays bf16) use BY_M.
+BY_M_FP16: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 2, 4)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
+                             (256, (64, 128, 4, 4))),
+    ("linear", 1024, 2048): ((16, (16, 32, 4, 5)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
+                             (256, (64, 128, 4, 4)), (512, (64, 128, 4, 3))),
+    ("swiglu", 3072, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 3)),
+                             (256, (128, 64, 8, 3))),
+    ("linear", 2048, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
+                             (256, (64, 128, 4, 4))),
+}
 # one row count per tile bucket, for compiling every tile before serving (warm_up)
 WARM_ROWS = (1, 17, 33, 65, 129, 257, 513)
 OVERRIDE: dict[str, tuple] = {}
 
 
-def config(kind: str, n: int, k: int, m: int = 1 << 30) -> tuple:
-    """The tile for an [m, k] x [k, n] GEMM of this kind (see TUNED / BY_M)."""
+def config(kind: str, n: int, k: int, m: int = 1 << 30, fp16: bool = False) -> tuple:
+    """The tile for an [m, k] x [k, n] GEMM of this kind (see TUNED / BY_M; fp16: the matrices
+    are fp16, BY_M_FP16 where it has the shape)."""
     if kind in OVERRIDE:
         return OVERRIDE[kind]
     tuned = TUNED.get((kind, n, k))
     if tuned is None:
         return DEFAULT[kind]
-    for max_m, (bm, bn, warps, stages) in BY_M.get((kind, n, k), ()):
+    by_m = (BY_M_FP16 if fp16 and (kind, n, k) in BY_M_FP16 else BY_M).get((kind, n, k), ())
+    for max_m, (bm, bn, warps, stages) in by_m:
         if m <= max_m:
             return (bm, bn, tuned[2], warps, stages) + tuned[5:]
     return tuned
@@ -179,7 +196,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
     kind = "swiglu" if swiglu else "linear"
-    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m)
+    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m, fp16=w.dtype == torch.float16)
     if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
     if m >= big_m_min_rows(terms) and not OVERRIDE and (kind, n, k) in big_m_tiles(terms):
