@@ -174,7 +174,8 @@ class _Stream:
     async def _send(self, data: bytes) -> None:
         stall = self.handler.config.stall_timeout_s
         try:
-            await asyncio.wait_for(self.response.write(data), stall)
+            async with asyncio.timeout(stall):  # no task per write, as wait_for makes
+                await self.response.write(data)
         except ConnectionError:  # the client hung up while this write waited
             raise _Cut("CANCELLED") from None
         except asyncio.TimeoutError:

@@ -101,7 +101,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             # A client that stops reading blocks this write (HTTP/2 flow control); its stream
             # pauses in the engine once max_buffer_s of audio waits, and ends after `stall`.
             try:
-                await asyncio.wait_for(context.write(message), stall)
+                async with asyncio.timeout(stall):  # no task per write, as wait_for makes
+                    await context.write(message)
             except WRITE_FAILED as e:
                 # the client hung up (or its deadline passed) while this write was in flight:
                 # the same as the CancelledError that would otherwise reach us at the next await

@@ -233,7 +233,8 @@ class StreamSession:
         stall = self.config.stall_timeout_s
         async with self._lock:
             try:
-                await asyncio.wait_for(self.call.write(message), stall)
+                async with asyncio.timeout(stall):  # no task per write, as wait_for makes
+                    await self.call.write(message)
             except WRITE_FAILED:
                 raise asyncio.CancelledError() from None  # the client hung up
             except asyncio.TimeoutError:
