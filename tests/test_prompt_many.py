@@ -101,6 +101,19 @@ def test_build_many_equals_build_custom_voice(tiny_custom, table):
 
 
 @pytest.mark.parametrize("table", [False, True], ids=["projected", "vocab-table"])
+def test_items_with_ids_as_a_list_build_the_same(tiny_custom, table):
+    """The preparer hands the builder its token ids as a list (no tensor to make); planned or
+    built, the prompts are the tensor items' bit for bit."""
+    from dataclasses import replace
+
+    b = PromptBuilder(tiny_custom.model, _table(tiny_custom.model) if table else None)
+    items = _custom_items(tiny_custom)
+    lists = [replace(it, input_ids=it.input_ids[0].tolist()) for it in items]
+    assert all(isinstance(it.input_ids, list) for it in lists)
+    assert all(_same(g, w) for g, w in zip(b.build_many(lists), b.build_many(items)))
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["projected", "vocab-table"])
 def test_build_many_equals_build_voice_clones(tiny_base, base_clones, table):
     """x-vector clones (two voices) and no-clone items batched; an ICL clone falls back to
     `build` in its place."""

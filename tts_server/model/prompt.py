@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import embed_rows
@@ -49,11 +50,16 @@ class VoiceClone:
 class PromptItem:
     """What `build` takes, for `build_many`."""
 
-    input_ids: torch.Tensor  # [1, T] on the CPU
+    input_ids: torch.Tensor | list[int]  # [1, T] on the CPU, or the T ids as a list (no tensor to make)
     language: str = "auto"
     speaker: str | None = None
     clone: VoiceClone | None = None
     non_streaming: bool = False
+
+    def ids_tensor(self) -> torch.Tensor:
+        """input_ids as `build` takes them, [1, T]."""
+        ids = self.input_ids
+        return ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], dtype=torch.long)
 
 
 _NO_CODEC, _XVEC = -1, -2  # PlannedRows.codec entries: no codec addend; the clone's x-vector
@@ -103,8 +109,9 @@ class _Staging:
         self._bufs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None] * slots
         self._next = 0
 
-    def to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.long)
+    def to_device(self, values, device: torch.device) -> torch.Tensor:
+        """values: ints (a list, or an int64 numpy array) -> a long tensor on `device`."""
+        host = torch.from_numpy(np.asarray(values, dtype=np.int64))
         if device.type != "cuda":
             return host.to(device)
         i, self._next = self._next, (self._next + 1) % len(self._bufs)
@@ -136,6 +143,14 @@ class PromptBuilder:
         # speakers): computed once, so a prompt costs little beyond its own text
         self._cache: dict[tuple, torch.Tensor] = {}
         self._staging = _Staging()
+        self._codec_weight = self.talker.get_input_embeddings().weight  # its dtype / device follow .to()
+        # the ids `plan` uses, read once: a transformers config's attribute access costs ~2 µs
+        # each, a dozen per prompt
+        c, cfg = self.tcfg, self.cfg
+        self._tts_ids = (cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id)
+        self._prefix_ids = (c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, c.codec_think_id)
+        self._codec_pad_bos = (c.codec_pad_id, c.codec_bos_id)
+        self._spk_id, self._language_ids, self._dialects = c.spk_id, c.codec_language_id, c.spk_is_dialect
 
     def _text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, n] -> [1, n, H]."""
@@ -181,11 +196,11 @@ class PromptBuilder:
 
     def language_id(self, language: str, speaker: str | None) -> int | None:
         lang = language.lower()
-        lang_id = None if lang == "auto" else self.tcfg.codec_language_id[lang]
+        lang_id = None if lang == "auto" else self._language_ids[lang]
         if lang in ("chinese", "auto") and speaker:
-            dialect = self.tcfg.spk_is_dialect[speaker.lower()]
+            dialect = self._dialects[speaker.lower()]
             if dialect is not False:
-                lang_id = self.tcfg.codec_language_id[dialect]
+                lang_id = self._language_ids[dialect]
         return lang_id
 
     @torch.inference_mode()
@@ -238,31 +253,31 @@ class PromptBuilder:
     def _plannable(self) -> bool:
         """Rows can be gathered: a text table on the codec table's device and in its dtype (else
         `build` would mix dtypes or devices, and only `build` knows how)."""
-        w = self.talker.get_input_embeddings().weight
+        w = self._codec_weight
         t = self.text_table
         return t is not None and t.dtype == w.dtype and t.device == w.device
 
-    @torch.inference_mode()
     def plan(self, item: PromptItem) -> Prompt | PlannedRows:
         """`build(item)` as host-side row indices for `materialise`; no device work. Layouts
         without a plan (ICL clones, no text table, ids not on the CPU, an x-vector of the wrong
         size) come back built, by `build`. Raises what `build` raises for a bad item."""
-        c, cfg = self.tcfg, self.cfg
-        clone = item.clone
-        if (not self._plannable() or item.input_ids.device.type != "cpu"
+        clone, ids = item.clone, item.input_ids
+        if (not self._plannable() or (isinstance(ids, torch.Tensor) and ids.device.type != "cpu")
                 or (clone is not None and (clone.ref_codes is not None
                                            or clone.speaker_embedding.numel() != self.text_table.shape[1]))):
-            return self.build(item.input_ids, item.language, item.speaker, clone, item.non_streaming)
-        ids = item.input_ids[0].tolist()
-        bos, eos, pad = cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id
+            return self.build(item.ids_tensor(), item.language, item.speaker, clone, item.non_streaming)
+        if isinstance(ids, torch.Tensor):
+            ids = ids[0].tolist()
+        bos, eos, pad = self._tts_ids
         if clone is not None:
             speaker = [_XVEC]
         else:
-            speaker = [c.spk_id[item.speaker.lower()]] if item.speaker else []
+            speaker = [self._spk_id[item.speaker.lower()]] if item.speaker else []
         lang_id = self.language_id(item.language, None if clone is not None else item.speaker)
-        prefix = ([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id] if lang_id is None
-                  else [c.codec_think_id, c.codec_think_bos_id, lang_id, c.codec_think_eos_id])
-        codec = prefix + speaker + [c.codec_pad_id, c.codec_bos_id]
+        nothink, think_bos, think_eos, think = self._prefix_ids
+        codec_pad, codec_bos = self._codec_pad_bos
+        prefix = [nothink, think_bos, think_eos] if lang_id is None else [think, think_bos, lang_id, think_eos]
+        codec = prefix + speaker + [codec_pad, codec_bos]
         # role rows alone, then the head: pad... bos over the codec prefix (as in `build`)
         text = ids[:3] + [pad] * (len(codec) - 2) + [bos]
         adds = [_NO_CODEC] * len(ids[:3]) + codec[:-1]
@@ -270,12 +285,12 @@ class PromptBuilder:
         if item.non_streaming:
             body = ids[3:-5] + [eos]
             text += body + [pad]
-            adds += [c.codec_pad_id] * len(body) + [c.codec_bos_id]
+            adds += [codec_pad] * len(body) + [codec_bos]
             trailing = [pad]
         else:
             first = ids[3:4]
             text += first
-            adds += [c.codec_bos_id] * len(first)
+            adds += [codec_bos] * len(first)
             trailing = ids[4:-5] + [eos]
         return PlannedRows(text, adds, clone.speaker_embedding if clone is not None else None, trailing, shared)
 
@@ -308,8 +323,10 @@ class PromptBuilder:
             trailing += r.trailing
         n, m = len(text), len(trailing)
         table = self.text_table
-        idx = self._staging.to_device(text + trailing + [max(a, 0) for a in adds]  # the one host -> device
-                                      + [int(a != _NO_CODEC) for a in adds] + xpos, table.device)  # copy
+        codec = np.array(adds, dtype=np.int64)
+        idx = self._staging.to_device(np.concatenate((  # the one host -> device copy
+            np.array(text + trailing, dtype=np.int64), np.maximum(codec, 0), codec != _NO_CODEC,
+            np.array(xpos, dtype=np.int64))), table.device)
         codec_table = self.talker.get_input_embeddings().weight
         if not xvecs and embed_rows.usable(table, codec_table):  # the same bits in one launch
             embeds, trail = embed_rows.embed_rows(table, codec_table, idx, n, m)

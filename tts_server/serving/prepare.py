@@ -46,10 +46,13 @@ class RequestPreparer:
         # A fast tokenizer's __call__ runs its Rust backend's encode (special tokens added, no
         # truncation or padding: it switches them off first) inside its own Python; calling the
         # backend gives the same ids, text_ids 101 -> 65 us for an English sentence on the CI
-        # machine. Every request pays it on the engine process's pipe thread (the engine's GIL).
+        # machine. Every request pays it on the engine process's pipe thread, which shares the
+        # GIL with the engine thread: `encode_batch` of one text (the same ids, the same time)
+        # releases the GIL while its Rust code runs, where `encode` holds it (burst of calls:
+        # ~256 x 50 us the engine thread would otherwise wait for).
         backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if backend is not None and backend.truncation is None and backend.padding is None:
-            self._encode = lambda text: backend.encode(text, add_special_tokens=True).ids
+            self._encode = lambda text: backend.encode_batch([text], add_special_tokens=True)[0].ids
         else:
             self._encode = lambda text: self._tokenizer(text)["input_ids"]
 
@@ -67,7 +70,7 @@ class RequestPreparer:
         """The builder's input for a request, and its voice key (voice clones)."""
         if text_ids is None:
             text_ids = self.text_ids(req.text)
-        ids = torch.tensor([text_ids], dtype=torch.long)  # [1, T] on the CPU: no device sync
+        ids = list(text_ids)  # the builder plans from the list (a tensor only where it must build)
         key, clone = self._voice(req.reference) if req.reference is not None else (None, None)
         non_streaming = self.non_streaming if req.non_streaming is None else req.non_streaming
         return PromptItem(ids, req.language, req.voice, clone, non_streaming), key
@@ -80,7 +83,7 @@ class RequestPreparer:
     def prepare(self, req: SynthesisRequest, text_ids: list[int] | None = None) -> Prepared:
         """text_ids: `text_ids(req.text)` when the caller has them already."""
         item, key = self._item(req, text_ids)
-        prompt = self.builder.build(item.input_ids, item.language, item.speaker, clone=item.clone,
+        prompt = self.builder.build(item.ids_tensor(), item.language, item.speaker, clone=item.clone,
                                     non_streaming=item.non_streaming)
         return self._prepared(prompt, item, key)
 

@@ -80,7 +80,7 @@ class TextFeeder:
         if clone is not None and clone.ref_codes is not None:
             raise InvalidRequest("config.reference.transcript", "in-context cloning is not "
                                  "available for incremental text; leave the transcript empty")
-        ids = torch.tensor([self.role_ids + track.ids + self.suffix_ids])
+        ids = self.role_ids + track.ids + self.suffix_ids  # a list: the builder plans from it
         plan = self.preparer.builder.plan(PromptItem(ids, req.language, req.voice, clone, non_streaming=False))
 
         def finish(prompt: Prompt) -> tuple[Prepared, int]:
