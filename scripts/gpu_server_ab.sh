@@ -16,6 +16,7 @@ BASE=${BASE:-.base}
 STREAMS=${STREAMS:-256}
 BENCH_PROCS=${BENCH_PROCS:-1,8}
 R=$OUT/ab
+rm -rf "$R"  # a results folder of an earlier run (seen once on the device) must not mix in
 mkdir -p "$R"
 if [ -n "${PRE_TESTS:-}" ]; then  # GPU tests of the new tree first (e.g. PRE_TESTS="tests/test_hostcopy.py ...")
   PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout 300 $PY -m pytest -q -m gpu $PRE_TESTS -p no:cacheprovider 2>&1 \
