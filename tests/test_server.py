@@ -132,6 +132,22 @@ async def test_bad_requests_are_invalid_argument_and_server_keeps_serving(tiny_s
     assert ok.summary.num_frames == 2
 
 
+def test_control_characters_are_exactly_unicodes_cc_and_cs_but_tab_lf_cr():
+    """The request text check (a character class) refuses exactly what the per-character
+    Unicode category check did, over every code point, and names the first one's index."""
+    import unicodedata
+
+    from tts_server.api import InvalidRequest
+    from tts_server.rpc import convert
+
+    refused = [c for c in range(0x110000) if convert._CONTROL_RE.search(chr(c))]
+    assert refused == [c for c in range(0x110000) if chr(c) not in "\t\n\r"
+                       and unicodedata.category(chr(c)) in ("Cc", "Cs")]
+    convert.check_text("tabs\tand\nnew lines\r, accents café, 你好 🙂")
+    with pytest.raises(InvalidRequest, match="U\\+0085 at index 4"):
+        convert.check_text("next\x85line\x07")
+
+
 async def test_language_tags_and_voices_accepted(tiny_server):
     for language, voice in (("en-US", "Ryan"), ("zh", "eric"), ("auto", ""), ("French", "aiden")):
         res = await _collect(tiny_server, build_request("Bonjour.", language=language, voice=voice,

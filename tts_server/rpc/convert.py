@@ -7,7 +7,6 @@ import io
 import math
 import re
 import secrets
-import unicodedata
 import uuid
 from dataclasses import dataclass
 
@@ -97,13 +96,18 @@ def parse_synthesize_request(data: bytes) -> tts_pb2.SynthesizeRequest | Malform
     return _parse(tts_pb2.SynthesizeRequest, data)
 
 
+# Unicode's Cc (C0, DEL, C1: fixed by the standard) and Cs (surrogates) characters but tab, LF and
+# CR, as one character class: a search instead of a Python loop over every character (~55 us for
+# a 185-character request on the CI machine, in the RPC process's per-call intake)
+_CONTROL_RE = re.compile("[" + "".join(
+    f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F), (0x7F, 0x9F),
+                                              (0xD800, 0xDFFF))) + "]")
+
+
 def _check_text(text: str, field: str = "text") -> None:
-    for i, ch in enumerate(text):
-        if ch in ALLOWED_CONTROLS:
-            continue
-        cat = unicodedata.category(ch)
-        if cat == "Cc" or cat == "Cs":
-            raise InvalidRequest(field, f"contains control character U+{ord(ch):04X} at index {i}")
+    m = _CONTROL_RE.search(text)
+    if m is not None:
+        raise InvalidRequest(field, f"contains control character U+{ord(m.group()):04X} at index {m.start()}")
 
 
 def _language(value: str, info: ModelInfo) -> str:
