@@ -32,16 +32,19 @@ start() {  # tree name port [extra server flags] [extra environment, NAME=VALUE 
 }
 # BASE_ARGS / NEW_ARGS: extra flags per tree (e.g. BASE=. BASE_ARGS="--rpc-listeners 1": one tree, two settings);
 # BASE_ENV / NEW_ENV: extra environment per tree (e.g. NEW_ENV="TTS_GEMM_DTYPE=fp16")
+# One after the other: on a fresh machine the second server then finds most of its kernels in
+# the Triton cache the first one filled (two cold servers compiling at once took 286 s to serve)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 start "$BASE" base 50081 "${BASE_ARGS:-}" "${BASE_ENV:-}"
 PID_BASE=$!
+PIDS="$PID_BASE"
+trap 'kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
+$PY scripts/wait_serving.py 50081 $PID_BASE 420 || { echo "server 50081 did not start"; tail -20 "$R"/server-base.log; exit 1; }
+echo "base SERVING after $SECONDS s"
 start . new 50082 "${NEW_ARGS:-}" "${NEW_ENV:-}"
 PID_NEW=$!
 PIDS="$PID_BASE $PID_NEW"
-trap 'kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-for pp in "50081 $PID_BASE" "50082 $PID_NEW"; do
-  $PY scripts/wait_serving.py $pp 420 || { echo "server $pp did not start"; tail -20 "$R"/server-*.log; exit 1; }
-done
+$PY scripts/wait_serving.py 50082 $PID_NEW 420 || { echo "server 50082 did not start"; tail -20 "$R"/server-new.log; exit 1; }
 echo "both SERVING after $SECONDS s"
 if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equal bytes?
   echo "== same bytes? $(timeout 300 $PY scripts/compare_servers.py 127.0.0.1:50081 127.0.0.1:50082)"
