@@ -44,7 +44,6 @@ ENCODINGS = (tts_pb2.AUDIO_ENCODING_UNSPECIFIED, tts_pb2.AUDIO_ENCODING_PCM_S16L
 
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
-ALLOWED_CONTROLS = frozenset("\t\n\r")
 
 
 @dataclass(frozen=True)
