@@ -212,8 +212,7 @@ class PromptBuilder:
         role = self._fixed("text", tuple(input_ids[0, :3].tolist()))
         track_ids = input_ids[0, 4:-5].tolist()  # while on the CPU: no device sync
         input_ids = input_ids.to(dev)
-        bos, eos, pad = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
-                                             self.cfg.tts_pad_token_id)).chunk(3, dim=1)  # 3 x [1, 1, H]
+        bos, eos, pad = self._fixed("text", self._tts_ids).chunk(3, dim=1)  # 3 x [1, 1, H]
         if clone is not None:
             speaker_embed = clone.speaker_embedding.to(dev, pad.dtype).view(1, 1, -1)
         elif speaker:
@@ -299,7 +298,7 @@ class PromptBuilder:
         """Compile `materialise`'s row kernel before serving (its first launch compiles it, ~0.1 s
         that the first request would otherwise wait for; its row counts are not specialized, so
         one compile serves every prompt)."""
-        codec_table = self.talker.get_input_embeddings().weight
+        codec_table = self._codec_weight
         if self.text_table is not None and embed_rows.usable(self.text_table, codec_table):
             idx = torch.zeros(4, dtype=torch.long, device=self.text_table.device)  # one row of each kind
             embed_rows.embed_rows(self.text_table, codec_table, idx, 1, 1)
@@ -327,7 +326,7 @@ class PromptBuilder:
         idx = self._staging.to_device(np.concatenate((  # the one host -> device copy
             np.array(text + trailing, dtype=np.int64), np.maximum(codec, 0), codec != _NO_CODEC,
             np.array(xpos, dtype=np.int64))), table.device)
-        codec_table = self.talker.get_input_embeddings().weight
+        codec_table = self._codec_weight
         if not xvecs and embed_rows.usable(table, codec_table):  # the same bits in one launch
             embeds, trail = embed_rows.embed_rows(table, codec_table, idx, n, m)
         else:
@@ -339,8 +338,7 @@ class PromptBuilder:
                 c_rows = c_rows.index_copy(0, xpos_idx, xv)
             embeds = torch.where(has_codec.bool()[:, None], t_rows + c_rows, t_rows)  # text + codec, as `build`
             trail = table[trailing_idx]  # [m, H], apart: it outlives the prefill
-        pad_embed = self._fixed("text", (self.cfg.tts_bos_token_id, self.cfg.tts_eos_token_id,
-                                         self.cfg.tts_pad_token_id))[0, 2]
+        pad_embed = self._fixed("text", self._tts_ids)[0, 2]
         out, e0, t0 = [], 0, 0
         for p in plans:
             if isinstance(p, PlannedRows):

@@ -70,10 +70,10 @@ class RequestPreparer:
         """The builder's input for a request, and its voice key (voice clones)."""
         if text_ids is None:
             text_ids = self.text_ids(req.text)
-        ids = list(text_ids)  # the builder plans from the list (a tensor only where it must build)
         key, clone = self._voice(req.reference) if req.reference is not None else (None, None)
         non_streaming = self.non_streaming if req.non_streaming is None else req.non_streaming
-        return PromptItem(ids, req.language, req.voice, clone, non_streaming), key
+        # the ids as a list: the builder plans from it (a tensor only where it must build)
+        return PromptItem(text_ids, req.language, req.voice, clone, non_streaming), key
 
     @staticmethod
     def _prepared(prompt: Prompt, item: PromptItem, key: str | None) -> Prepared:
