@@ -52,7 +52,7 @@ async def cli_server(a) -> dict:
     env = dict(os.environ, TTS_ENGINE_FACTORY="tts_server.testing.paced:build")
     os.environ.update(env)  # ServerProcess inherits it
     server = ServerProcess("synthetic-tiny", "torch", a.streams,
-                           ("--device", "cpu", "--engine-process", "--rpc-processes",
+                           ("--device", "cpu", "--engine-process", "--http-port", "-1", "--rpc-processes",
                             str(a.rpc_processes), "--metrics-port", "-1", "--event-loop", a.event_loop))
     try:
         await server.wait_serving(120)

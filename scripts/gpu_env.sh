@@ -22,7 +22,8 @@ if [ -f .triton-cache/cache.tgz ] && [ ! -e "$TRITON_CACHE_DIR/.seeded" ]; then
     && touch "$TRITON_CACHE_DIR/.seeded" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
 fi
 # the Triton cache as $OUT/triton-cache.tgz, to carry into the next call (.triton-cache/cache.tgz)
-save_triton_cache() {
-  tar -czf "$OUT/triton-cache.tgz" --exclude=.seeded -C "$TRITON_CACHE_DIR" . \
+save_triton_cache() {  # the compiled kernels and their metadata only (Triton loads what a group lists and has)
+  tar -czf "$OUT/triton-cache.tgz" --exclude=.seeded --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
+      --exclude='*.ptx' --exclude='*.source' -C "$TRITON_CACHE_DIR" . \
     && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -h "$OUT/triton-cache.tgz" | cut -f1) packed"
 }

@@ -267,6 +267,21 @@ def test_the_engine_process_is_the_default_on_a_gpu_only():
     assert uses_engine_process(parse_args([])) == torch.cuda.is_available()
 
 
+def test_rpc_processes_auto_is_one_per_four_cores_up_to_four_with_the_engine_process_only(monkeypatch):
+    import tts_server.__main__ as cli
+    from tts_server.__main__ import parse_args, resolve_rpc_processes
+
+    assert parse_args([]).rpc_processes is None  # auto is the default
+    assert parse_args(["--rpc-processes", "AUTO"]).rpc_processes is None
+    assert parse_args(["--rpc-processes", "3"]).rpc_processes == 3
+    for cores, want in ((2, 1), (7, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(cli, "usable_cores", lambda cores=cores: cores)
+        assert resolve_rpc_processes(parse_args(["--device", "cuda:0"])).rpc_processes == want, cores
+        assert resolve_rpc_processes(parse_args(["--device", "cpu"])).rpc_processes == 1  # no engine process
+        assert resolve_rpc_processes(parse_args(["--device", "cuda", "--no-engine-process"])).rpc_processes == 1
+        assert resolve_rpc_processes(parse_args(["--device", "cuda:0", "--rpc-processes", "1"])).rpc_processes == 1
+
+
 def test_ctrl_c_to_the_process_group_drains_and_leaves_no_engine_process(tmp_path):
     """Ctrl-C in a terminal signals the server and its engine process alike: the server drains
     its in-flight stream and exits 0; the engine process ends with it."""
@@ -428,6 +443,7 @@ async def test_the_engine_refuses_for_every_rpc_process_and_a_lost_one_fails_the
 @pytest.mark.parametrize("args,why", [
     (["--rpc-processes", "0"], "--rpc-processes must be at least 1"),
     (["--rpc-processes", "2", "--no-engine-process"], "needs the engine process"),
+    (["--rpc-processes", "many"], "--rpc-processes: expected a number or auto, got 'many'"),
 ])
 def test_rpc_processes_mistakes_are_one_line(args, why):
     r = subprocess.run([sys.executable, "-m", "tts_server", "--model", "synthetic-tiny",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import gc
 import logging
@@ -70,10 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event-loop", default=d.event_loop, choices=aio.CHOICES,
                    help="the gRPC/HTTP servers' event loop: uvloop (less CPU per call) or asyncio's; "
                         "auto (default): uvloop where installed")
-    p.add_argument("--rpc-processes", type=int, default=d.rpc_processes,
+    p.add_argument("--rpc-processes", type=_count_or_auto, default=None, metavar="N|auto",
                    help="gRPC servers on --port, each a process of its own (the kernel spreads "
                         "client connections over them), so that call set-up and chunk writes use "
-                        "several cores; with the engine process only (default %(default)s)")
+                        "several cores; with the engine process only. auto (default): with the "
+                        f"engine process one per {CORES_PER_RPC_PROCESS} CPU cores, at most "
+                        f"{MAX_AUTO_RPC_PROCESSES} (one RPC process takes 256 calls in 150-215 ms "
+                        "on an H100 host, four in ~50 ms); else 1")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,
@@ -153,6 +157,40 @@ def _chunk_frames(text: str) -> tuple[int, ...]:
                            f"got {text}") from None
 
 
+# --rpc-processes auto: a burst of 256 calls, no model (scripts/cpu_frontend_profile.py on a
+# 16-core H100 host, BENCHMARKS.md session 27): first audio p95 153-215 ms with one RPC
+# process, 89-99 with two, 50-52 with four; the engine process keeps cores for its own threads
+CORES_PER_RPC_PROCESS = 4
+MAX_AUTO_RPC_PROCESSES = 4
+
+
+def _count_or_auto(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_rpc_processes(config: ServerConfig) -> ServerConfig:
+    """--rpc-processes auto -> a number: with the engine process (a GPU), one RPC process per
+    CORES_PER_RPC_PROCESS usable cores, 1 to MAX_AUTO_RPC_PROCESSES; without it, 1."""
+    if config.rpc_processes is not None:
+        return config
+    n = 1
+    if uses_engine_process(config):
+        n = max(1, min(MAX_AUTO_RPC_PROCESSES, usable_cores() // CORES_PER_RPC_PROCESS))
+    return dataclasses.replace(config, rpc_processes=n)
+
+
 def parse_args(argv=None) -> ServerConfig:
     """The server's configuration from the command line; sets up logging. Raises StartupError
     (one line) for an unreadable token file or a malformed --chunk-frames."""
@@ -185,7 +223,7 @@ def uses_engine_process(config: ServerConfig) -> bool:
     several RPC processes."""
     if config.engine_process is not None:
         return config.engine_process
-    if config.device.startswith("cuda") or config.devices or config.rpc_processes > 1:
+    if config.device.startswith("cuda") or config.devices or (config.rpc_processes or 1) > 1:
         return True
     if config.device != "auto":
         return False
@@ -198,6 +236,10 @@ async def _serve(config: ServerConfig) -> int:
     from .rpc.server import TTSServer
 
     log = logging.getLogger("tts_server")
+    auto = config.rpc_processes is None
+    config = resolve_rpc_processes(config)
+    if auto and config.rpc_processes > 1:
+        log.info("--rpc-processes auto: %d (%d usable CPU cores)", config.rpc_processes, usable_cores())
     if uses_engine_process(config):
         from .serving.remote import RemoteWorker
 

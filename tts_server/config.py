@@ -42,8 +42,9 @@ class ServerConfig:
     # the engines in a process of their own, fed over a socket pair (serving/remote.py), so that
     # their Python and the RPC event loop's do not share one GIL; None: on when serving on a GPU
     engine_process: bool | None = None
-    # gRPC servers on the port, each a process of its own (SO_REUSEPORT), with the engine process
-    rpc_processes: int = 1
+    # gRPC servers on the port, each a process of its own (SO_REUSEPORT), with the engine process;
+    # None: auto (the command line's default, __main__.resolve_rpc_processes: several on a GPU)
+    rpc_processes: int | None = 1
     # each step's codec queued on the frame's codes on the device as soon as the frame is launched
     # (the batched engine's on_launch), not after they reach the host; the same bytes. On an H100
     # it took a c = 1 stream's first decode from 1.8 to 1.5 ms (BENCHMARKS.md, session 21).
