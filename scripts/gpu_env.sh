@@ -22,8 +22,28 @@ if [ -f .triton-cache/cache.tgz ] && [ ! -e "$TRITON_CACHE_DIR/.seeded" ]; then
     && touch "$TRITON_CACHE_DIR/.seeded" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
 fi
 # the Triton cache as $OUT/triton-cache.tgz, to carry into the next call (.triton-cache/cache.tgz)
-save_triton_cache() {  # the compiled kernels and their metadata only (Triton loads what a group lists and has)
-  tar -czf "$OUT/triton-cache.tgz" --exclude=.seeded --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
-      --exclude='*.ptx' --exclude='*.source' -C "$TRITON_CACHE_DIR" . \
-    && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -h "$OUT/triton-cache.tgz" | cut -f1) packed"
+save_triton_cache() {  # the kernels' binaries and metadata only: each group file rewritten to list just those
+  $PY - "$TRITON_CACHE_DIR" "$OUT/triton-cache.tgz" <<'PYEOF'
+import io, json, os, sys, tarfile
+src, dst = sys.argv[1:]
+keep = (".json", ".cubin")
+with tarfile.open(dst, "w:gz") as tar:
+    for d in sorted(os.listdir(src)):
+        top = os.path.join(src, d)
+        if not os.path.isdir(top):
+            continue
+        for f in sorted(os.listdir(top)):
+            path = os.path.join(top, f)
+            if f.startswith("__grp__"):
+                with open(path) as fh:
+                    grp = json.load(fh)
+                grp["child_paths"] = {k: v for k, v in grp["child_paths"].items() if k.endswith(keep)}
+                data = json.dumps(grp).encode()
+                info = tarfile.TarInfo(f"{d}/{f}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            elif f.endswith(keep):
+                tar.add(path, f"{d}/{f}")
+print(f"triton cache: {len(os.listdir(src))} entries, {os.path.getsize(dst) / 2**20:.1f} MiB packed")
+PYEOF
 }
