@@ -46,6 +46,7 @@ PID_NEW=$!
 PIDS="$PID_BASE $PID_NEW"
 $PY scripts/wait_serving.py 50082 $PID_NEW 420 || { echo "server 50082 did not start"; tail -20 "$R"/server-new.log; exit 1; }
 echo "both SERVING after $SECONDS s"
+[ "${SAVE_CACHE:-0}" = 1 ] && save_triton_cache  # $OUT/triton-cache.tgz, for the next call (gpu_env.sh)
 if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equal bytes?
   echo "== same bytes? $(timeout 300 $PY scripts/compare_servers.py 127.0.0.1:50081 127.0.0.1:50082)"
 fi
