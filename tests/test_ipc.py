@@ -138,3 +138,71 @@ def test_the_loop_reader_takes_messages_split_across_reads_and_reports_the_end()
         return got
 
     assert asyncio.run(run()) == items
+
+
+def test_outboxes_sharing_one_thread_deliver_each_pipe_in_order_and_close_one_at_a_time():
+    pairs = [_pair() for _ in range(3)]
+    first = ipc.Outbox(pairs[0][0], "test-out")
+    boxes = [first] + [ipc.Outbox(ours, "test-out", shared=first) for ours, _ in pairs[1:]]
+    assert len({b._thread for b in boxes}) == 1  # one sending thread for the three pipes
+    n = 300
+    big = bytes(range(256)) * 200  # some large items, so that sends block and interleave
+
+    def producer(i):
+        for j in range(n):
+            boxes[i].put(("a", i, j, big if j % 50 == 0 else b""), urgent=(j % 7 == 0))
+
+    try:
+        threads = [threading.Thread(target=producer, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        got = [_drain(theirs, n) for _, theirs in pairs]
+        for t in threads:
+            t.join()
+        for i in range(3):  # every item once, in order, on its own pipe
+            assert [(g[1], g[2]) for g in got[i]] == [(i, j) for j in range(n)]
+        boxes[1].close()  # the shared thread keeps sending for the others
+        assert first._thread.is_alive()
+        boxes[2].put(("after", 2))
+        boxes[1].put(("dropped", 1))  # closed: dropped
+        assert _drain(pairs[2][1], 1) == [("after", 2)]
+        assert not pairs[1][1].poll(0.2)
+        boxes[0].put(("last", 0))
+        boxes[0].close()
+        boxes[2].close()
+        assert _drain(pairs[0][1], 1) == [("last", 0)]
+        first._thread.join(5)
+        assert not first._thread.is_alive()  # ended with the last of its outboxes
+    finally:
+        for b in boxes:
+            b.close(timeout=1)
+
+
+def test_receive_many_reads_every_pipe_on_one_thread_and_ends_each_on_its_own():
+    pairs = [_pair() for _ in range(3)]
+    got = [[] for _ in pairs]
+    ended = [threading.Event() for _ in pairs]
+    threads_seen = set()
+
+    def on_batch(i):
+        def f(items):
+            threads_seen.add(threading.current_thread())
+            got[i].extend(items)
+        return f
+
+    ipc.receive_many([(ours, on_batch(i), ended[i].set) for i, (ours, _) in enumerate(pairs)], "test-in")
+    for j in range(100):
+        for i, (_, theirs) in enumerate(pairs):
+            theirs.send([("m", i, j)])
+    pairs[1][1].close()  # one pipe ends: its on_eof, the others go on
+    assert ended[1].wait(10) and not ended[0].is_set() and not ended[2].is_set()
+    pairs[0][1].send([("m", 0, 100)])
+    deadline = time.monotonic() + 10
+    while len(got[0]) < 101 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got[0] == [("m", 0, j) for j in range(101)]
+    assert got[1] == [("m", 1, j) for j in range(100)] and got[2] == [("m", 2, j) for j in range(100)]
+    assert len(threads_seen) == 1
+    pairs[0][1].close()
+    pairs[2][1].close()
+    assert ended[0].wait(10) and ended[2].wait(10)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..api import AudioChunk, FinishReason, StreamEnd
 from ..memory_plan import StartupError
-from .ipc import Outbox, die_with_parent, receive
+from .ipc import Outbox, die_with_parent, receive_many
 from .streams import StreamHandle
 
 log = logging.getLogger("tts_server")
@@ -173,7 +173,10 @@ def main() -> None:
         # the backstop for a hang the Python watchdog cannot act on: the server sees the pipe end
         worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
             config.watchdog_s + 30.0, exit=True)
-    outboxes = [Outbox(c, f"tts-engine-pipe-out-{i}") for i, c in enumerate(conns)]
+    # one sending thread and one receiving thread for all the pipes (an RPC process each): a
+    # thread per pipe competed with the engine thread for the GIL (Outbox's `shared`)
+    outboxes = [Outbox(conns[0], "tts-engine-pipe-out")]
+    outboxes += [Outbox(c, "tts-engine-pipe-out", shared=outboxes[0]) for c in conns[1:]]
     outbox, done = outboxes[0], threading.Event()
     procs = [EngineProcess(i, worker, o, outbox, done) for i, o in enumerate(outboxes)]
     worker.add_fatal_listener(lambda failure: [o.put(("fail", str(failure))) for o in outboxes])
@@ -183,9 +186,9 @@ def main() -> None:
              "incremental": all(w.texts.supported for w in getattr(worker, "workers", [worker])),
              "engine": app.info.engine, "labels": [w.label for w in getattr(worker, "workers", [worker])],
              "pid": os.getpid()}
-    for i, (c, o, p) in enumerate(zip(conns, outboxes, procs)):
+    for o in outboxes:
         o.put(("ready", app.info, facts))
-        receive(c, p.on_batch, p.on_eof, f"tts-engine-pipe-in-{i}")
+    receive_many([(c, p.on_batch, p.on_eof) for c, p in zip(conns, procs)], "tts-engine-pipe-in")
     threading.Thread(target=procs[0].send_metrics, name="tts-engine-metrics", daemon=True).start()
     done.wait()
     # the server stops us after its drain, or has gone: end the streams still here, then leave

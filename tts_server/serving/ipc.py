@@ -19,7 +19,7 @@ import socket
 import struct
 import threading
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
@@ -32,22 +32,35 @@ INLINE_GAP_S = 0.0005  # urgent items closer together than this (a burst) go thr
 class Outbox:
     """Items put from any thread, sent as lists by the outbox's own thread; `put(item, urgent=True)`
     writes the item from the caller's thread when nothing is queued or being sent (one
-    non-blocking write; a burst of urgent items still goes through the thread)."""
+    non-blocking write; a burst of urgent items still goes through the thread).
 
-    def __init__(self, conn: Connection, name: str):
+    `shared`: an earlier Outbox whose thread sends this one's items too (one thread and one lock
+    for all the pipes of a process). The engine process has a pipe per RPC process; with a thread
+    each, the 4 pipes' threads and the engine thread took turns on the GIL, and 1 step in 10 of
+    256 streams lost 15-60 ms after its codec (BENCHMARKS.md, session 27)."""
+
+    def __init__(self, conn: Connection, name: str, shared: "Outbox | None" = None):
         self._conn = conn
         self._items: list = []
         self._rest = b""  # the tail of a message an urgent write left: the thread writes it first
         self._busy = False  # a send is in progress (the thread's or an urgent caller's)
         self._last_inline = 0.0
-        self._cond = threading.Condition()
         self._closed = False
         try:  # the same socket on a second descriptor, for non-blocking writes
             self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         except OSError:  # not a socket: every item through the thread
             self._sock = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        if shared is None:
+            self._cond = threading.Condition()
+            self._group = [self]
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+        else:
+            with shared._cond:
+                if all(b._closed for b in shared._group):
+                    raise RuntimeError("the shared outbox's thread has ended")
+                self._cond, self._group, self._thread = shared._cond, shared._group, shared._thread
+                self._group.append(self)
 
     def put(self, item, urgent: bool = False) -> None:
         with self._cond:
@@ -57,7 +70,7 @@ class Outbox:
             if not (urgent and self._sock is not None and not self._busy and not self._items
                     and not self._rest and now - self._last_inline >= INLINE_GAP_S):
                 self._items.append(item)
-                self._cond.notify()
+                self._cond.notify_all()
                 return
             self._busy, self._last_inline = True, now
         data, sent = b"", 0
@@ -80,42 +93,58 @@ class Outbox:
                 self._busy = False
                 if sent < len(data):
                     self._rest = data[sent:]
-                self._cond.notify()
+                self._cond.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop (the connection stays open)."""
+        """Send what is queued, then stop (the connection stays open; a shared thread ends with
+        the last of its outboxes)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout)
+            self._cond.notify_all()
+            while self._pending() or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    break
+                self._cond.wait(left)
+        if all(b._closed for b in self._group):
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close()
 
+    def _pending(self) -> bool:
+        return bool(self._items or self._rest)
+
     def _run(self) -> None:
+        group = self._group
         while True:
             with self._cond:
-                while self._busy or not (self._items or self._rest or self._closed):
+                while True:
+                    work = [b for b in group if not b._busy and b._pending()]
+                    if work or all(b._closed and not b._pending() and not b._busy for b in group):
+                        break
                     self._cond.wait()
-                items, self._items = self._items, []
-                rest, self._rest = self._rest, b""
-                closed = self._closed
-                self._busy = bool(items or rest)
-            try:
-                if rest:
-                    self._sock.sendall(rest)
-                if items:
-                    self._conn.send(items)
-            except (OSError, ValueError) as e:  # the other side is gone: its reader says so
-                log.debug("pipe send failed: %r", e)
-                with self._cond:
-                    self._closed = True  # later puts are dropped, not kept
-                    self._items = []
-                    self._busy = False
-                return
-            with self._cond:
-                self._busy = False
-                if closed and not (self._items or self._rest):
+                if not work:
+                    self._cond.notify_all()  # (close() waiters)
                     return
+                taken = []
+                for b in work:
+                    taken.append((b, b._items, b._rest))
+                    b._items, b._rest, b._busy = [], b"", True
+            for b, items, rest in taken:
+                try:
+                    if rest:
+                        b._sock.sendall(rest)
+                    if items:
+                        b._conn.send(items)
+                except (OSError, ValueError) as e:  # the other side is gone: its reader says so
+                    log.debug("pipe send failed: %r", e)
+                    with self._cond:
+                        b._closed = True  # later puts are dropped, not kept
+                        b._items = []
+                with self._cond:
+                    b._busy = False
+                    self._cond.notify_all()
 
 
 def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable[[], None],
@@ -132,6 +161,35 @@ def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable
                 on_batch(items)
         finally:
             on_eof()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def receive_many(pipes: list[tuple[Connection, Callable[[list], None], Callable[[], None]]],
+                 name: str) -> threading.Thread:
+    """`receive` for several pipes (conn, on_batch, on_eof) on one daemon thread: the engine
+    process reads every RPC process's pipe with one thread instead of one each (see Outbox's
+    `shared`). A pipe whose on_batch raises is treated as ended (its on_eof runs)."""
+
+    def run() -> None:
+        live = {conn: (on_batch, on_eof) for conn, on_batch, on_eof in pipes}
+        while live:
+            for conn in wait(list(live)):
+                on_batch, on_eof = live[conn]
+                try:
+                    items = conn.recv()
+                except (EOFError, OSError):
+                    del live[conn]
+                    on_eof()
+                    continue
+                try:
+                    on_batch(items)
+                except Exception:  # noqa: BLE001 - as `receive`'s thread ending: this pipe is done
+                    log.exception("%s: a message failed; the pipe is closed", name)
+                    del live[conn]
+                    on_eof()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
