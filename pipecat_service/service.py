@@ -203,6 +203,21 @@ class QwenTTSService(TTSService):
             return
         await super()._record_context_audio_outcome(context_id, received_audio)
 
+    async def _push_sequencer_frames(self, frames: list[Frame], context_id: str | None):
+        # Pipecat 1.14 in token mode buffers word timings until their sentence is complete,
+        # then "promotes" it and replays them, and queues the replayed frames behind the audio
+        # context's pending items. A later word's timing already queued there is processed
+        # after the promotion, finds its sentence ready and goes out first: the transcript and
+        # the conversation context got 'token' before 'Sure,' (a test forces that timing). Sent
+        # at once, the replayed words precede every word processed after them. Each carries its
+        # own playback time (pts), which the output transport keeps. (A private hook:
+        # pipecat-ai is pinned.)
+        if self._tokens is None:
+            await super()._push_sequencer_frames(frames, context_id)
+            return
+        for f in frames:
+            await self.push_frame(f)
+
     def _forget(self, context_id: str) -> None:
         self._asked_contexts.discard(context_id)
         self._reported_contexts.discard(context_id)
