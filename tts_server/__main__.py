@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "client connections over them), so that call set-up and chunk writes use "
                         "several cores; with the engine process only. auto (default): with the "
                         f"engine process one per {CORES_PER_RPC_PROCESS} CPU cores, at most "
-                        f"{MAX_AUTO_RPC_PROCESSES} (one RPC process takes 256 calls in 150-215 ms "
-                        "on an H100 host, four in ~50 ms); else 1")
+                        f"{MAX_AUTO_RPC_PROCESSES} (a 256-call burst's first audio with no model "
+                        "at all, p95 on an H100 host: 153-215 ms through one RPC process, ~50 ms "
+                        "through four); else 1")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (auto: cuda when "
                    "torch sees a GPU)")
     p.add_argument("--devices", default=d.devices,

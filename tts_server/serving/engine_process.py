@@ -173,8 +173,8 @@ def main() -> None:
         # the backstop for a hang the Python watchdog cannot act on: the server sees the pipe end
         worker.watchdog_tick = lambda: faulthandler.dump_traceback_later(
             config.watchdog_s + 30.0, exit=True)
-    # one sending thread and one receiving thread for all the pipes (an RPC process each): a
-    # thread per pipe competed with the engine thread for the GIL (Outbox's `shared`)
+    # one sending thread and one receiving thread for all the pipes (an RPC process each), not
+    # two per pipe beside the engine thread (Outbox's `shared`, BENCHMARKS.md session 27)
     outboxes = [Outbox(conns[0], "tts-engine-pipe-out")]
     outboxes += [Outbox(c, "tts-engine-pipe-out", shared=outboxes[0]) for c in conns[1:]]
     outbox, done = outboxes[0], threading.Event()

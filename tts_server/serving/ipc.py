@@ -35,9 +35,11 @@ class Outbox:
     non-blocking write; a burst of urgent items still goes through the thread).
 
     `shared`: an earlier Outbox whose thread sends this one's items too (one thread and one lock
-    for all the pipes of a process). The engine process has a pipe per RPC process; with a thread
-    each, the 4 pipes' threads and the engine thread took turns on the GIL, and 1 step in 10 of
-    256 streams lost 15-60 ms after its codec (BENCHMARKS.md, session 27)."""
+    for all the pipes of a process). The engine process has a pipe per RPC process. With a
+    sending and a receiving thread per pipe (eight beside the engine thread for 4 RPC processes),
+    1 step in 10 of 256 streams spent 19-24 ms or more after its codec (posting the chunks), 4-5
+    with one RPC process, and throughput fell 10%; with one thread each way it was 9-17 ms and
+    throughput matched one RPC process's (two H100 hosts, BENCHMARKS.md session 27)."""
 
     def __init__(self, conn: Connection, name: str, shared: "Outbox | None" = None):
         self._conn = conn
