@@ -84,7 +84,11 @@ class QwenTTSService(TTSService):
     # Reconnect soon after a refused connection, so that a retry can find a restarted server.
     CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100),
                        ("grpc.min_reconnect_backoff_ms", 100),
-                       ("grpc.max_reconnect_backoff_ms", 2000))
+                       ("grpc.max_reconnect_backoff_ms", 2000),
+                       # a connection of its own: grpc otherwise gives every service of an agent
+                       # process (one per call) the same one, and a server's RPC processes
+                       # (--rpc-processes) each take whole connections
+                       ("grpc.use_local_subchannel_pool", 1))
 
     def __init__(self, *, address: str = "127.0.0.1:50051", voice: str | None = None,
                  language: Language | str | None = None, settings: Settings | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -50,15 +51,29 @@ class SynthesisResult:
 
 
 class TTSClient:
-    """`async with TTSClient("127.0.0.1:50051") as c: async for msg in c.stream(req): ...`"""
+    """`async with TTSClient("127.0.0.1:50051") as c: async for msg in c.stream(req): ...`
+
+    channels: connections to open; calls take them in turn. A server with several RPC processes
+    (`--rpc-processes`, four on a 16-core GPU host) gives each connection to one of them, so a
+    client that runs many concurrent streams should open a few (one per few dozen streams):
+    over one connection they all queue on one process."""
 
     def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: tuple[tuple[str, str], ...] = (), options=None):
+                 metadata: tuple[tuple[str, str], ...] = (), options=None, channels: int = 1):
+        if channels < 1:
+            raise ValueError(f"channels must be at least 1, got {channels}")
         self.address = address
         self.metadata = metadata
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
-                        else grpc.aio.insecure_channel(address, options=options))
-        self.stub = tts_pb2_grpc.TextToSpeechServiceStub(self.channel)
+        options = list(options or ())
+        if channels > 1 and not any(k == "grpc.use_local_subchannel_pool" for k, _ in options):
+            # grpc shares one connection between channels of equal target and options otherwise
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channels = [grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.aio.insecure_channel(address, options=options) for _ in range(channels)]
+        self.channel = self.channels[0]
+        self._stubs = [tts_pb2_grpc.TextToSpeechServiceStub(c) for c in self.channels]
+        self.stub = self._stubs[0]
+        self._turn = itertools.cycle(self._stubs)
 
     async def __aenter__(self):
         return self
@@ -67,11 +82,12 @@ class TTSClient:
         await self.close()
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     def stream(self, request: tts_pb2.SynthesizeRequest, timeout: float | None = None):
         """The raw response stream (a grpc.aio call: iterate it, or `.cancel()` it)."""
-        return self.stub.Synthesize(request, timeout=timeout, metadata=self.metadata)
+        return next(self._turn).Synthesize(request, timeout=timeout, metadata=self.metadata)
 
     async def chunks(self, request, timeout: float | None = None) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         call = self.stream(request, timeout)
@@ -100,7 +116,7 @@ class TTSClient:
 
     def text_stream(self, timeout: float | None = None) -> TextStream:
         """A StreamSynthesize call: contexts whose text is sent as it is produced."""
-        return TextStream(self.stub, timeout=timeout, metadata=self.metadata)
+        return TextStream(next(self._turn), timeout=timeout, metadata=self.metadata)
 
     async def list_voices(self, timeout: float = 10.0) -> tts_pb2.ListVoicesResponse:
         return await self.stub.ListVoices(tts_pb2.ListVoicesRequest(), timeout=timeout,

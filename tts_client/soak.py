@@ -217,14 +217,12 @@ class Soak:
     async def run(self) -> dict:
         a = self.a
         deadline = self.t0 + a.duration_s
-        clients = [TTSClient(self.address) for _ in range(max(1, a.concurrency // 4))]
+        client = TTSClient(self.address, channels=max(1, a.concurrency // 4))  # a connection per 4 lanes
         ticker = asyncio.ensure_future(self.ticker())
-        await asyncio.gather(*(self.lane(clients[k % len(clients)], deadline)
-                               for k in range(a.concurrency)))
+        await asyncio.gather(*(self.lane(client, deadline) for _ in range(a.concurrency)))
         ticker.cancel()
         await self.close_window()
-        for c in clients:
-            await c.close()
+        await client.close()
         final = await self.drained()
         return self.report(final)
 
