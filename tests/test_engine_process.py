@@ -267,7 +267,7 @@ def test_the_engine_process_is_the_default_on_a_gpu_only():
     assert uses_engine_process(parse_args([])) == torch.cuda.is_available()
 
 
-def test_rpc_processes_auto_is_one_per_four_cores_up_to_four_with_the_engine_process_only(monkeypatch):
+def test_rpc_processes_auto_is_one_per_four_cores_up_to_four_on_a_gpu_with_the_engine_process(monkeypatch):
     import tts_server.__main__ as cli
     from tts_server.__main__ import parse_args, resolve_rpc_processes
 
@@ -278,6 +278,8 @@ def test_rpc_processes_auto_is_one_per_four_cores_up_to_four_with_the_engine_pro
         monkeypatch.setattr(cli, "usable_cores", lambda cores=cores: cores)
         assert resolve_rpc_processes(parse_args(["--device", "cuda:0"])).rpc_processes == want, cores
         assert resolve_rpc_processes(parse_args(["--device", "cpu"])).rpc_processes == 1  # no engine process
+        assert resolve_rpc_processes(parse_args(["--device", "cpu", "--engine-process"])).rpc_processes == 1
+        assert resolve_rpc_processes(parse_args(["--devices", "0,1"])).rpc_processes == want
         assert resolve_rpc_processes(parse_args(["--device", "cuda", "--no-engine-process"])).rpc_processes == 1
         assert resolve_rpc_processes(parse_args(["--device", "cuda:0", "--rpc-processes", "1"])).rpc_processes == 1
 

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc-processes", type=_count_or_auto, default=None, metavar="N|auto",
                    help="gRPC servers on --port, each a process of its own (the kernel spreads "
                         "client connections over them), so that call set-up and chunk writes use "
-                        "several cores; with the engine process only. auto (default): with the "
-                        f"engine process one per {CORES_PER_RPC_PROCESS} CPU cores, at most "
+                        "several cores; with the engine process only. auto (default): on a GPU "
+                        f"with the engine process one per {CORES_PER_RPC_PROCESS} CPU cores, at most "
                         f"{MAX_AUTO_RPC_PROCESSES} (a 256-call burst's first audio with no model "
                         "at all, p95 on an H100 host: 153-215 ms through one RPC process, ~50 ms "
                         "through four); else 1")
@@ -182,12 +182,13 @@ def usable_cores() -> int:
 
 
 def resolve_rpc_processes(config: ServerConfig) -> ServerConfig:
-    """--rpc-processes auto -> a number: with the engine process (a GPU), one RPC process per
-    CORES_PER_RPC_PROCESS usable cores, 1 to MAX_AUTO_RPC_PROCESSES; without it, 1."""
+    """--rpc-processes auto -> a number: serving on a GPU with the engine process, one RPC
+    process per CORES_PER_RPC_PROCESS usable cores, 1 to MAX_AUTO_RPC_PROCESSES; otherwise 1
+    (a CPU engine, whose own pace bounds a burst, keeps the cores)."""
     if config.rpc_processes is not None:
         return config
     n = 1
-    if uses_engine_process(config):
+    if uses_engine_process(config) and serves_on_gpu(config):
         n = max(1, min(MAX_AUTO_RPC_PROCESSES, usable_cores() // CORES_PER_RPC_PROCESS))
     return dataclasses.replace(config, rpc_processes=n)
 
@@ -219,18 +220,23 @@ def parse_args(argv=None) -> ServerConfig:
         inject_fault=a.inject_fault)
 
 
-def uses_engine_process(config: ServerConfig) -> bool:
-    """--engine-process as given, else on when the server's device is a GPU or there are
-    several RPC processes."""
-    if config.engine_process is not None:
-        return config.engine_process
-    if config.device.startswith("cuda") or config.devices or (config.rpc_processes or 1) > 1:
+def serves_on_gpu(config: ServerConfig) -> bool:
+    """--device cuda[:N] or --devices, or --device auto on a machine where torch sees a GPU."""
+    if config.device.startswith("cuda") or config.devices:
         return True
     if config.device != "auto":
         return False
     import torch
 
     return torch.cuda.is_available()
+
+
+def uses_engine_process(config: ServerConfig) -> bool:
+    """--engine-process as given, else on when the server's device is a GPU or there are
+    several RPC processes."""
+    if config.engine_process is not None:
+        return config.engine_process
+    return (config.rpc_processes or 1) > 1 or serves_on_gpu(config)
 
 
 async def _serve(config: ServerConfig) -> int:
