@@ -152,33 +152,20 @@ class Outbox:
 def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable[[], None],
             name: str) -> threading.Thread:
     """A daemon thread that calls on_batch(items) per message and on_eof() once the pipe ends."""
-
-    def run() -> None:
-        try:
-            while True:
-                try:
-                    items = conn.recv()
-                except (EOFError, OSError):
-                    break
-                on_batch(items)
-        finally:
-            on_eof()
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread
+    return receive_many([(conn, on_batch, on_eof)], name)
 
 
 def receive_many(pipes: list[tuple[Connection, Callable[[list], None], Callable[[], None]]],
                  name: str) -> threading.Thread:
-    """`receive` for several pipes (conn, on_batch, on_eof) on one daemon thread: the engine
+    """Several pipes (conn, on_batch, on_eof) read by one daemon thread, as `receive` reads one: the engine
     process reads every RPC process's pipe with one thread instead of one each (see Outbox's
     `shared`). A pipe whose on_batch raises is treated as ended (its on_eof runs)."""
 
     def run() -> None:
         live = {conn: (on_batch, on_eof) for conn, on_batch, on_eof in pipes}
         while live:
-            for conn in wait(list(live)):
+            # one pipe: a blocking recv, without a poll before every message
+            for conn in (list(live) if len(live) == 1 else wait(list(live))):
                 on_batch, on_eof = live[conn]
                 try:
                     items = conn.recv()
@@ -188,7 +175,7 @@ def receive_many(pipes: list[tuple[Connection, Callable[[list], None], Callable[
                     continue
                 try:
                     on_batch(items)
-                except Exception:  # noqa: BLE001 - as `receive`'s thread ending: this pipe is done
+                except Exception:  # noqa: BLE001 - a failed message ends this pipe (its on_eof runs)
                     log.exception("%s: a message failed; the pipe is closed", name)
                     del live[conn]
                     on_eof()
