@@ -331,7 +331,7 @@ def test_ctrl_c_to_the_process_group_drains_and_leaves_no_engine_process(tmp_pat
 class _Cli:
     """`tts-server --rpc-processes N` on the CPU (tiny model, JSON logs) in its own session."""
 
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, http_port: int = -1):
         from tts_client.bench import free_port
 
         self.port, self.metrics_port = free_port(), free_port()
@@ -339,8 +339,8 @@ class _Cli:
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tts_server", "--model", "synthetic-tiny", "--device", "cpu",
-                 "--port", str(self.port), "--http-port", "-1", "--metrics-port", str(self.metrics_port),
-                 "--log-format", "json", *args],
+                 "--port", str(self.port), "--http-port", str(http_port), "--metrics-port",
+                 str(self.metrics_port), "--log-format", "json", *args],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 180
         while "more RPC processes on port" not in self.log_path.read_text():
@@ -419,6 +419,46 @@ async def test_two_rpc_processes_serve_the_same_bytes_count_every_call_and_drain
         assert not any(_alive(p) for p in children), "a child process outlived the server"
         drains = [r for r in cli.records() if "SIGTERM: draining" in r["message"]]
         assert len({r["pid"] for r in drains}) == 2
+    finally:
+        cli.close()
+
+
+async def test_every_rpc_process_serves_the_http_api_on_the_one_port(tmp_path, tiny_custom):
+    import re
+
+    import httpx
+
+    from http_helpers import start_server, stop_servers
+
+    body = {"model": "synthetic-tiny", "input": "Any process, over HTTP.", "voice": "ryan", "seed": 8,
+            "max_duration_s": 0.4, "response_format": "pcm"}
+    started = []
+    try:
+        base, _, _, _ = await start_server(tiny_custom, started)
+        async with httpx.AsyncClient(timeout=60) as client:
+            expected = await client.post(base + "/v1/audio/speech", json=body)
+    finally:
+        await stop_servers(started)
+    assert expected.status_code == 200 and expected.content, expected.text
+    cli = _Cli(tmp_path, "--rpc-processes", "2", http_port=0)  # any free port: the extra process gets the bound one
+    try:
+        (port,) = {int(m.group(1)) for r in cli.records()
+                   if (m := re.search(r"speech API on http://[\d.]+:(\d+)/", r["message"]))}
+        assert any(f"and HTTP port {port}" in r["message"] for r in cli.records())
+
+        async def on_own_connection():  # a client (and connection) per request: the kernel picks the process
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await client.post(f"http://127.0.0.1:{port}/v1/audio/speech", json=body)
+
+        got = await asyncio.gather(*(on_own_connection() for _ in range(16)))
+        for r in got:
+            assert r.status_code == 200 and r.content == expected.content, r.text[:300]
+        done = {r["pid"] for r in cli.records() if " done (http): " in r["message"]}
+        assert len(done) == 2, f"HTTP requests were served by {len(done)} process(es)"
+        deadline = time.monotonic() + 10  # the extra process's series come every 0.5 s
+        while _scrape(cli.metrics_port).get(("tts_requests_total", (("code", "OK"),))) != 16:
+            assert time.monotonic() < deadline, _scrape(cli.metrics_port)
+            await asyncio.sleep(0.2)
     finally:
         cli.close()
 

@@ -1,5 +1,5 @@
 """The HTTP listener beside the gRPC one: aiohttp's AppRunner in the same event loop, submitting
-to the same engine worker. Routes: POST /v1/audio/speech, GET /v1/models, /health, /ready."""
+to the same engine worker (in every RPC process, on the one port). Routes: POST /v1/audio/speech, GET /v1/models, /health, /ready."""
 
 from __future__ import annotations
 
@@ -58,10 +58,13 @@ class HTTPServer:
         return ctx
 
     async def start(self, port: int) -> int:
-        """Listen on --host:port (0: any free port); returns the bound port."""
+        """Listen on --host:port (0: any free port); returns the bound port. With several RPC
+        processes each has this listener on the same port (SO_REUSEPORT: the kernel spreads the
+        connections over them, as for gRPC); one process alone keeps the port to itself."""
         await self._runner.setup()
+        shared = (self.config.rpc_processes or 1) > 1
         site = web.TCPSite(self._runner, self.config.host, port, ssl_context=self._ssl_context(),
-                           reuse_port=False)
+                           reuse_port=shared)
         await site.start()
         self.port = self._runner.addresses[0][1]
         log.info("OpenAI-compatible speech API on %s://%s:%d/v1/audio/speech",

@@ -133,7 +133,7 @@ class TTSServer:
                  "TLS" if self.config.tls_cert else "plaintext",
                  "bearer-token auth" if self.config.auth_token else "no auth")
         if hasattr(self.worker, "started_serving"):  # the engine process's: extra RPC processes
-            self.worker.started_serving(self.config, self.port)
+            self.worker.started_serving(self.config, self.port, self.http_port)
 
     def _on_engine_failure(self, failure) -> None:
         """Event loop: the engine is gone. Health reports NOT_SERVING at once (every stream has

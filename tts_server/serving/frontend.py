@@ -1,10 +1,11 @@
 """An extra RPC process (`tts-server --rpc-processes N`): the same gRPC server on the same port
 (SO_REUSEPORT: the kernel spreads connections over the processes), so that call set-up and chunk
-writes, which cost ~2 ms of event-loop time per call in grpc.aio, run on several cores.
+writes, which cost ~2 ms of event-loop time per call in grpc.aio, run on several cores; and the
+HTTP API on the server's HTTP port, the same way.
 
 Started by the server process (serving/remote.py) as `python -m tts_server.serving.frontend FD`,
-the ServerConfig pickled on stdin; FD is its pipe to the engine process. It has no HTTP API and
-no metrics port of its own: its calls' series go to the server process every 0.5 s. It drains on
+the ServerConfig pickled on stdin; FD is its pipe to the engine process. It has no metrics port
+of its own: its calls' series go to the server process every 0.5 s. It drains on
 SIGTERM / SIGINT as the server does, and exits 70 if the engine process goes.
 """
 

@@ -235,12 +235,14 @@ class RemoteWorker:
         self._outbox.put(item)
 
     # ---- extra RPC processes (the server process's worker only) ------------------------------
-    def started_serving(self, config: ServerConfig, port: int) -> None:
-        """TTSServer is listening on `port`: start the extra RPC processes on it, one per spare
-        pipe (they share the port with SO_REUSEPORT; no HTTP API, no metrics port of their own:
-        their calls' series come here). One that exits on its own fails the server."""
+    def started_serving(self, config: ServerConfig, port: int, http_port: int | None = None) -> None:
+        """TTSServer is listening on `port` (gRPC) and `http_port` (the HTTP API, None: off):
+        start the extra RPC processes on them, one per spare pipe (they share the ports with
+        SO_REUSEPORT; no metrics port of their own: their calls' series come here). One that
+        exits on its own fails the server."""
         self.grace_s = config.drain_delay_s + config.grace_period_s
-        sub = dataclasses.replace(config, port=port, http_port=-1, metrics_port=-1)
+        sub = dataclasses.replace(config, port=port, http_port=-1 if http_port is None else http_port,
+                                  metrics_port=-1)
         for conn in self.spare_pipes:
             fd = conn.fileno()
             rpc = subprocess.Popen([sys.executable, "-m", "tts_server.serving.frontend", str(fd)],
@@ -253,7 +255,8 @@ class RemoteWorker:
                              daemon=True).start()
         self.spare_pipes = []
         if self.rpc_processes:
-            log.info("%d more RPC processes on port %d: %s", len(self.rpc_processes), port,
+            log.info("%d more RPC processes on port %d%s: %s", len(self.rpc_processes), port,
+                     "" if http_port is None else f" and HTTP port {http_port}",
                      ", ".join(str(r.pid) for r in self.rpc_processes))
 
     def begin_drain(self) -> None:
