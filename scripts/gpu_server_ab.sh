@@ -11,6 +11,10 @@
 # Results: $OUT/ab.tar.gz (per tree: c1-*.json, cN-*-pK.json, steps-*.jsonl, server-*.log) and
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
+# TRANSPORT=http: every bench through the OpenAI-compatible HTTP API (the servers listen on
+# port + 100; one load process, BENCH_PROCS is ignored). CONNECTIONS=1: the gRPC bursts' clients
+# share that many connections (tts-bench --connections; default: a connection per stream);
+# ONE_CONNECTION_BURSTS=N: N more gRPC bursts per tree with every call on one connection.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 STREAMS=${STREAMS:-256}
@@ -25,9 +29,13 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/env.txt"
 echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
 
+TRANSPORT=${TRANSPORT:-grpc}
+http_of() { [ "$TRANSPORT" = http ] && echo $(($1 + 100)) || echo -1; }
+[ "$TRANSPORT" = http ] && BENCH_PROCS=1
 start() {  # tree name port [extra server flags] [extra environment, NAME=VALUE ...]
   (cd "$1" && export TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" $5 \
-     && exec $PY -m tts_server --port "$3" --http-port -1 --metrics-port -1 --model synthetic --max-streams 256 $4 \
+     && exec $PY -m tts_server --port "$3" --http-port "$(http_of "$3")" --metrics-port -1 --model synthetic \
+       --max-streams 256 $4 \
      >"$R/server-$2.log" 2>&1) &
 }
 # BASE_ARGS / NEW_ARGS: extra flags per tree (e.g. BASE=. BASE_ARGS="--rpc-listeners 1": one tree, two settings);
@@ -51,8 +59,10 @@ if [ "${COMPARE:-0}" = 1 ]; then  # the same requests to both, all at once: equa
   echo "== same bytes? $(timeout 300 $PY scripts/compare_servers.py 127.0.0.1:50081 127.0.0.1:50082)"
 fi
 port_of() { [ "$1" = base ] && echo 50081 || echo 50082; }
-bench() { timeout 120 $PY -m tts_client.bench --transport grpc --no-progress "$@" 2>&1 \
-  | grep -E "^(grpc|first audio)"; }
+bench() {  # --address 127.0.0.1:PORT first
+  local port=${2##*:}
+  timeout 120 $PY -m tts_client.bench --transport "$TRANSPORT" --http-url "http://127.0.0.1:$((port + 100))" \
+    --no-progress "$@" 2>&1 | grep -E "^(grpc|http|first audio)"; }
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for tree in base new; do
     port=$(port_of $tree)
@@ -70,7 +80,7 @@ for round in $(seq 1 "${BURST_ROUNDS:-1}"); do
       name=$tree-p$procs$([ "${BURST_ROUNDS:-1}" = 1 ] || echo "-r$round")
       echo "== $name c=$STREAMS, $procs load processes"
       bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 --workload english \
-        --max-duration 6 --fixed-duration --processes "$procs" --json "$R/cN-$name.json"
+        --max-duration 6 --fixed-duration --processes "$procs" --connections "${CONNECTIONS:-0}" --json "$R/cN-$name.json"
     done
   done
 done
@@ -84,6 +94,15 @@ for round in $(seq 1 "${RPS_ROUNDS:-1}"); do
       bench --address 127.0.0.1:$port --concurrency "" --rps "$rate" --requests 200 --warmup 0 --workload english \
         --max-duration 20 --json "$R/rps-$name.json"
     done
+  done
+done
+for round in $(seq 1 "${ONE_CONNECTION_BURSTS:-0}"); do  # gRPC bursts with every call on one connection
+  for tree in base new; do
+    port=$(port_of $tree)
+    name=$tree-conn1-r$round
+    echo "== $name c=$STREAMS over one gRPC connection"
+    TRANSPORT=grpc bench --address 127.0.0.1:$port --concurrency "$STREAMS" --requests "$STREAMS" --warmup 0 \
+      --workload english --max-duration 6 --fixed-duration --connections 1 --json "$R/cN-$name.json"
   done
 done
 kill -TERM $PIDS 2>/dev/null; wait 2>/dev/null

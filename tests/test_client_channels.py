@@ -76,3 +76,17 @@ async def test_each_pipecat_service_gets_a_connection_of_its_own(peers_server):
         for c in clients:
             await c.close()
     assert len(set(servicer.peers)) == 2
+
+
+@pytest.mark.parametrize("connections,want", [(0, 4), (1, 1), (2, 2)])
+async def test_bench_closed_loop_clients_share_the_given_connections(peers_server, connections, want):
+    """tts-bench --connections N: the level's clients share N connections (1: as a client with one
+    channel, whose calls all reach one of a server's RPC processes); 0: one per client."""
+    from tts_client import bench
+
+    address, servicer = peers_server
+    a = bench.parse_args(["--connections", str(connections), "--requests", "8"])
+    items = bench.schedule(bench.WORKLOADS[a.workload], 8, a.seed, 0.4)
+    records = await bench.run_level(address, items, 4, a, "", 12.5, None)
+    assert len(records) == 8 and len(servicer.peers) == 8
+    assert len(set(servicer.peers)) == want, servicer.peers

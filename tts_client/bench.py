@@ -160,10 +160,15 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
                     progress: Progress | None, num_clients: int | None = None,
                     start_at: float | None = None) -> list[RequestRecord]:
     """Closed loop: `level` clients (or `num_clients`: this process's share of them), each on its
-    own channel, send the next request as soon as their previous one ends, until `items` are used
+    own channel (or, with `a.connections`, sharing that many connections, this process's share
+    of them), send the next request as soon as their previous one ends, until `items` are used
     up. start_at: a unix time to start at once the channels are ready (processes start together)."""
+    lanes = min(num_clients or level, len(items))
+    n_conn = lanes
+    if getattr(a, "connections", 0):
+        n_conn = max(1, min(lanes, round(a.connections * lanes / level)))
     clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
-               for _ in range(min(num_clients or level, len(items)))]
+               for _ in range(n_conn)]
     try:
         await asyncio.gather(*(asyncio.wait_for(c.channel.channel_ready(), 30) for c in clients))
         if start_at is not None:
@@ -181,7 +186,7 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
                 if progress:
                     progress.update(rec.status == "OK")
 
-        await asyncio.gather(*(worker(c) for c in clients))
+        await asyncio.gather(*(worker(clients[i % n_conn]) for i in range(lanes)))
         return sorted(records, key=lambda r: r.index)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
@@ -329,7 +334,9 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     levels, comparisons = summarize(records)
     ok = [r for r in records if r.status == "OK"]
     capped = sum(r.finish_reason == "max_length" for r in ok)
-    notes = [f"method: closed loop, c clients on separate channels; open loop (grpc-rps), Poisson "
+    lanes = (f"sharing {a.connections} connection(s)" if getattr(a, "connections", 0)
+             else "on separate channels")
+    notes = [f"method: closed loop, c clients {lanes}; open loop (grpc-rps), Poisson "
              f"arrivals at R requests/s over {a.channels} channels (http: the same through the "
              f"OpenAI-compatible API, streamed PCM, one connection per stream); {len(items)} requests per level (same "
              f"texts and seeds at every level), {a.warmup} warm-up; TTFC = client send -> first audio "
@@ -434,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed-loop levels, comma-separated, e.g. 1,4,16,64 ('' for none)")
     p.add_argument("--rps", default="", help="open-loop Poisson arrival rates (requests/s), e.g. 5,10,20")
     p.add_argument("--channels", type=int, default=64, help="gRPC channels of the open-loop generator")
+    p.add_argument("--connections", type=int, default=0,
+                   help="gRPC closed loop: the level's clients share this many connections (e.g. 1: "
+                        "every call on one connection, as a client with one channel; default 0: a "
+                        "connection per client)")
     p.add_argument("--processes", type=int, default=1,
                    help="load processes for each gRPC closed-loop level (each its own event loop and "
                         "a share of the streams; for hundreds of streams, so that the client's own "
