@@ -33,11 +33,12 @@ from tts_server.config import ServerConfig  # noqa: E402
 from tts_server.testing.paced import INFO, PacedWorker  # noqa: E402
 
 
-def bench_cmd(port: int, a, out: str) -> list[str]:
-    return [sys.executable, "-m", "tts_client.bench", "--address", f"127.0.0.1:{port}",
+def bench_cmd(port: int, a, out: str, http_port: int | None = None) -> list[str]:
+    http = ["--http-url", f"http://127.0.0.1:{http_port}"] if http_port else []
+    return [sys.executable, "-m", "tts_client.bench", "--address", f"127.0.0.1:{port}", *http,
             "--concurrency", str(a.streams), "--requests", str(a.streams), "--warmup", "0",
             "--workload", "english", "--max-duration", str(a.seconds), "--fixed-duration",
-            "--processes", str(a.processes), "--transport", "grpc", "--no-progress", "--json", out]
+            "--processes", str(a.processes), "--transport", a.transport, "--no-progress", "--json", out]
 
 
 def level_of(out: str) -> dict:
@@ -86,6 +87,8 @@ async def main() -> None:
                    help="0: the servicer in this process over the paced worker (CPU time, "
                         "--profile); N: a real `tts-server --engine-process --rpc-processes N` "
                         "with the paced engine in its engine process (TTFC only)")
+    p.add_argument("--transport", default="grpc", choices=["grpc", "http"],
+                   help="the calls through gRPC or the OpenAI-compatible HTTP API (in-process server)")
     p.add_argument("--json", help="write the numbers here")
     p.add_argument("--uvloop", action="store_true", help="the in-process server on uvloop (else asyncio's)")
     p.add_argument("--event-loop", default="auto", help="the CLI server's --event-loop (--rpc-processes N)")
@@ -100,12 +103,13 @@ async def main() -> None:
     from tts_server.rpc.server import TTSServer
 
     info = INFO
-    config = ServerConfig(port=0, http_port=-1, metrics_port=-1, max_streams=a.streams)
+    config = ServerConfig(port=0, http_port=0 if a.transport == "http" else -1, metrics_port=-1,
+                          max_streams=a.streams)
     worker = PacedWorker(a.streams)
     server = TTSServer(worker, info, config)
     await server.start()
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    cmd = bench_cmd(server.port, a, out)
+    cmd = bench_cmd(server.port, a, out, server.http_port)
     prof = cProfile.Profile() if a.profile else None
     cpu0, loop0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
     if prof:

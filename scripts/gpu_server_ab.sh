@@ -12,7 +12,7 @@
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
 # TRANSPORT=http: every bench through the OpenAI-compatible HTTP API (the servers listen on
-# port + 100; one load process, BENCH_PROCS is ignored). CONNECTIONS=1: the gRPC bursts' clients
+# port + 100). CONNECTIONS=1: the gRPC bursts' clients
 # share that many connections (tts-bench --connections; default: a connection per stream);
 # ONE_CONNECTION_BURSTS=N: N more gRPC bursts per tree with every call on one connection.
 source "$(dirname "$0")/gpu_env.sh"
@@ -31,7 +31,6 @@ echo "base $BASE, new ${COMMIT:-?}" | tee -a "$R/env.txt"
 
 TRANSPORT=${TRANSPORT:-grpc}
 http_of() { [ "$TRANSPORT" = http ] && echo $(($1 + 100)) || echo -1; }
-[ "$TRANSPORT" = http ] && BENCH_PROCS=1
 start() {  # tree name port [extra server flags] [extra environment, NAME=VALUE ...]
   (cd "$1" && export TTS_STEP_TRACE="$R/steps-$2.jsonl" PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" $5 \
      && exec $PY -m tts_server --port "$3" --http-port "$(http_of "$3")" --metrics-port -1 --model synthetic \

@@ -134,3 +134,25 @@ async def test_closed_loop_level_over_load_processes(tiny_server, tmp_path):
     starts = [r["start_s"] for r in records]
     assert max(starts) - min(starts) < 0.5  # one start for both processes
     assert [(x["system"], x["concurrency"], x["num_ok"]) for x in result["levels"]] == [("grpc", 4, 4)]
+
+
+async def test_http_closed_loop_level_over_load_processes(tiny_custom, tmp_path):
+    """--processes 2 through the HTTP API: the level's requests come from two load processes that
+    start together, and merge as one level."""
+    from http_helpers import start_server, stop_servers
+
+    started = []
+    base, address, _, _ = await start_server(tiny_custom, started, max_streams=4)
+    out = tmp_path / "http-procs.json"
+    argv = ["--address", address, "--http-url", base, "--transport", "http", "--concurrency", "4",
+            "--requests", "4", "--warmup", "0", "--processes", "2", "--max-duration", "0.32",
+            "--fixed-duration", "--json", str(out), "--no-progress"]
+    try:
+        assert await asyncio.to_thread(bench.main, argv) == 0
+    finally:
+        await stop_servers(started)
+    records = json.loads(out.read_text())["records"]
+    assert [(r["system"], r["index"], r["status"], r["num_frames"]) for r in records] == \
+        [("http", i, "OK", 4) for i in range(4)]
+    starts = [r["start_s"] for r in records]
+    assert max(starts) - min(starts) < 0.5  # one start for both processes

@@ -193,18 +193,29 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
 
 
 def _level_share(address: str, items, level: int, num_clients: int, a, voice: str, frame_rate: float,
-                 start_at: float) -> list[RequestRecord]:
-    """One load process's part of a closed-loop level (`--processes`)."""
+                 start_at: float, http: tuple[str, str] | None = None) -> list[RequestRecord]:
+    """One load process's part of a closed-loop level (`--processes`); http: (base URL, model)
+    for the HTTP API's level."""
+    if http:
+        from . import bench_http
+
+        return asyncio.run(bench_http.run_level(*http, items, level, a, voice, frame_rate, None,
+                                                num_clients, start_at))
     return asyncio.run(run_level(address, items, level, a, voice, frame_rate, None, num_clients, start_at))
 
 
 async def run_level_processes(address: str, items, level: int, a, voice: str, frame_rate: float,
-                              progress: Progress | None) -> list[RequestRecord]:
+                              progress: Progress | None, http: tuple[str, str] | None = None) -> list[RequestRecord]:
     """A closed-loop level driven by `a.processes` load processes (each with its own event loop
     and a share of the clients and requests), started together, so that one Python process's
-    event loop does not delay the sends and reads of a large level; records merged by index."""
+    event loop does not delay the sends and reads of a large level; records merged by index.
+    http: (base URL, model): the level through the HTTP API instead of gRPC."""
     n = min(a.processes, level, len(items))
     if n <= 1:
+        if http:
+            from . import bench_http
+
+            return await bench_http.run_level(*http, items, level, a, voice, frame_rate, progress)
         return await run_level(address, items, level, a, voice, frame_rate, progress)
     shares = [(items[i::n], len(range(i, level, n))) for i in range(n)]
     start_at = time.time() + 5.0 + 0.02 * level  # spawn, imports, channels ready
@@ -212,7 +223,7 @@ async def run_level_processes(address: str, items, level: int, a, voice: str, fr
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as pool:
         parts = await asyncio.gather(*(loop.run_in_executor(
-            pool, _level_share, address, part, level, clients, a, voice, frame_rate, start_at)
+            pool, _level_share, address, part, level, clients, a, voice, frame_rate, start_at, http)
             for part, clients in shares))
     records = sorted((r for part in parts for r in part), key=lambda r: r.index)
     if progress:
@@ -279,8 +290,8 @@ async def _run_http(a, items, levels, rates, voice, frame_rate, server) -> list:
         model = await bench_http.served_model(session, base)
     records = []
     for level in levels:
-        records += await bench_http.run_level(base, model, items, level, a, voice, frame_rate,
-                                              Progress(len(items), f"http c={level}", a.progress))
+        records += await run_level_processes(a.address, items, level, a, voice, frame_rate,
+                                             Progress(len(items), f"http c={level}", a.progress), (base, model))
     for rps in rates:
         records += await bench_http.run_rate(base, model, items, rps, a, voice, frame_rate,
                                              Progress(len(items), f"http {rps:g}/s", a.progress))
@@ -446,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every call on one connection, as a client with one channel; default 0: a "
                         "connection per client)")
     p.add_argument("--processes", type=int, default=1,
-                   help="load processes for each gRPC closed-loop level (each its own event loop and "
+                   help="load processes for each closed-loop level, gRPC or HTTP (each its own event loop and "
                         "a share of the streams; for hundreds of streams, so that the client's own "
                         "Python does not delay sends and reads)")
     p.add_argument("--transport", choices=["grpc", "http", "both"], default="grpc",

@@ -67,9 +67,15 @@ def _session(limit: int):
 
 
 async def run_level(base_url: str, model: str, items, level: int, a, voice: str,
-                    frame_rate: float, progress) -> list[RequestRecord]:
-    """Closed loop: `level` clients, each sending its next request when the last one ends."""
-    async with _session(level) as session:
+                    frame_rate: float, progress, num_clients: int | None = None,
+                    start_at: float | None = None) -> list[RequestRecord]:
+    """Closed loop: `level` clients (or `num_clients`: this load process's share of them), each
+    sending its next request when the last one ends; start_at: a unix time to start at (load
+    processes start together)."""
+    lanes = min(num_clients or level, len(items))
+    async with _session(lanes) as session:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         pending, records, t_level = iter(items), [], time.perf_counter()
 
         async def worker():
@@ -80,7 +86,7 @@ async def run_level(base_url: str, model: str, items, level: int, a, voice: str,
                 if progress:
                     progress.update(rec.status == "OK")
 
-        await asyncio.gather(*(worker() for _ in range(min(level, len(items)))))
+        await asyncio.gather(*(worker() for _ in range(lanes)))
         return sorted(records, key=lambda r: r.index)
 
 
