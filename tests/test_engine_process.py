@@ -419,6 +419,8 @@ async def test_two_rpc_processes_serve_the_same_bytes_count_every_call_and_drain
         assert not any(_alive(p) for p in children), "a child process outlived the server"
         drains = [r for r in cli.records() if "SIGTERM: draining" in r["message"]]
         assert len({r["pid"] for r in drains}) == 2
+        frozen = [r for r in cli.records() if "objects frozen out of the garbage collector" in r["message"]]
+        assert {r["pid"] for r in frozen} == {cli.proc.pid} | rpc  # each RPC process, as the server's
     finally:
         cli.close()
 
