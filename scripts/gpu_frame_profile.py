@@ -93,6 +93,8 @@ def attention() -> dict:
     default_spp = tk_attention.SPP_BY_B
     variants = [("cuda_cores", False, None, 64, 4, 1)]
     sweep = ((64, (1, 4, 8), (4,), (1, 2, 3)), (128, (1, 2, 4), (4, 8), (1, 2)))
+    if os.environ.get("ATTN_SWEEP") == "long":  # longer walks per program at 64-position splits
+        sweep = ((64, (8, 16, 32), (4, 8), (2, 3)),)
     if os.environ.get("ATTN_SWEEP") == "default":  # the tree's own configuration only (A/Bs of trees)
         variants.append(("tc_default", True, None, 64, 4, None))
         sweep = ()

@@ -126,6 +126,22 @@ def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:
     case[0][4, 9] = float("inf")
     case[0][5] = float("-inf")
     case[0][6, : v // 2] = float("-inf")  # masked entries do not make a row non-finite
+    # the top-k threshold search on ties and at its ends, on flat rows (where one token more or
+    # less in the kept set changes the draw): integer logits in -3..3 (k inside a run of equal
+    # values; k = 1 and V - 1), values one ulp apart, one value everywhere, a wide range with +-0
+    # and subnormals
+    logits, do_sample, temp, top_k, top_p = case[:5]
+    flat = list(range(7, 7 + 24))
+    logits[flat] = torch.round(torch.randn(len(flat), v, generator=_gen(6)))
+    logits[flat[-4]] = 1 + torch.randperm(v, generator=_gen(8)) * 2.0 ** -23  # one ulp apart
+    logits[flat[-3]] = -1 - torch.randperm(v, generator=_gen(9)) * 2.0 ** -23
+    logits[flat[-2]] = 0.5
+    logits[flat[-1]] = torch.randn(v, generator=_gen(7)) * torch.logspace(-40, 30, v)
+    logits[flat[-1], :3] = torch.tensor([0.0, -0.0, 1e-45])
+    for i, row in enumerate(flat):
+        do_sample[row], temp[row], top_p[row] = 1, 1.0, 1.0
+        top_k[row] = (1, 2, 5, 17, 40, 100, v // 2, v - 1)[i % 8]
+    top_k[flat[-4]], top_k[flat[-3]] = 1, 3
     codes, fin = ops.sample_tokens(*[c.to(dev) for c in case], 2)
     rcodes, rfin = ops_ref.sample_tokens(*case, 2)
     assert codes.dtype == torch.int32 and fin.dtype == torch.bool
