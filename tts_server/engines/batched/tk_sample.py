@@ -68,21 +68,14 @@ def _order_key(x):
 @triton.jit
 def _kth_largest_key(key, valid, k):
     # key [BLOCK_V] int64 order keys -> the k-th largest valid key: the largest t with
-    # count(valid & key >= t) >= k. An 8-way search over the fp32 key range, exact on integers:
-    # each round counts 8 thresholds lo + (hi - lo) * j / 8 in one reduction and keeps the step
-    # whose lower end still counts >= k, so count(lo) >= k > count(hi) holds throughout; the width
-    # 2^32 - 2^24 + 1 reaches 1 in 11 rounds (ceil(d / 8) each), where lo is that largest t, the
-    # same value as a 32-step bisection's, with 11 block reductions instead of 32 (the keys fit
-    # int32; the thresholds are computed in int64)
+    # count(valid & key >= t) >= k, by bisection over the fp32 key range (32 steps)
     lo = tl.full((), -0x7F800000, tl.int64)  # count(key >= lo) = V >= k
     hi = tl.full((), 0x7F800001, tl.int64)   # count(key >= hi) = 0 < k
-    key32 = key.to(tl.int32)
-    j = tl.arange(0, 8).to(tl.int64)
-    for _ in range(11):
-        t = lo + (((hi - lo) * j) >> 3)  # [8] non-decreasing, t[0] = lo
-        n = tl.sum(((key32[:, None] >= t.to(tl.int32)[None, :]) & valid[:, None]).to(tl.int32), axis=0)
-        ok = n >= k  # a prefix of the 8 (counts fall as t rises); ok[0] holds
-        lo, hi = tl.max(tl.where(ok, t, lo), axis=0), tl.min(tl.where(ok, hi, t), axis=0)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ok = tl.sum(((key >= mid) & valid).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
     return lo
 
 
