@@ -12,9 +12,9 @@
 # the tables on stdout. COMPARE=1: first, the same requests to both servers, their audio compared
 # byte for byte (scripts/compare_servers.py), for changes that must keep the bytes.
 # TRANSPORT=http: every bench through the OpenAI-compatible HTTP API (the servers listen on
-# port + 100). CONNECTIONS=1: the gRPC bursts' clients
-# share that many connections (tts-bench --connections; default: a connection per stream);
-# ONE_CONNECTION_BURSTS=N: N more gRPC bursts per tree with every call on one connection.
+# port + 100). CONNECTIONS=N: the bursts' gRPC clients share N connections (tts-bench
+# --connections; default: a connection per stream). ONE_CONNECTION_BURSTS=N: N more gRPC bursts
+# per tree with every call on one connection.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 STREAMS=${STREAMS:-256}

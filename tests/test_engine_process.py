@@ -442,7 +442,8 @@ async def test_every_rpc_process_serves_the_http_api_on_the_one_port(tmp_path, t
     finally:
         await stop_servers(started)
     assert expected.status_code == 200 and expected.content, expected.text
-    cli = _Cli(tmp_path, "--rpc-processes", "2", http_port=0)  # any free port: the extra process gets the bound one
+    # any free port: the extra process gets the one the server process bound
+    cli = _Cli(tmp_path, "--rpc-processes", "2", http_port=0)
     try:
         (port,) = {int(m.group(1)) for r in cli.records()
                    if (m := re.search(r"speech API on http://[\d.]+:(\d+)/", r["message"]))}

@@ -205,7 +205,8 @@ def _level_share(address: str, items, level: int, num_clients: int, a, voice: st
 
 
 async def run_level_processes(address: str, items, level: int, a, voice: str, frame_rate: float,
-                              progress: Progress | None, http: tuple[str, str] | None = None) -> list[RequestRecord]:
+                              progress: Progress | None,
+                              http: tuple[str, str] | None = None) -> list[RequestRecord]:
     """A closed-loop level driven by `a.processes` load processes (each with its own event loop
     and a share of the clients and requests), started together, so that one Python process's
     event loop does not delay the sends and reads of a large level; records merged by index.
@@ -291,7 +292,8 @@ async def _run_http(a, items, levels, rates, voice, frame_rate, server) -> list:
     records = []
     for level in levels:
         records += await run_level_processes(a.address, items, level, a, voice, frame_rate,
-                                             Progress(len(items), f"http c={level}", a.progress), (base, model))
+                                             Progress(len(items), f"http c={level}", a.progress),
+                                             (base, model))
     for rps in rates:
         records += await bench_http.run_rate(base, model, items, rps, a, voice, frame_rate,
                                              Progress(len(items), f"http {rps:g}/s", a.progress))
@@ -454,11 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=64, help="gRPC channels of the open-loop generator")
     p.add_argument("--connections", type=int, default=0,
                    help="gRPC closed loop: the level's clients share this many connections (e.g. 1: "
-                        "every call on one connection, as a client with one channel; default 0: a "
-                        "connection per client)")
+                        "every call on one connection, as a client with one channel; with --processes, "
+                        "at least one per load process; default 0: a connection per client)")
     p.add_argument("--processes", type=int, default=1,
-                   help="load processes for each closed-loop level, gRPC or HTTP (each its own event loop and "
-                        "a share of the streams; for hundreds of streams, so that the client's own "
+                   help="load processes for each closed-loop level, gRPC or HTTP (each its own event "
+                        "loop and a share of the streams; for hundreds of streams, so that the client's own "
                         "Python does not delay sends and reads)")
     p.add_argument("--transport", choices=["grpc", "http", "both"], default="grpc",
                    help="gRPC Synthesize, the OpenAI-compatible HTTP API (streamed PCM), or both in "

@@ -1,5 +1,6 @@
 """The HTTP listener beside the gRPC one: aiohttp's AppRunner in the same event loop, submitting
-to the same engine worker (in every RPC process, on the one port). Routes: POST /v1/audio/speech, GET /v1/models, /health, /ready."""
+to the same engine worker (in every RPC process, on the one port). Routes: POST /v1/audio/speech,
+GET /v1/models, /health, /ready."""
 
 from __future__ import annotations
 
