@@ -104,22 +104,30 @@ async def test_same_bytes_as_the_in_process_server_alone_and_among_others(remote
     await _wait_idle(worker)
 
 
-async def test_the_http_api_gives_the_in_process_bytes(remote, tiny_custom):
+async def _in_process_speech(tiny_custom, body):
+    """The in-process server's HTTP response to `body` (the reference bytes)."""
     import httpx
 
     from http_helpers import start_server, stop_servers
 
-    address, worker, server = remote
-    body = {"model": "synthetic-tiny", "input": "Over HTTP too.", "voice": "ryan", "seed": 5,
-            "max_duration_s": 1.2, "response_format": "pcm"}
     started = []
     try:
         base, _, _, _ = await start_server(tiny_custom, started)
         async with httpx.AsyncClient(timeout=60) as client:
-            here = await client.post(base + "/v1/audio/speech", json=body)
-            there = await client.post(f"http://127.0.0.1:{server.http_port}/v1/audio/speech", json=body)
+            return await client.post(base + "/v1/audio/speech", json=body)
     finally:
         await stop_servers(started)
+
+
+async def test_the_http_api_gives_the_in_process_bytes(remote, tiny_custom):
+    import httpx
+
+    address, worker, server = remote
+    body = {"model": "synthetic-tiny", "input": "Over HTTP too.", "voice": "ryan", "seed": 5,
+            "max_duration_s": 1.2, "response_format": "pcm"}
+    here = await _in_process_speech(tiny_custom, body)
+    async with httpx.AsyncClient(timeout=60) as client:
+        there = await client.post(f"http://127.0.0.1:{server.http_port}/v1/audio/speech", json=body)
     assert here.status_code == there.status_code == 200, there.text
     assert len(there.content) > 0 and there.content == here.content
     await _wait_idle(worker)
@@ -430,17 +438,9 @@ async def test_every_rpc_process_serves_the_http_api_on_the_one_port(tmp_path, t
 
     import httpx
 
-    from http_helpers import start_server, stop_servers
-
     body = {"model": "synthetic-tiny", "input": "Any process, over HTTP.", "voice": "ryan", "seed": 8,
             "max_duration_s": 0.4, "response_format": "pcm"}
-    started = []
-    try:
-        base, _, _, _ = await start_server(tiny_custom, started)
-        async with httpx.AsyncClient(timeout=60) as client:
-            expected = await client.post(base + "/v1/audio/speech", json=body)
-    finally:
-        await stop_servers(started)
+    expected = await _in_process_speech(tiny_custom, body)
     assert expected.status_code == 200 and expected.content, expected.text
     # any free port: the extra process gets the one the server process bound
     cli = _Cli(tmp_path, "--rpc-processes", "2", http_port=0)
