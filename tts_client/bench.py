@@ -165,7 +165,7 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
     up. start_at: a unix time to start at once the channels are ready (processes start together)."""
     lanes = min(num_clients or level, len(items))
     n_conn = lanes
-    if getattr(a, "connections", 0):
+    if a.connections:
         n_conn = max(1, min(lanes, round(a.connections * lanes / level)))
     clients = [TTSClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
                for _ in range(n_conn)]
@@ -192,16 +192,23 @@ async def run_level(address: str, items, level: int, a, voice: str, frame_rate: 
         await asyncio.gather(*(c.close() for c in clients))
 
 
-def _level_share(address: str, items, level: int, num_clients: int, a, voice: str, frame_rate: float,
-                 start_at: float, http: tuple[str, str] | None = None) -> list[RequestRecord]:
-    """One load process's part of a closed-loop level (`--processes`); http: (base URL, model)
-    for the HTTP API's level."""
+async def _closed_level(address: str, http: tuple[str, str] | None, items, level: int, a, voice: str,
+                        frame_rate: float, progress: Progress | None, num_clients: int | None = None,
+                        start_at: float | None = None) -> list[RequestRecord]:
+    """`run_level` over gRPC, or with http = (base URL, model) bench_http's over the HTTP API."""
     if http:
         from . import bench_http
 
-        return asyncio.run(bench_http.run_level(*http, items, level, a, voice, frame_rate, None,
-                                                num_clients, start_at))
-    return asyncio.run(run_level(address, items, level, a, voice, frame_rate, None, num_clients, start_at))
+        return await bench_http.run_level(*http, items, level, a, voice, frame_rate, progress,
+                                          num_clients, start_at)
+    return await run_level(address, items, level, a, voice, frame_rate, progress, num_clients, start_at)
+
+
+def _level_share(address: str, items, level: int, num_clients: int, a, voice: str, frame_rate: float,
+                 start_at: float, http: tuple[str, str] | None = None) -> list[RequestRecord]:
+    """One load process's part of a closed-loop level (`--processes`)."""
+    return asyncio.run(_closed_level(address, http, items, level, a, voice, frame_rate, None, num_clients,
+                                     start_at))
 
 
 async def run_level_processes(address: str, items, level: int, a, voice: str, frame_rate: float,
@@ -213,11 +220,7 @@ async def run_level_processes(address: str, items, level: int, a, voice: str, fr
     http: (base URL, model): the level through the HTTP API instead of gRPC."""
     n = min(a.processes, level, len(items))
     if n <= 1:
-        if http:
-            from . import bench_http
-
-            return await bench_http.run_level(*http, items, level, a, voice, frame_rate, progress)
-        return await run_level(address, items, level, a, voice, frame_rate, progress)
+        return await _closed_level(address, http, items, level, a, voice, frame_rate, progress)
     shares = [(items[i::n], len(range(i, level, n))) for i in range(n)]
     start_at = time.time() + 5.0 + 0.02 * level  # spawn, imports, channels ready
     loop = asyncio.get_running_loop()
@@ -347,8 +350,7 @@ def report(a, info, voice: str, items, records: list[RequestRecord], load_start:
     levels, comparisons = summarize(records)
     ok = [r for r in records if r.status == "OK"]
     capped = sum(r.finish_reason == "max_length" for r in ok)
-    lanes = (f"sharing {a.connections} connection(s)" if getattr(a, "connections", 0)
-             else "on separate channels")
+    lanes = f"sharing {a.connections} connection(s)" if a.connections else "on separate channels"
     notes = [f"method: closed loop, c clients {lanes}; open loop (grpc-rps), Poisson "
              f"arrivals at R requests/s over {a.channels} channels (http: the same through the "
              f"OpenAI-compatible API, streamed PCM, one connection per stream); {len(items)} requests per level (same "

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import faulthandler
-import gc
 import logging
 import os
 import sys
@@ -236,7 +235,7 @@ def uses_engine_process(config: ServerConfig) -> bool:
     several RPC processes."""
     if config.engine_process is not None:
         return config.engine_process
-    return (config.rpc_processes or 1) > 1 or serves_on_gpu(config)
+    return config.several_rpc_processes or serves_on_gpu(config)
 
 
 async def _serve(config: ServerConfig) -> int:
@@ -266,13 +265,8 @@ async def _serve(config: ServerConfig) -> int:
 
         app = await asyncio.to_thread(build_app, config)
         worker, info = app.worker, app.info
-    # The model, tokenizer, engine and codec leave ~500k long-lived Python objects, and a full
-    # collection walks them all (~230 ms with the 0.6B model), stopping every stream mid-burst
-    # (seen as 280-360 ms steps on the H100). Freeze them out of the collector: what serving
-    # allocates afterwards is still collected.
-    gc.collect()
-    gc.freeze()
-    log.info("%d start-up objects frozen out of the garbage collector", gc.get_freeze_count())
+    # no full collection over the model's objects stops every stream mid-burst
+    log.info("%d start-up objects frozen out of the garbage collector", aio.freeze_start_up_objects())
     log.info("model %s (%s, %s) engine=%s device=%s dtype=%s voices=%s", info.name,
              info.model_type, info.model_size, info.engine, info.device, info.dtype,
              ",".join(info.voices) or "(clone from reference)")

@@ -53,3 +53,9 @@ class ServerConfig:
     log_level: str = "INFO"  # (the engine process sets its logging up as the server's)
     log_format: str = "text"
     inject_fault: str | None = None  # testing only: see engine/faults.py
+
+    @property
+    def several_rpc_processes(self) -> bool:
+        """More than one RPC process: they share --port and --http-port (SO_REUSEPORT), where
+        one process alone keeps its ports to itself."""
+        return (self.rpc_processes or 1) > 1

@@ -63,9 +63,8 @@ class HTTPServer:
         processes each has this listener on the same port (SO_REUSEPORT: the kernel spreads the
         connections over them, as for gRPC); one process alone keeps the port to itself."""
         await self._runner.setup()
-        shared = (self.config.rpc_processes or 1) > 1
         site = web.TCPSite(self._runner, self.config.host, port, ssl_context=self._ssl_context(),
-                           reuse_port=shared)
+                           reuse_port=self.config.several_rpc_processes)
         await site.start()
         self.port = self._runner.addresses[0][1]
         log.info("OpenAI-compatible speech API on %s://%s:%d/v1/audio/speech",

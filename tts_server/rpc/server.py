@@ -58,7 +58,7 @@ class TTSServer:
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             # one listener per port, unless several RPC processes share it (--rpc-processes)
-            ("grpc.so_reuseport", 1 if config.rpc_processes > 1 else 0),
+            ("grpc.so_reuseport", 1 if config.several_rpc_processes else 0),
             ("grpc.max_receive_message_length", config.max_request_bytes),
         ])
         self.servicer = TextToSpeechServicer(worker, info, config)

@@ -18,7 +18,6 @@ signal); an extra RPC process's pipe closing cancels that process's streams.
 from __future__ import annotations
 
 import faulthandler
-import gc
 import importlib
 import logging
 import os
@@ -29,6 +28,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from .. import aio
 from ..api import AudioChunk, FinishReason, StreamEnd
 from ..memory_plan import StartupError
 from .ipc import Outbox, die_with_parent, receive_many
@@ -166,8 +166,7 @@ def main() -> None:
         log.exception("engine process: start-up failed")
         conn.send([("error", f"{type(e).__name__}: {e}")])
         raise SystemExit(2) from None
-    gc.collect()
-    gc.freeze()  # as the in-process server does: no full collections over the model's objects
+    aio.freeze_start_up_objects()  # as the in-process server does
     worker = app.worker
     if config.watchdog_s > 0:
         # the backstop for a hang the Python watchdog cannot act on: the server sees the pipe end

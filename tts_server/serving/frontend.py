@@ -11,7 +11,6 @@ SIGTERM / SIGINT as the server does, and exits 70 if the engine process goes.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import pickle
@@ -47,12 +46,9 @@ def main() -> None:
         logging.getLogger("tts_server").critical("RPC process: cannot start: %s", e)
         raise SystemExit(2) from None
     threading.Thread(target=_send_calls, args=(worker,), name="tts-rpc-calls", daemon=True).start()
-    # as the server process: the imported modules' ~50k long-lived objects out of the collector,
-    # or a full collection (~50 ms on a CI core) stops this process's calls in a burst
-    gc.collect()
-    gc.freeze()
+    # as the server process: no full collection over the imports stops this process's calls
     logging.getLogger("tts_server").info("RPC process: %d start-up objects frozen out of the garbage "
-                                         "collector", gc.get_freeze_count())
+                                         "collector", aio.freeze_start_up_objects())
 
     async def serve() -> int:  # (grpc.aio binds its server to the loop it is made in)
         worker.start()  # the engine's events read on this loop

@@ -157,9 +157,9 @@ def receive(conn: Connection, on_batch: Callable[[list], None], on_eof: Callable
 
 def receive_many(pipes: list[tuple[Connection, Callable[[list], None], Callable[[], None]]],
                  name: str) -> threading.Thread:
-    """Several pipes (conn, on_batch, on_eof) read by one daemon thread, as `receive` reads one: the engine
-    process reads every RPC process's pipe with one thread instead of one each (see Outbox's
-    `shared`). A pipe whose on_batch raises is treated as ended (its on_eof runs)."""
+    """Several pipes (conn, on_batch, on_eof) read by one daemon thread, as `receive` reads one:
+    the engine process reads every RPC process's pipe with one thread instead of one each (see
+    Outbox's `shared`). A pipe whose on_batch raises is treated as ended (its on_eof runs)."""
 
     def run() -> None:
         live = {conn: (on_batch, on_eof) for conn, on_batch, on_eof in pipes}
