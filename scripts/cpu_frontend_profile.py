@@ -38,7 +38,8 @@ def bench_cmd(port: int, a, out: str, http_port: int | None = None) -> list[str]
     return [sys.executable, "-m", "tts_client.bench", "--address", f"127.0.0.1:{port}", *http,
             "--concurrency", str(a.streams), "--requests", str(a.streams), "--warmup", "0",
             "--workload", "english", "--max-duration", str(a.seconds), "--fixed-duration",
-            "--processes", str(a.processes), "--transport", a.transport, "--no-progress", "--json", out]
+            "--processes", str(a.processes), "--transport", a.transport, "--connections", str(a.connections),
+            "--no-progress", "--json", out]
 
 
 def level_of(out: str) -> dict:
@@ -89,6 +90,8 @@ async def main() -> None:
                         "with the paced engine in its engine process (TTFC only)")
     p.add_argument("--transport", default="grpc", choices=["grpc", "http"],
                    help="the calls through gRPC or the OpenAI-compatible HTTP API (in-process server)")
+    p.add_argument("--connections", type=int, default=0,
+                   help="gRPC: the burst's calls share this many connections (tts-bench --connections; 0: one each)")
     p.add_argument("--json", help="write the numbers here")
     p.add_argument("--uvloop", action="store_true", help="the in-process server on uvloop (else asyncio's)")
     p.add_argument("--event-loop", default="auto", help="the CLI server's --event-loop (--rpc-processes N)")

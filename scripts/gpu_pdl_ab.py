@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
-variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket,
+variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket /
+rowsN (frame graphs of B <= N),
 each a fresh engine with its graphs captured under that setting (the GEMMs' weight tiles loaded
 before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*).
 Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median of
@@ -38,6 +39,7 @@ from tts_server.engines.contract import Admission  # noqa: E402
 # (environment, graphs.PDL_MAX_ROWS or None: unchanged)
 VARIANTS = {"off": ({"TTS_PDL": "0"}, None), "default": ({"TTS_PDL": "1"}, None),
             "all": ({"TTS_PDL": "1"}, 1 << 30), "default_again": ({"TTS_PDL": "1"}, None)}
+VARIANTS.update({f"rows{n}": ({"TTS_PDL": "1"}, n) for n in (16, 32, 64, 128)})  # PDL up to n rows
 
 
 def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:

@@ -12,9 +12,11 @@ import torch
 from . import pdl
 from .frame import FrameStep
 
-# buckets up to this many rows are captured with programmatic dependent launch (pdl.py: faster
-# at B <= 8, slower at B >= 64 on an H100)
-PDL_MAX_ROWS = pdl.max_rows("FRAME", 8)
+# buckets up to this many rows are captured with programmatic dependent launch (pdl.py). On the
+# H100 at today's kernels (scripts/gpu_pdl_ab.py, benchmarks/results/h100-pdl-rows-ab-ea18c78.json;
+# bits equal) it pays up to 128 rows (B = 16 / 32 / 64 / 128: -6.4 / -4.4 / -2.6 / -2.1%) and
+# costs at 256 (+0.8%)
+PDL_MAX_ROWS = pdl.max_rows("FRAME", 128)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
