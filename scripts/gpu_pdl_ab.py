@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
 variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket /
-rowsN (frame graphs of B <= N),
+rowsN (frame graphs of B <= N) / pfN (the prefill graphs of <= N rows),
 each a fresh engine with its graphs captured under that setting (the GEMMs' weight tiles loaded
 before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*).
 Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median of
 CUDA-event-timed replays), one stream's admission + first frame, and the codes and hidden state
 of 64 and of 4 real admissions (4: a PDL bucket) over 16 sampled frames, which must be bitwise
-equal across variants.
+equal across variants; and the admission of 4 / 16 / 64 prompts of 60 rows in one step.
 
   PYTHONPATH=. python3 scripts/gpu_pdl_ab.py --out $OUT
 """
@@ -28,18 +28,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_batched_engine import fake_admit, first_frame, load_weights, log, time_replays  # noqa: E402
+from gpu_batched_engine import fake_admit, first_frame, load_weights, log, time_replays, timed_run  # noqa: E402
 from tts_server.engines.batched.checks import mixed_lengths  # noqa: E402
 
 from tts_server.api import SamplingConfig  # noqa: E402
 from tts_server.engines.batched import checks  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
-from tts_server.engines.contract import Admission  # noqa: E402
+from tts_server.engines.contract import Admission, StepPlan  # noqa: E402
 
 # (environment, graphs.PDL_MAX_ROWS or None: unchanged)
 VARIANTS = {"off": ({"TTS_PDL": "0"}, None), "default": ({"TTS_PDL": "1"}, None),
             "all": ({"TTS_PDL": "1"}, 1 << 30), "default_again": ({"TTS_PDL": "1"}, None)}
 VARIANTS.update({f"rows{n}": ({"TTS_PDL": "1"}, n) for n in (16, 32, 64, 128)})  # PDL up to n rows
+# pfN: the frame graphs at the default, the prefill graphs (prompt-length and row buckets) with PDL
+# up to N rows (prefill.PDL_MAX_ROWS)
+PREFILL_ROWS = {f"pf{n}": n for n in (128, 256, 512, 1 << 30)}
+VARIANTS.update({name: ({"TTS_PDL": "1"}, None) for name in PREFILL_ROWS})
+
+
+def admissions(eng, counts=(4, 16, 64), length: int = 60) -> dict:
+    """k prompts of `length` rows admitted in one step with their first frame (host wall, device
+    synchronised; median of 5 after a warm-up), and the step's prefill part."""
+    h = eng.p.talker.cfg.hidden_size
+    out = {}
+    for k in counts:
+        prompts = [checks.random_prompt(500 + i, length, h, device="cuda") for i in range(k)]
+        rows = []
+        for r in range(6):
+            plan = StepPlan(admit=tuple(Admission(i, prompts[i], SamplingConfig(seed=r)) for i in range(k)),
+                            decode=tuple(range(k)))
+            dt, o = timed_run(eng, plan, wait=True)
+            rows.append((dt, o.prefill_s))
+        med = np.median(np.array(rows[1:]) * 1e3, axis=0)
+        out[k] = dict(total_ms=float(med[0]), prefill_ms=float(med[1]))
+        log(f"admission of {k} x {length}-row prompts: {out[k]}")
+    return out
 
 
 def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
@@ -51,6 +74,7 @@ def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
         res["replay_ms"][b] = float(np.median(ms))
         log(f"  B {b:3d} mixed: {res['replay_ms'][b]:.3f} ms (runs {', '.join(f'{m:.3f}' for m in ms)})")
     res["first_frame"] = first_frame(eng)
+    res["admissions"] = admissions(eng)
     for s in list(eng.positions):
         eng.release(s)
     sig = {}
@@ -86,12 +110,15 @@ def main() -> None:
     sigs = {}
     from tts_server.engines.batched import graphs
 
-    default_rows = graphs.PDL_MAX_ROWS
+    from tts_server.engines.batched import prefill
+
+    default_rows, default_prefill = graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS
     for name in args.variants.split(","):
         env, rows = VARIANTS[name]
         os.environ.update(env)
         graphs.PDL_MAX_ROWS = default_rows if rows is None else rows
-        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS}")
+        prefill.PDL_MAX_ROWS = PREFILL_ROWS.get(name, default_prefill)
+        log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS} prefill {prefill.PDL_MAX_ROWS}")
         try:
             res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters)
         except Exception as e:  # keep the other variants

@@ -69,10 +69,12 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 PDL_MAX_ROWS = pdl.max_rows("PREFILL", 64)
 
 
-def capture(fn, sizes: list[int], dev: torch.device, pdl_rows: int = PDL_MAX_ROWS) -> dict[int, torch.cuda.CUDAGraph]:
+def capture(fn, sizes: list[int], dev: torch.device, pdl_rows: int | None = None) -> dict[int, torch.cuda.CUDAGraph]:
     """fn(n) once per size off the capture stream (compiles the kernels, warms the allocator),
     then one CUDA graph of fn(n) per size, largest first, all in one memory pool; sizes up to
-    pdl_rows with PDL."""
+    pdl_rows (None: PDL_MAX_ROWS as it is at the call) with PDL."""
+    if pdl_rows is None:
+        pdl_rows = PDL_MAX_ROWS
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
