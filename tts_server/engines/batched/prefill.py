@@ -62,11 +62,11 @@ def prefill(p: StackParams, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 # prefill graphs of up to this many rows are captured with programmatic dependent launch (pdl.py;
-# the bits are the same). On H100s (scripts/gpu_c1_parts.sh, one process per setting) a 20-token
-# prompt's admission took 2.4 ms in two runs with it, 3.25 in one run without it and 2.9-3.0 with
-# the 128-row bucket's graph in it too; a third run with it took 3.25, with its frames as slow as
-# the run without it: not yet settled by a same-process A/B. Never measured slower.
-PDL_MAX_ROWS = pdl.max_rows("PREFILL", 64)
+# the bits are the same). Same-process A/B on an H100 (scripts/gpu_pdl_ab.py pfN variants,
+# benchmarks/results/h100-pdl-prefill-rows-ab-5895bb8.json): a 100-row prompt's admission with its
+# first frame 6.21 ms with PDL up to 64 rows, 5.90-5.97 with it up to 128-512; admissions of 16
+# and 64 prompts (1,024- and 4,096-row buckets) 0.3-0.9 ms slower with PDL in every bucket.
+PDL_MAX_ROWS = pdl.max_rows("PREFILL", 512)
 
 
 def capture(fn, sizes: list[int], dev: torch.device, pdl_rows: int | None = None) -> dict[int, torch.cuda.CUDAGraph]:
