@@ -127,7 +127,7 @@ def _engine(sizes, pdl) -> None:
     from dataclasses import replace
 
     from tts_server.api import SamplingConfig
-    from tts_server.engines.batched import checks
+    from tts_server.engines.batched import checks, graphs
     from tts_server.engines.batched.engine import BatchedEngine
     from tts_server.engines.contract import Admission, StepPlan
 
@@ -147,7 +147,7 @@ def _engine(sizes, pdl) -> None:
         # frames: each batch size, eagerly, with PDL as the frame graphs of small buckets have it
         for b in sizes:
             rows = torch.full((b,), eng.state.scratch, dtype=torch.long)
-            for on in {False, b <= 8}:
+            for on in {False, b <= graphs.PDL_MAX_ROWS}:
                 with pdl.scope(on):
                     eng.frame.predict(rows)
                     eng.frame.advance(rows)
@@ -159,6 +159,7 @@ def _codec(sizes) -> None:
 
     from tts_server.codec import kernels
     from tts_server.codec.batched import BatchedCodecDecoder
+    from tts_server.engines.batched import pdl
     from tts_server.model.synthetic import codec_config
 
     kernels._sms[torch.device("cpu")] = 132  # an H100's SMs: the small batches' split-K paths too
@@ -170,7 +171,9 @@ def _codec(sizes) -> None:
         with torch.inference_mode():
             for b in sizes:
                 idx = torch.arange(b)
-                bd._forward(idx, torch.zeros(b, bd.num_quantizers, dtype=torch.long))
+                for on in {False, b <= 8 and dtype == torch.bfloat16}:  # PDL: the served small buckets' graphs
+                    with pdl.scope(on):
+                        bd._forward(idx, torch.zeros(b, bd.num_quantizers, dtype=torch.long))
 
 
 if __name__ == "__main__":
