@@ -159,7 +159,6 @@ def _codec(sizes) -> None:
 
     from tts_server.codec import kernels
     from tts_server.codec.batched import BatchedCodecDecoder
-    from tts_server.engines.batched import pdl
     from tts_server.model.synthetic import codec_config
 
     kernels._sms[torch.device("cpu")] = 132  # an H100's SMs: the small batches' split-K paths too
@@ -171,9 +170,7 @@ def _codec(sizes) -> None:
         with torch.inference_mode():
             for b in sizes:
                 idx = torch.arange(b)
-                for on in {False, b <= 8 and dtype == torch.bfloat16}:  # PDL: the served small buckets' graphs
-                    with pdl.scope(on):
-                        bd._forward(idx, torch.zeros(b, bd.num_quantizers, dtype=torch.long))
+                bd._forward(idx, torch.zeros(b, bd.num_quantizers, dtype=torch.long))
 
 
 if __name__ == "__main__":

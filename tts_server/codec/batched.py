@@ -4,8 +4,6 @@ graph per batch bucket; a row's samples depend only on its own stream's codes.""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from typing import Sequence
 
@@ -15,20 +13,7 @@ import torch
 from . import kernels as K
 from .plan import Gemm, build_plan
 
-# buckets of up to this many rows are captured with programmatic dependent launch (the frame's
-# pdl.py; the bits are the same): TTS_PDL_CODEC_ROWS replaces it
-PDL_MAX_ROWS = int(os.environ.get("TTS_PDL_CODEC_ROWS", 0))
-
 __all__ = ["BatchedCodecDecoder", "Launched"]
-
-
-def _pdl(rows: int):
-    """The launch mode of a bucket's kernels while its graph is captured (PDL up to PDL_MAX_ROWS)."""
-    if not K.HAS_TRITON:
-        return contextlib.nullcontext()
-    from ..engines.batched import pdl
-
-    return pdl.scope(rows <= PDL_MAX_ROWS)
 
 
 class Launched:
@@ -265,13 +250,11 @@ class BatchedCodecDecoder:
         with torch.inference_mode():
             with torch.cuda.stream(side):
                 for bp in self.buckets:
-                    with _pdl(bp):
-                        self._forward(self._idx[:bp], self._codes[:bp])
+                    self._forward(self._idx[:bp], self._codes[:bp])
             torch.cuda.current_stream(self.device).wait_stream(side)
             for bp in sorted(self.buckets, reverse=True):
                 g = torch.cuda.CUDAGraph()
-                # on this device (engines/batched/graphs.py)
-                with torch.cuda.graph(g, pool=pool, stream=side), _pdl(bp):
+                with torch.cuda.graph(g, pool=pool, stream=side):  # on this device (engines/batched/graphs.py)
                     out = self._forward(self._idx[:bp], self._codes[:bp])
                 self._graphs[bp] = (g, out)
         torch.cuda.synchronize(self.device)

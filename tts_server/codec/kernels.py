@@ -14,7 +14,6 @@ from . import triton_kernels as tk
 from .triton_kernels import HAS_TRITON
 
 __all__ = ["HAS_TRITON", "attention", "dwconv", "gemm", "rownorm"]
-_launch_kw = tk.launch_kw if HAS_TRITON else dict  # PDL keywords (graphs captured in pdl.scope)
 _ROWS = 16  # torch reference: matmuls run as fixed [16, K] @ [K, N] pieces (no batch-size-dependent path)
 
 
@@ -135,11 +134,11 @@ def gemm(x, w, out, *, tout, taps=1, dil=1, bias=None, act=0, scale=None, res=No
         m, n, cin, tin, tout, dil, post_mod or n, xs, hl,
         TAPS=taps, GLU=glu, HAS_HIST=hist is not None, **flags,
         PREC=prec if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, KP=kp, PIECED=int(pieces > 1), SPLIT=split,
-        num_warps=warps, num_stages=3, **_launch_kw())
+        num_warps=warps, num_stages=3)
     if split > 1:
         sbm, sbn = 32, min(128, max(16, _pow2(n)))
         tk.gemm_sum_kernel[(-(-m // sbm), -(-n // sbn))](part, *epi, m, n, post_mod or n, PIECES=pieces, **flags,
-                                                          BM=sbm, BN=sbn, num_warps=4, **_launch_kw())
+                                                          BM=sbm, BN=sbn, num_warps=4)
 
 
 # A codec GEMM's K pieces, from the layer alone (so every batch adds the same pieces in the same
@@ -188,7 +187,7 @@ def dwconv(x, w, bias, *, tout, dil=1, triton_ok=False):
     out = torch.empty(b * tout, c, device=x.device, dtype=torch.float32)
     bc = min(1024, _pow2(c))
     tk.dwconv_kernel[(b * tout, -(-c // bc))](x, w, bias, out, tin, tout, c, dil,
-                                                   K=w.shape[0], BC=bc, num_warps=4, **_launch_kw())
+                                                   K=w.shape[0], BC=bc, num_warps=4)
     return out
 
 
@@ -205,7 +204,7 @@ def rownorm(x, w, b, eps, *, layer: bool, out_dtype=None, triton_ok=False):
     out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     n = x.shape[-1]
     tk.rownorm_kernel[(x.shape[0],)](x, w, b if b is not None else w, out, n, eps,
-                                   LAYER=layer, BLOCK=_pow2(n), num_warps=4, **_launch_kw())
+                                   LAYER=layer, BLOCK=_pow2(n), num_warps=4)
     return out
 
 
@@ -244,5 +243,5 @@ def attention(q, k, v, kc, vc, idx, nf, inv_freq, rope_scale, scale, *, triton_o
     out = torch.empty(bsz, h, d, device=q.device, dtype=q.dtype)
     tk.attn_kernel[(bsz, hkv)](q, k, v, kc, vc, idx, nf, inv_freq, out, scale, rope_scale, h, hkv,
                              q.stride(0), k.stride(0), v.stride(0), c, GRP=h // hkv, D=d,
-                             BC=_pow2(c), num_warps=4, **_launch_kw())
+                             BC=_pow2(c), num_warps=4)
     return out

@@ -14,11 +14,6 @@ except Exception:  # pragma: no cover - depends on the install
 HAS_TRITON = triton is not None
 
 if HAS_TRITON:
-    from ..engines.batched import pdl  # programmatic dependent launch: GDC + pdl.enter, as the frame's kernels
-
-    def launch_kw() -> dict:
-        """Launch keywords for a kernel here: PDL inside the graphs captured in `pdl.scope(True)`."""
-        return pdl.kw()
 
     @triton.jit
     def gemm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
@@ -27,8 +22,7 @@ if HAS_TRITON:
                      HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
                      POST: tl.constexpr, PREC: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
-                     PIECED: tl.constexpr, SPLIT: tl.constexpr, GDC: tl.constexpr):
-        pdl.enter(GDC)
+                     PIECED: tl.constexpr, SPLIT: tl.constexpr):
         # y[m, n] = sum_j sum_c x[b, t + j*DIL, c] * w[j*CIN + c, n], m = b*TOUT + t. PIECED = 0:
         # one dot chain over K (tap-major) in BK steps. PIECED = 1: K (each tap's CIN columns padded
         # to whole BK steps) is cut into fixed pieces of KP columns (from the layer alone): a piece
@@ -125,8 +119,7 @@ if HAS_TRITON:
     def gemm_sum_kernel(part_ptr, out_ptr, out2_ptr, bias_ptr, scale_ptr, res_ptr, sa_ptr, sb_ptr,
                          M, N, SN_MOD, PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                          HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RAW: tl.constexpr,
-                         POST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr):
-        pdl.enter(GDC)
+                         POST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         # a split gemm_kernel's pieces part [PIECES, M, N] added in order from zero, then its epilogue
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -163,8 +156,7 @@ if HAS_TRITON:
 
     @triton.jit
     def dwconv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, TIN, TOUT, C, DIL,
-                       K: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr):
-        pdl.enter(GDC)
+                       K: tl.constexpr, BC: tl.constexpr):
         # depthwise causal conv, channels last: out[m, c] = sum_j w[j, c] x[b, t + j*DIL, c] + b[c]
         m = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -180,8 +172,7 @@ if HAS_TRITON:
 
     @triton.jit
     def rownorm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, eps,
-                        LAYER: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        pdl.enter(GDC)
+                        LAYER: tl.constexpr, BLOCK: tl.constexpr):
         # one program per row: RMSNorm (LAYER=0) or LayerNorm (LAYER=1), fp32 statistics
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -200,9 +191,7 @@ if HAS_TRITON:
 
     @triton.jit
     def attn_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, idx_ptr, nf_ptr, inv_ptr, out_ptr, scale,
-                     rs, H, HKV, QS, KS, VS, C, GRP: tl.constexpr, D: tl.constexpr, BC: tl.constexpr,
-                     GDC: tl.constexpr):
-        pdl.enter(GDC)
+                     rs, H, HKV, QS, KS, VS, C, GRP: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
         # one program per (row, kv head): RoPE at the slot's frame count on its GRP queries and
         # its key, those queries against C ring keys + the own key, then the own (post-RoPE)
         # key/value replaces the ring's oldest entry
