@@ -108,9 +108,7 @@ def main() -> None:
     w = load_weights("synthetic")
     sizes = [int(s) for s in args.sizes.split(",")]
     sigs = {}
-    from tts_server.engines.batched import graphs
-
-    from tts_server.engines.batched import prefill
+    from tts_server.engines.batched import graphs, prefill
 
     default_rows, default_prefill = graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS
     for name in args.variants.split(","):
