@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 CHOICES = ("auto", "uvloop", "asyncio")
 
@@ -46,3 +47,53 @@ def run(coro, name: str = "auto"):
     if name == "uvloop":
         raise RuntimeError("--event-loop uvloop: uvloop is not installed")
     return asyncio.run(coro)
+
+
+class StallWatch:
+    """Bounds how long a write may wait on a client that reads nothing (HTTP/2 or TCP flow
+    control), for all of a server's writes at once: `await watch.run(write)` registers the write,
+    and one watcher task, alive only while writes are in flight, cancels every `period_s` those
+    older than `limit_s`, whose `run` then raises TimeoutError. So a write may wait up to
+    limit_s + period_s. An `asyncio.timeout` around each write arms and cancels a timer per write:
+    ~10 us of event-loop time per write on uvloop, several times the rest of this, in a loop
+    that a 256-call burst over one connection keeps busy (BENCHMARKS.md, session 30)."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.period_s = max(0.01, min(1.0, limit_s / 4))
+        self._started: dict[asyncio.Task, float] = {}  # writes in flight: their task -> start
+        self._expired: set[asyncio.Task] = set()  # cancelled by the watcher, not yet raised
+        self._watcher: asyncio.Task | None = None
+
+    async def run(self, write):
+        """Await `write` (an awaitable); TimeoutError once it has waited longer than limit_s."""
+        task = asyncio.current_task()
+        self._started[task] = time.monotonic()
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        try:
+            return await write
+        except asyncio.CancelledError:
+            if task in self._expired:
+                self._expired.discard(task)
+                if task.uncancel() == 0:  # (else someone else cancelled it too: theirs stands)
+                    raise TimeoutError(f"write waited more than {self.limit_s:g} s") from None
+            raise
+        finally:
+            del self._started[task]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._started)
+
+    async def _watch(self) -> None:
+        try:
+            while self._started:
+                await asyncio.sleep(self.period_s)
+                oldest = time.monotonic() - self.limit_s
+                for task, started in list(self._started.items()):
+                    if started <= oldest and task not in self._expired:
+                        self._expired.add(task)
+                        task.cancel()
+        finally:
+            self._watcher = None

@@ -19,6 +19,7 @@ import time
 
 from aiohttp import web
 
+from .. import aio
 from ..api import AudioChunk, FinishReason, StreamEnd
 from ..audio_formats import AudioEncoder
 from ..logs import request_id_var
@@ -39,6 +40,7 @@ class SpeechHandler:
     def __init__(self, worker, info, config):
         self.worker, self.info, self.config = worker, info, config
         self.metrics = worker.metrics
+        self.stalls = aio.StallWatch(config.stall_timeout_s)
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         code = "OK"
@@ -174,11 +176,10 @@ class _Stream:
     async def _send(self, data: bytes) -> None:
         stall = self.handler.config.stall_timeout_s
         try:
-            async with asyncio.timeout(stall):  # no task per write, as wait_for makes
-                await self.response.write(data)
+            await self.handler.stalls.run(self.response.write(data))
         except ConnectionError:  # the client hung up while this write waited
             raise _Cut("CANCELLED") from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("request %s: client read nothing for %.0f s; ending the stream",
                         self.speech.request.request_id, stall)
             self._abort()

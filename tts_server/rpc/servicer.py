@@ -14,7 +14,7 @@ import grpc
 
 from tts_client.pb.tts.v1 import tts_pb2, tts_pb2_grpc
 
-from .. import __version__
+from .. import __version__, aio
 from ..api import (AudioChunk, EngineFailure, FinishReason, InvalidRequest, ModelInfo, Overloaded,
                    ShuttingDown)
 from ..config import ServerConfig
@@ -41,6 +41,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self.draining = False  # set by TTSServer.stop: new calls get UNAVAILABLE
         self.num_in_flight = 0  # Synthesize calls being handled (drain waits for them)
         self.playback_ends_at = 0.0  # monotonic: when real-time players have every finished stream
+        self.stalls = aio.StallWatch(config.stall_timeout_s)  # every call's writes (StreamSynthesize's too)
 
     async def Synthesize(self, request, context):
         """Counts every call's final status code in tts_requests_total; every call that ends
@@ -101,14 +102,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             # A client that stops reading blocks this write (HTTP/2 flow control); its stream
             # pauses in the engine once max_buffer_s of audio waits, and ends after `stall`.
             try:
-                async with asyncio.timeout(stall):  # no task per write, as wait_for makes
-                    await context.write(message)
+                await self.stalls.run(context.write(message))
             except WRITE_FAILED as e:
                 # the client hung up (or its deadline passed) while this write was in flight:
                 # the same as the CancelledError that would otherwise reach us at the next await
                 log.debug("write failed (client gone: %s): %r", context.cancelled(), e)
                 raise asyncio.CancelledError() from None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("request %s: client read nothing for %.0f s; ending the stream",
                             req.request_id, stall)
                 raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

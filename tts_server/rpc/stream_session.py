@@ -75,6 +75,7 @@ class StreamSession:
     def __init__(self, servicer, context):
         self.worker, self.info, self.config = servicer.worker, servicer.info, servicer.config
         self.metrics = servicer.metrics
+        self.stalls = servicer.stalls
         self.call = context
         self.open: dict[str, _Context] = {}
         self.finished: set[str] = set()  # ids whose `done` went out (a late cancel is no error)
@@ -233,11 +234,10 @@ class StreamSession:
         stall = self.config.stall_timeout_s
         async with self._lock:
             try:
-                async with asyncio.timeout(stall):  # no task per write, as wait_for makes
-                    await self.call.write(message)
+                await self.stalls.run(self.call.write(message))
             except WRITE_FAILED:
                 raise asyncio.CancelledError() from None  # the client hung up
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._stalled = f"client read nothing for {stall:g} s; call ended"
                 for c in list(self.open.values()):
                     c.handle.cancel()
