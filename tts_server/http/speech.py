@@ -73,9 +73,9 @@ class SpeechHandler:
             handle = self.worker.submit(req, asyncio.get_running_loop())
         except Exception as e:  # noqa: BLE001 - Overloaded, ShuttingDown, EngineFailure
             raise from_exception(e) from None
-        log.info("request %s (http): %d chars, voice=%s language=%s format=%s/%s", req.request_id,
-                 len(req.text), req.voice, req.language, speech.format.name, speech.stream_format,
-                 extra={"chars": len(req.text), "voice": req.voice, "language": req.language})
+        # (the request's INFO line is the one at its end, as over gRPC)
+        log.debug("request %s (http): %d chars, voice=%s language=%s format=%s/%s", req.request_id,
+                  len(req.text), req.voice, req.language, speech.format.name, speech.stream_format)
         try:
             return await _Stream(self, request, speech, handle, t0).run()
         finally:
@@ -207,9 +207,12 @@ class _Stream:
         metrics.audio_seconds.inc(audio_s)
         if audio_s > 0:
             metrics.rtf.observe(wall_s / audio_s)
-        log.info("request %s done (http): %s, %d frames, %.2f s audio", self.speech.request.request_id,
-                 end.finish_reason.value, end.num_frames, audio_s,
-                 extra={"finish_reason": end.finish_reason.value, "frames": end.num_frames,
+        req, speech = self.speech.request, self.speech
+        log.info("request %s done (http): %s, %d chars, voice=%s language=%s format=%s/%s, %d frames, "
+                 "%.2f s audio", req.request_id, end.finish_reason.value, len(req.text), req.voice,
+                 req.language, speech.format.name, speech.stream_format, end.num_frames, audio_s,
+                 extra={"finish_reason": end.finish_reason.value, "chars": len(req.text),
+                        "voice": req.voice, "language": req.language, "frames": end.num_frames,
                         "audio_s": round(audio_s, 3), "chunks": self.num_chunks})
 
 

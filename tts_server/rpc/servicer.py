@@ -90,11 +90,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         await context.send_initial_metadata((("x-request-id", req.request_id),))
         encoding = convert.encoding_of(request)
         rate = req.output_sample_rate
-        log.info("request %s: %d chars, voice=%s language=%s max_frames=%d%s", req.request_id,
-                 len(req.text), req.voice, req.language, req.max_frames,
-                 " +reference" if req.reference is not None else "",
-                 extra={"chars": len(req.text), "voice": req.voice, "language": req.language,
-                        "max_frames": req.max_frames})
+        # what the request asked goes into its one INFO line, at the end: a line per call at the
+        # start cost ~50 us of event-loop time per call in a burst (BENCHMARKS.md, session 30)
+        log.debug("request %s: %d chars, voice=%s language=%s max_frames=%d%s", req.request_id,
+                  len(req.text), req.voice, req.language, req.max_frames,
+                  " +reference" if req.reference is not None else "")
         ttfc_ms, num_chunks, first_audio = 0.0, 0, None
         stall = self.config.stall_timeout_s
 
@@ -158,12 +158,15 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             # a client playing from its first chunk in real time has the last audio by then
             self.playback_ends_at = max(self.playback_ends_at,
                                         t0 + ttfc_ms / 1000.0 + s.audio_seconds)
-            log.info("request %s done: %s, %d frames, %.2f s audio, ttfc %.1f ms, rtf %.3f",
-                     req.request_id, end.finish_reason.value, s.num_frames, s.audio_seconds,
-                     ttfc_ms, s.real_time_factor,
-                     extra={"finish_reason": end.finish_reason.value, "frames": s.num_frames,
-                            "audio_s": round(s.audio_seconds, 3), "ttfc_ms": round(ttfc_ms, 1),
-                            "rtf": round(s.real_time_factor, 4), "chunks": num_chunks})
+            log.info("request %s done: %s, %d chars, voice=%s language=%s%s, %d frames, %.2f s audio, "
+                     "ttfc %.1f ms, rtf %.3f", req.request_id, end.finish_reason.value, len(req.text),
+                     req.voice, req.language, " +reference" if req.reference is not None else "",
+                     s.num_frames, s.audio_seconds, ttfc_ms, s.real_time_factor,
+                     extra={"finish_reason": end.finish_reason.value, "chars": len(req.text),
+                            "voice": req.voice, "language": req.language, "max_frames": req.max_frames,
+                            "frames": s.num_frames, "audio_s": round(s.audio_seconds, 3),
+                            "ttfc_ms": round(ttfc_ms, 1), "rtf": round(s.real_time_factor, 4),
+                            "chunks": num_chunks})
         except asyncio.CancelledError:
             if _deadline_passed(context):
                 log.info("request %s: the client's deadline passed after %d chunks; stopped",
