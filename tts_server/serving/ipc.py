@@ -199,6 +199,9 @@ class LoopReader:
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         self._loop, self._on_batch, self._on_eof, self._name = loop, on_batch, on_eof, name
         self._buf = bytearray()
+        # reads land here: a recv(READ_BYTES) allocates (mmap) and frees READ_BYTES per call,
+        # ~25 us more per read than recv_into (this repo's CPU), on the loop's thread
+        self._chunk = memoryview(bytearray(self.READ_BYTES))
         loop.add_reader(self._sock.fileno(), self._readable)
 
     def close_soon(self) -> None:
@@ -216,18 +219,18 @@ class LoopReader:
 
     def _readable(self) -> None:
         try:
-            data = self._sock.recv(self.READ_BYTES, socket.MSG_DONTWAIT)
+            n = self._sock.recv_into(self._chunk, self.READ_BYTES, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
             threading.Thread(target=self._on_eof, name=self._name, daemon=True).start()
             return
         buf = self._buf
-        buf += data
+        buf += self._chunk[:n]
         start, bodies = 0, []
         while True:  # multiprocessing.connection's framing: !i length (-1: then a !Q length)
             if len(buf) - start < 4:
