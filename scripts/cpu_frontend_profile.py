@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import subprocess
 import sys
 import tempfile
@@ -47,32 +48,41 @@ def level_of(out: str) -> dict:
         return json.load(f)["levels"][0]
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children (and theirs): the load
+    generator's, measured across its run (the server is reaped only at the end)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 async def cli_server(a) -> dict:
     """`tts-server --engine-process --rpc-processes N` with the paced engine in its engine process."""
     from tts_client.bench import ServerProcess
 
     env = dict(os.environ, TTS_ENGINE_FACTORY="tts_server.testing.paced:build")
     os.environ.update(env)  # ServerProcess inherits it
+    http = () if a.transport == "http" else ("--http-port", "-1")
     server = ServerProcess("synthetic-tiny", "torch", a.streams,
-                           ("--device", "cpu", "--engine-process", "--http-port", "-1", "--rpc-processes",
+                           ("--device", "cpu", "--engine-process", *http, "--rpc-processes",
                             str(a.rpc_processes), "--metrics-port", "-1", "--event-loop", a.event_loop))
     try:
         await server.wait_serving(120)
         await asyncio.sleep(1.0)  # the extra RPC processes bind a moment later
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        t0 = time.perf_counter()
-        bench = await asyncio.create_subprocess_exec(*bench_cmd(server.port, a, out),
-                                                     stdout=asyncio.subprocess.PIPE,
-                                                     stderr=asyncio.subprocess.STDOUT)
+        t0, client0 = time.perf_counter(), _children_cpu()
+        bench = await asyncio.create_subprocess_exec(
+            *bench_cmd(server.port, a, out, server.http_port if a.transport == "http" else None),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         log = (await bench.communicate())[0].decode()
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, _children_cpu() - client0
     finally:
         server.stop()
     level = level_of(out)
     if level["num_ok"] != a.streams:
         print(log[-3000:])
-    return {"streams": a.streams, "seconds": a.seconds, "processes": a.processes,
+    return {"streams": a.streams, "seconds": a.seconds, "processes": a.processes, "transport": a.transport,
             "rpc_processes": a.rpc_processes, "ok": level["num_ok"], "wall_s": round(wall, 2),
+            "client_cpu_s": round(client_cpu, 2),
             "ttfc_ms_p50": round(level["ttfc_ms_p50"], 1), "ttfc_ms_p95": round(level["ttfc_ms_p95"], 1)}
 
 
@@ -89,7 +99,7 @@ async def main() -> None:
                         "--profile); N: a real `tts-server --engine-process --rpc-processes N` "
                         "with the paced engine in its engine process (TTFC only)")
     p.add_argument("--transport", default="grpc", choices=["grpc", "http"],
-                   help="the calls through gRPC or the OpenAI-compatible HTTP API (in-process server)")
+                   help="the calls through gRPC or the OpenAI-compatible HTTP API")
     p.add_argument("--connections", type=int, default=0,
                    help="gRPC: the burst's calls share this many connections (tts-bench --connections; 0: one each)")
     p.add_argument("--json", help="write the numbers here")
@@ -114,7 +124,7 @@ async def main() -> None:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     cmd = bench_cmd(server.port, a, out, server.http_port)
     prof = cProfile.Profile() if a.profile else None
-    cpu0, loop0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+    cpu0, loop0, wall0, client0 = time.process_time(), time.thread_time(), time.perf_counter(), _children_cpu()
     if prof:
         prof.enable()
     bench = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
@@ -124,11 +134,13 @@ async def main() -> None:
         prof.disable()
     cpu, loop_cpu, wall = (time.process_time() - cpu0, time.thread_time() - loop0,
                            time.perf_counter() - wall0)
+    client_cpu = _children_cpu() - client0
     await server.stop(grace=1.0)
     worker.stop()
     level = level_of(out)
     result = {"streams": a.streams, "seconds": a.seconds, "processes": a.processes,
               "ok": level["num_ok"], "server_cpu_s": round(cpu, 3), "wall_s": round(wall, 2),
+              "client_cpu_s": round(client_cpu, 2),
               "server_cpu_ms_per_call": round(cpu / a.streams * 1e3, 2),
               "event_loop_cpu_ms_per_call": round(loop_cpu / a.streams * 1e3, 2),
               "ttfc_ms_p50": round(level["ttfc_ms_p50"], 1), "ttfc_ms_p95": round(level["ttfc_ms_p95"], 1),
