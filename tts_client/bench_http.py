@@ -60,6 +60,19 @@ async def run_one(session, base_url: str, model: str, item, level: float, voice:
     return rec
 
 
+async def _open_connections(session, base_url: str, n: int) -> None:
+    """Open the level's `n` keep-alive connections before it starts (one GET /v1/models on each),
+    as the gRPC closed loop's channels are connected before it starts: a burst then times the
+    server, not n TCP and HTTP connection set-ups in this load process (one process opening 256
+    during a burst was the bound of its first audio, BENCHMARKS.md session 30). Clients of a
+    speech API keep their connections open between requests."""
+    async def one():
+        async with session.get(f"{base_url}/v1/models") as resp:
+            await resp.read()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
 def _session(limit: int):
     import aiohttp
 
@@ -74,6 +87,7 @@ async def run_level(base_url: str, model: str, items, level: int, a, voice: str,
     processes start together)."""
     lanes = min(num_clients or level, len(items))
     async with _session(lanes) as session:
+        await _open_connections(session, base_url, lanes)
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         pending, records, t_level = iter(items), [], time.perf_counter()
