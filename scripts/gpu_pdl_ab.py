@@ -129,6 +129,8 @@ def main() -> None:
         n: {k: bool(np.array_equal(v, sigs[base][k])) for k, v in s.items()} for n, s in sigs.items()}
     log("bitwise:", res["bitwise_equal_to_" + str(base)])
     (out / "pdl_ab.json").write_text(json.dumps(res, indent=1, default=str))
+    if base is not None:  # for comparing trees (scripts/gpu_frames_ab.sh)
+        np.savez(out / "sigs.npz", **sigs[base])
 
 
 if __name__ == "__main__":

@@ -381,6 +381,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)
+    check_norms_fp16(dev)
     if dev != "cpu":  # the interpreter's dots round by their shapes, so only a GPU can say
         check_gemm_buckets(dev)
     check_copy_prefix(dev)
@@ -408,11 +409,44 @@ def check_gemm_fp16(dev: str) -> None:
             ref = torch.nn.functional.silu(ref) * (xh @ w2.double().T)
         assert _rel(out, ref) < LIN_TOL, (swiglu, _rel(out, ref))
         assert torch.equal(tk_gemm._gemm(x[5:6], w, w2)[0], out[5]), swiglu
+        # x rounded to fp16 by its producer (the frame's norms): the same bits, from every path
+        x16 = x.half()
+        assert torch.equal(tk_gemm._gemm(x16, w, w2), out), swiglu
+        assert torch.equal(tk_gemm.gemm_big(x16, w, w2), out), swiglu
+        if not swiglu:
+            assert torch.equal(tk_gemm.linear_parts(x16, w), tk_gemm.linear_parts(x, w))
+
+
+def check_norms_fp16(dev: str) -> None:
+    """rms_norm and add_rms with an fp16 output: the norm rounded to nearest even, as the products
+    with fp16 matrices round their input. In the interpreter that is the fp32 variant's value
+    rounded; a GPU's fp16 variant is its own compiled kernel whose sum of squares may add in
+    another order, so there within half an fp16 ulp of the fp32 variant (plus its own rounding)."""
+    from tts_server.engines.batched import tk_glue, tk_gemm
+
+    g = _gen(8)
+    x = (torch.randn(64, 1024, generator=g) * 3).to(dev)
+    parts = torch.randn(3, 64, 1024, generator=g).to(dev)
+    w = (1 + torch.randn(1024, generator=g) / 4).to(dev)
+
+    def rounded(h16, h32):
+        assert h16.dtype == torch.float16
+        if dev == "cpu":
+            assert torch.equal(h16, h32.half())
+        else:  # rtne: |error| <= 2^-11 relative (rtz or no rounding would break it)
+            assert bool(((h16.double() - h32.double()).abs() <= h32.double().abs() * 2 ** -11 * 1.001 + 2 ** -26).all())
+
+    rounded(tk_gemm.rms_norm(x, w, 1e-6, torch.float16), tk_gemm.rms_norm(x, w, 1e-6))
+    s32, h32 = tk_glue.add_rms(x, parts, w, 1e-6)
+    s16, h16 = tk_glue.add_rms(x, parts, w, 1e-6, torch.float16)
+    assert torch.equal(s16, s32)
+    rounded(h16, h32)
 
 
 def check_gemm_buckets(dev: str) -> None:
-    """Every tuned product, with bf16 and with fp16 matrices: a row's bits are the same in every
-    row-count bucket's tile (BY_M, BY_M_FP16), so a stream's output does not depend on the batch."""
+    """Every tuned product, with bf16 and with fp16 matrices (x fp32, and x fp16 for fp16
+    matrices): a row's bits are the same in every row-count bucket's tile (BY_M, BY_M_FP16,
+    BY_M_X16), so a stream's output does not depend on the batch."""
     from tts_server.engines.batched import tk_gemm
 
     rows = sorted({1, 300, *tk_gemm.WARM_ROWS} - {513})
@@ -425,6 +459,10 @@ def check_gemm_buckets(dev: str) -> None:
                 got = tk_gemm._gemm(x[:m], w, w2)
                 assert torch.equal(got, want[:m]), (kind, n, k, dtype, m, tk_gemm.config(
                     kind, n, k, m, fp16=dtype == torch.float16))
+                if dtype == torch.float16:  # x rounded by its producer: BY_M_X16's tiles
+                    got = tk_gemm._gemm(x[:m].half(), w, w2)
+                    assert torch.equal(got, want[:m]), (kind, n, k, "x16", m, tk_gemm.config(
+                        kind, n, k, m, fp16=True, x16=True))
 
 
 # ---------------------------------------------------------------- CPU: references vs sampler.py
@@ -503,18 +541,20 @@ def test_gemm_tiles_keep_each_rows_reduction_order():
     from tts_server.engines.batched import tk_gemm
 
     for (kind, n, k), tuned in tk_gemm.TUNED.items():
-        for fp16, table in ((False, tk_gemm.BY_M), (True, tk_gemm.BY_M_FP16)):
+        for fp16, x16, table in ((False, False, tk_gemm.BY_M), (True, False, tk_gemm.BY_M_FP16),
+                                 (True, True, tk_gemm.BY_M_X16)):
             bounds = [b for b, _ in table.get((kind, n, k), ())]
             assert bounds == sorted(bounds), (kind, n, k)
             for m in sorted({1, 2, 3, 16, 17, 31, 33, 64, 65, 128, 129, 256, 4096, *bounds}):
-                cfg = tk_gemm.config(kind, n, k, m, fp16=fp16)
+                cfg = tk_gemm.config(kind, n, k, m, fp16=fp16, x16=x16)
                 assert (cfg[2], cfg[5], cfg[6]) == (tuned[2], tuned[5], tuned[6]), (kind, n, k, m, cfg)
                 assert n % cfg[1] == 0 and cfg[0] in (16, 32, 64, 128), (kind, n, k, m, cfg)
                 # warm_up compiles one row count per bucket: every bucket must have one
-                assert any(tk_gemm.config(kind, n, k, r, fp16=fp16) == cfg for r in tk_gemm.WARM_ROWS), \
-                    (kind, n, k, m, fp16)
-            assert tk_gemm.config(kind, n, k, fp16=fp16) == tuned
-    assert set(tk_gemm.BY_M) <= set(tk_gemm.TUNED) and set(tk_gemm.BY_M_FP16) <= set(tk_gemm.TUNED)
+                assert any(tk_gemm.config(kind, n, k, r, fp16=fp16, x16=x16) == cfg for r in tk_gemm.WARM_ROWS), \
+                    (kind, n, k, m, fp16, x16)
+            assert tk_gemm.config(kind, n, k, fp16=fp16, x16=x16) == tuned
+    for table in (tk_gemm.BY_M, tk_gemm.BY_M_FP16, tk_gemm.BY_M_X16):
+        assert set(table) <= set(tk_gemm.TUNED)
 
 
 # ---------------------------------------------------------------- kernels: interpreter / GPU

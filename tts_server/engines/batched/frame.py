@@ -21,17 +21,24 @@ from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, NUM_STEP_
 TALKER_BAD_BIT = 15
 
 
-def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable) -> torch.Tensor:
+def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32: bool = True) -> torch.Tensor:
     """All layers of a stack over rows x [M, H] fp32 -> final-normed hidden [M, H] fp32.
-    attend(layer, qkv [M, (NH + 2 NKV) HD]) stores this step's k/v and returns attention [M, NH, HD]."""
+    attend(layer, qkv [M, (NH + 2 NKV) HD]) stores this step's k/v and returns attention [M, NH, HD].
+    With fp16 matrices the norms that feed products (q|k|v, gate|up) come out rounded to fp16, as
+    the products would round them (half the bytes that each output tile re-reads); the final one
+    too unless final_fp32 (for a caller that feeds it to an fp16 head only). Each norm's dtype
+    follows the matrices and the call site, never B (see ops.rms_norm)."""
     cfg = sp.cfg
     m, eps = x.shape[0], cfg.rms_norm_eps
-    h = ops.rms_norm(x, sp.in_norm[0], eps)
+    hd = torch.float16 if sp.wqkv[0].dtype == torch.float16 == sp.gate[0].dtype else torch.float32
+    h = ops.rms_norm(x, sp.in_norm[0], eps, hd)
     for i in range(cfg.num_layers):
         att = attend(i, ops.linear(h, sp.wqkv[i]))
-        x, h = glue.add_rms(x, ops.linear_parts(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps)
-        nxt = sp.in_norm[i + 1] if i + 1 < cfg.num_layers else sp.final_norm
-        x, h = glue.add_rms(x, ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps)
+        x, h = glue.add_rms(x, ops.linear_parts(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps, hd)
+        last = i + 1 == cfg.num_layers
+        nxt = sp.final_norm if last else sp.in_norm[i + 1]
+        x, h = glue.add_rms(x, ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps,
+                            torch.float32 if last and final_fp32 else hd)
     return h
 
 
@@ -120,7 +127,8 @@ class FrameStep:
                 attend = (lambda i, qkv, k=k, cos=cos, sin=sin: glue.cp_attend(
                     qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
                     cfg.num_kv_heads, cfg.rms_norm_eps, scale))
-            h = stack_forward(x, sp, attend)
+            # the final norm goes to the head only: fp16 when the head's matrix is
+            h = stack_forward(x, sp, attend, final_fp32=p.predictor_heads[k].dtype != torch.float16)
             hk, head = h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k]
             parts = ops.linear_parts(hk, head)  # the sampler adds them, in `linear`'s order
             if self.dump is not None:

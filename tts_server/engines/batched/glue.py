@@ -44,23 +44,25 @@ def qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, blk, off,
     return _rope(q, cos, sin)
 
 
-def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
+            out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, D] fp32; y [M, D] fp32, or `ops.linear_parts` partials [P, M, D] (summed in order:
-    the split GEMM's own sum, one launch fewer); w [D] fp32 -> (s = x + y, rms_norm(s, w))."""
+    the split GEMM's own sum, one launch fewer); w [D] fp32 -> (s = x + y, rms_norm(s, w)), the
+    norm in out_dtype (fp16 for products with fp16 matrices: see ops.rms_norm)."""
     if _use_triton(x):
         from .tk_glue import add_rms as tk
 
-        return tk(x, y, w, eps)
-    return add_rms_torch(x, y, w, eps)
+        return tk(x, y, w, eps, out_dtype)
+    return add_rms_torch(x, y, w, eps, out_dtype)
 
 
-def add_rms_torch(x, y, w, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_torch(x, y, w, eps: float, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     if y.dim() == 3:
         y, parts = y[0], y
         for p in parts[1:]:
             y = y + p
     s = x + y
-    return s, ops.rms_norm(s, w, eps)
+    return s, ops.rms_norm(s, w, eps, out_dtype)
 
 
 def cp_attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

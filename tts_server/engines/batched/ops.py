@@ -26,7 +26,8 @@ def _kernels():
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32, w [N, K] bf16 (nn.Linear layout) -> [M, N] fp32."""
+    """x [M, K] fp32, w [N, K] bf16 (nn.Linear layout) -> [M, N] fp32. With fp16 matrices (params.
+    gemm_dtype) x is rounded once to fp16, so x may also come as fp16 (see rms_norm)."""
     if _use_triton(x):
         return _kernels().linear(x, w)
     return ops_ref.linear(x, w)
@@ -47,11 +48,16 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.T
     return ops_ref.swiglu(x, w_gate, w_up)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, D] fp32, w [D] -> w.float() * (x * rsqrt(mean(x^2) + eps)) [M, D] fp32."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, D] fp32, w [D] -> w.float() * (x * rsqrt(mean(x^2) + eps)) [M, D] fp32; out_dtype
+    fp16: rounded once to nearest even, as a product with fp16 matrices rounds an fp32 input, for
+    such products (the product's bits are the same from fp16 x, and it reads half the bytes). On
+    a GPU the fp16 variant is a kernel of its own whose sum of squares may add in another order
+    than the fp32 variant's (Triton lays the row out for the fp16 store), so a caller keeps one
+    out_dtype per call site, never one that depends on the batch."""
     if _use_triton(x):
-        return _kernels().rms_norm(x, w, eps)
-    return ops_ref.rms_norm(x, w, eps)
+        return _kernels().rms_norm(x, w, eps, out_dtype)
+    return ops_ref.rms_norm(x, w, eps).to(out_dtype)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -67,35 +67,59 @@ BY_M_FP16: dict[tuple[str, int, int], tuple] = {
     ("linear", 2048, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 4, 5)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
                              (256, (64, 128, 4, 4))),
 }
+# The same for fp16 matrices whose x comes already rounded to fp16 by its producer (the decode
+# frame's normed hidden states: rms_norm / add_rms with out_dtype fp16). x is then half the bytes
+# that every output tile re-reads; from 64 rows the products are bound by that L2 -> SM traffic.
+# The fastest bitwise-equal tiles of scripts/gpu_gemm_presplit.py on an H200
+# (benchmarks/results/h200-s31/gemm_x16_tiles.json; us per product, weights from HBM, x fp32 ->
+# x fp16 with these tiles): q|k|v 6.2 -> 5.5 at 16 rows, 8.0 -> 5.5 at 64, 9.4 -> 6.4 at 128,
+# 11.3 -> 8.6 at 256; gate|up 7.0 -> 6.3, 9.0 -> 7.0, 11.7 -> 8.5, 15.6 -> 11.8; the code-predictor
+# heads 3.6 -> 3.2, 5.2 -> 3.6, 6.3 -> 4.5, 7.4 -> 6.2. None: BY_M_FP16's tile (the same there).
+BY_M_X16: dict[tuple[str, int, int], tuple] = {
+    ("linear", 4096, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
+    ("swiglu", 3072, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
+    ("linear", 2048, 1024): ((16, None), (64, (64, 32, 4, 4)), (256, (64, 64, 4, 4))),
+}
 # one row count per tile bucket, for compiling every tile before serving (warm_up)
 WARM_ROWS = (1, 17, 33, 65, 129, 257, 513)
 OVERRIDE: dict[str, tuple] = {}
 
 
-def config(kind: str, n: int, k: int, m: int = 1 << 30, fp16: bool = False) -> tuple:
+def config(kind: str, n: int, k: int, m: int = 1 << 30, fp16: bool = False, x16: bool = False) -> tuple:
     """The tile for an [m, k] x [k, n] GEMM of this kind (see TUNED / BY_M; fp16: the matrices
-    are fp16, BY_M_FP16 where it has the shape)."""
+    are fp16, BY_M_FP16 where it has the shape; x16: x is fp16 too, BY_M_X16 where it has the
+    shape and a tile for m)."""
     if kind in OVERRIDE:
         return OVERRIDE[kind]
     tuned = TUNED.get((kind, n, k))
     if tuned is None:
         return DEFAULT[kind]
-    by_m = (BY_M_FP16 if fp16 and (kind, n, k) in BY_M_FP16 else BY_M).get((kind, n, k), ())
-    for max_m, (bm, bn, warps, stages) in by_m:
-        if m <= max_m:
-            return (bm, bn, tuned[2], warps, stages) + tuned[5:]
+    tables = ((BY_M_X16,) if fp16 and x16 else ()) + ((BY_M_FP16,) if fp16 else ()) + (BY_M,)
+    for table in tables:
+        if (kind, n, k) not in table:
+            continue
+        for max_m, tile in table[(kind, n, k)]:
+            if m <= max_m:
+                break
+        else:
+            return tuned  # more rows than the table's last bucket
+        if tile is None:  # the table leaves these rows to the next one
+            continue
+        bm, bn, warps, stages = tile
+        return (bm, bn, tuned[2], warps, stages) + tuned[5:]
     return tuned
 
 
 def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
     """Compile every tuned tile once for matrices of each of `dtypes` (a first compile while
-    serving stalls a step for ~1 s)."""
+    serving stalls a step for ~1 s); for fp16 matrices also with x in fp16."""
     for (kind, n, k) in TUNED:
         for dtype in dtypes:
             w = torch.zeros(n, k, dtype=dtype, device=device)
-            for m in WARM_ROWS:
-                x = torch.zeros(m, k, dtype=torch.float32, device=device)
-                _gemm(x, w, w if kind == "swiglu" else None)
+            for x_dtype in (torch.float32,) + ((torch.float16,) if dtype == torch.float16 else ()):
+                for m in WARM_ROWS:
+                    x = torch.zeros(m, k, dtype=x_dtype, device=device)
+                    _gemm(x, w, w if kind == "swiglu" else None)
 
 
 @triton.jit
@@ -116,7 +140,8 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
                  INTERPRET: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
-    # x [M, K] fp32; w, w2 [N, K] bf16; out [SPLIT, M, N] fp32 (split s covers K range s*K_PER_SPLIT..)
+    # x [M, K] fp32 (or fp16 with fp16 w); w, w2 [N, K] bf16 or fp16; out [SPLIT, M, N] fp32 (split s
+    # covers K range s*K_PER_SPLIT..)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -135,7 +160,10 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
         wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
         wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
         if TERMS == 0:  # fp16 matrices (params.gemm_dtype): x rounded once to fp16, one dot
-            x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
+            if x_ptr.dtype.element_ty == tl.float16:  # rounded by its producer already
+                x_h = xk
+            else:
+                x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
             acc = _dot(x_h, wk, acc, INTERPRET)
             if SWIGLU:
                 wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
@@ -186,9 +214,12 @@ def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
     """x [M, K] fp32, w (, w2) [N, K] bf16 or fp16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
-    reduce=False: the K pieces' partial products [SPLIT, M, N] instead (SPLIT may be 1), for the
-    consumer to sum in piece order (glue.add_rms does: one launch fewer)."""
-    assert x.dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float16), (x.dtype, w.dtype)
+    With fp16 matrices x may come as fp16 already (x rounded by its producer as this rounds fp32
+    x: the same bits, half the bytes to read). reduce=False: the K pieces' partial products
+    [SPLIT, M, N] instead (SPLIT may be 1), for the consumer to sum in piece order (glue.add_rms
+    does: one launch fewer)."""
+    assert w.dtype in (torch.bfloat16, torch.float16), w.dtype
+    assert x.dtype == torch.float32 or (x.dtype == w.dtype == torch.float16), (x.dtype, w.dtype)
     x = x.contiguous()
     w = w.contiguous()
     m, k = x.shape
@@ -196,7 +227,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
     kind = "swiglu" if swiglu else "linear"
-    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m, fp16=w.dtype == torch.float16)
+    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m, fp16=w.dtype == torch.float16,
+                                                     x16=x.dtype == torch.float16)
     if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
     if m >= big_m_min_rows(terms) and not OVERRIDE and (kind, n, k) in big_m_tiles(terms):
@@ -219,18 +251,19 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32, w [N, K] bf16 -> [M, N] fp32."""
+    """x [M, K] fp32 (fp16 with fp16 w), w [N, K] bf16 or fp16 -> [M, N] fp32."""
     return _gemm(x, w, None)
 
 
 def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32, w [N, K] bf16 -> partial products [SPLIT, M, N] fp32 whose in-order sum is
-    `linear(x, w)` bitwise."""
+    """x [M, K] fp32 (fp16 with fp16 w), w [N, K] bf16 or fp16 -> partial products [SPLIT, M, N]
+    fp32 whose in-order sum is `linear(x, w)` bitwise."""
     return _gemm(x, w, None, reduce=False)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32."""
+    """x [M, K] fp32 (fp16 with fp16 w), w_* [I, K] bf16 or fp16 -> silu(x @ w_gate.T) * (x @ w_up.T)
+    [M, I] fp32."""
     return _gemm(x, w_gate, w_up)
 
 
@@ -244,14 +277,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xm, stride_om, BLOCK_
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(out_ptr + row * stride_om + offs, w * (x * r), mask=mask)
+    y = w * (x * r)
+    if out_ptr.dtype.element_ty == tl.float16:  # for fp16 matrices: rounded as _gemm_kernel rounds
+        y = y.to(tl.float16, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + row * stride_om + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, D] fp32, w [D] -> [M, D] fp32."""
-    assert x.dtype == torch.float32 and x.stride(-1) == 1
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, D] fp32, w [D] -> [M, D] fp32, or that rounded to fp16 (out_dtype) for products
+    with fp16 matrices."""
+    assert x.dtype == torch.float32 and x.stride(-1) == 1 and out_dtype in (torch.float32, torch.float16)
     m, d = x.shape
-    out = torch.empty((m, d), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, d), dtype=out_dtype, device=x.device)
     _rms_norm_kernel[(m,)](x, w.contiguous(), out, d, float(eps), x.stride(0), out.stride(0),
                            BLOCK_D=triton.next_power_of_2(d), num_warps=4, **pdl.kw())
     return out
@@ -395,6 +432,9 @@ def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tu
         tile = big_m_tiles(terms).get((kind, n, k), (bm, bn, warps, stages))
     bm, bn, warps, stages = tile
     split, k_per = _pieces(swiglu, k, chunk, bk)
+    if parts is None and x.dtype == torch.float16:  # rounded by its producer: x is its one part
+        assert terms == 0, "fp16 x is for fp16 matrices"
+        parts = x.contiguous()[None]
     hl = split_parts(x, terms) if parts is None else parts
     w = w.contiguous()
     w2 = w2.contiguous() if swiglu else w

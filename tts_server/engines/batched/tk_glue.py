@@ -84,15 +84,19 @@ def _add_rms_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, MD, D: tl.conste
     tl.store(sum_ptr + m * D + d, s, mask=mask)
     r = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
     w = tl.load(w_ptr + d, mask=mask, other=0.0)
-    tl.store(out_ptr + m * D + d, w * (s * r), mask=mask)
+    h = w * (s * r)
+    if out_ptr.dtype.element_ty == tl.float16:  # for fp16 matrices: rounded as tk_gemm rounds x
+        h = h.to(tl.float16, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + m * D + d, h, mask=mask)
 
 
-def add_rms(x, y, w, eps):
+def add_rms(x, y, w, eps, out_dtype=torch.float32):
     """x [M, D] fp32, y [M, D] or partial sums [P, M, D] fp32 (added in order), w [D] fp32 ->
-    (x + y, rms_norm(x + y, w)) both [M, D] fp32."""
+    (x + y, rms_norm(x + y, w)) [M, D] fp32, the norm in out_dtype (fp16: rounded once, for
+    products with fp16 matrices)."""
     m, d = x.shape
     y = (y if y.dim() == 3 else y[None]).contiguous()
-    s, out = torch.empty_like(x), torch.empty_like(x)
+    s, out = torch.empty_like(x), torch.empty((m, d), dtype=out_dtype, device=x.device)
     _add_rms_kernel[(m,)](x, y, w, s, out, eps, m * d, D=d, DP2=triton.next_power_of_2(d), PARTS=y.shape[0], **pdl.kw())
     return s, out
 
