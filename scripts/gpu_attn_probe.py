@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Where the talker's decode attention spends its time at large B (issue 16): the tensor-core
+split kernel and its combine timed apart, against a kernel that walks the same programs and pages
+but only loads K/V (the access pattern's own memory bound) and the split kernel with 2 instead of 3
+bf16 parts (its tensor-core share). Graph replays, median us per layer, K/V GB/s.
+
+  PYTHONPATH=. python3 scripts/gpu_attn_probe.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_frame_profile import BLOCK, HD, NH, NKV, attn_inputs, graph_us, log  # noqa: E402
+from tts_server.engines.batched import ops, tk_attention as ta  # noqa: E402
+from tts_server.engines.batched.checks import mixed_lengths  # noqa: E402
+
+
+@triton.jit
+def _loads_only_kernel(k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, MAX_BLOCKS, NKV: tl.constexpr,
+                       BLOCK: tl.constexpr, PPS: tl.constexpr, HD: tl.constexpr, SPP: tl.constexpr,
+                       STAGES: tl.constexpr):
+    # the split kernel's programs and page walk; K/V only summed (no dots, no softmax)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    c = tl.program_id(2)
+    n = tl.load(len_ptr + b)
+    SPLIT_LEN: tl.constexpr = PPS * BLOCK
+    used = (n + SPLIT_LEN - 1) // SPLIT_LEN
+    first = c * SPP
+    if first >= used:
+        return
+    d = tl.arange(0, HD)
+    j = tl.arange(0, SPLIT_LEN)
+    acc = tl.zeros((HD,), tl.float32)
+    for sp in tl.range(first, tl.minimum(first + SPP, used), num_stages=STAGES):
+        pos = sp * SPLIT_LEN + j
+        pmask = pos < n
+        page = tl.load(bt_ptr + b * MAX_BLOCKS + sp * PPS + j // BLOCK, mask=pmask, other=0)
+        row_off = ((page.to(tl.int64) * NKV + kvh) * BLOCK + j % BLOCK) * HD
+        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    tl.store(out_ptr + ((b * NKV + kvh) * tl.num_programs(2) + c) * HD + d, acc)
+
+
+def run_case(b: int, ctx: str) -> dict:
+    lengths = mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
+    max_blocks = 4096 // BLOCK
+    q, kp, vp, bt, lens = attn_inputs(b, lengths, max_blocks, seed=b)
+    kv_bytes = sum(lengths) * NKV * HD * 2 * 2
+    pps, warps = ta.attn_config(2, BLOCK)
+    pps = min(pps, triton.next_power_of_2(max_blocks))
+    nsplit = triton.cdiv(max_blocks, pps)
+    spp, stages = ta.splits_per_program(b)
+    m = torch.empty((b, NH, nsplit), dtype=torch.float32, device="cuda")
+    l = torch.empty_like(m)
+    acc = torch.empty((b, NH, nsplit, HD), dtype=torch.float32, device="cuda")
+    out = torch.empty((b, NH, HD), dtype=torch.float32, device="cuda")
+    grid = (b, NKV, triton.cdiv(nsplit, spp))
+    qr = max(16, triton.next_power_of_2(NH // NKV))
+
+    def split(terms=ta.TC_TERMS, spp_=spp, stages_=stages):
+        g = (b, NKV, triton.cdiv(nsplit, spp_))
+        ta._attn_split_tc_kernel[g](q, kp, vp, bt, lens, m, l, acc, 0.088, max_blocks, nsplit, NKV=NKV,
+                                    G=NH // NKV, BLOCK=BLOCK, PPS=pps, HD=HD, SPP=spp_, QR=qr, TERMS=terms,
+                                    STAGES=stages_, INTERPRET=False, num_warps=warps, GDC=False)
+
+    def combine():
+        ta._attn_combine_kernel[(b, NH)](m, l, acc, lens, out, NH, nsplit, SPLIT_LEN=pps * BLOCK, HD=HD,
+                                         HD_P2=HD, num_warps=1, GDC=False)
+
+    lo = torch.empty((b, NKV, grid[2], HD), dtype=torch.float32, device="cuda")
+
+    def loads(stages_=stages, warps_=warps):
+        _loads_only_kernel[grid](kp, vp, bt, lens, lo, max_blocks, NKV=NKV, BLOCK=BLOCK, PPS=pps, HD=HD, SPP=spp,
+                                 STAGES=stages_, num_warps=warps_)
+
+    row = {}
+    for name, fn in (("full", lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088)), ("split", split),
+                     ("combine", combine), ("split_2terms", lambda: split(2)), ("loads_only", loads),
+                     ("loads_only_3stages", lambda: loads(3)), ("loads_only_8warps", lambda: loads(2, 8)),
+                     ("split_spp1", lambda: split(spp_=1, stages_=1))):
+        try:
+            us = graph_us(fn)
+            row[name] = dict(us=round(us, 2), GBps=round(kv_bytes / us / 1e3, 1))
+        except Exception as e:  # noqa: BLE001
+            row[name] = dict(error=repr(e)[:300])
+    row["kv_MB"] = round(kv_bytes / 1e6, 1)
+    row["grid"] = list(grid)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    a = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    # the copy rate of this card, as the ceiling
+    x = torch.empty(2 ** 30 // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    us = graph_us(lambda: y.copy_(x), reps=5)
+    res["copy_GBps"] = round(2 * x.numel() * 4 / us / 1e3, 1)
+    log("copy", res["copy_GBps"], "GB/s")
+    del x, y
+    for b, ctx in ((64, "mixed"), (256, "mixed"), (256, "1000")):
+        res[f"B{b}|{ctx}"] = run_case(b, ctx)
+        log(f"B{b}|{ctx}", json.dumps(res[f"B{b}|{ctx}"]))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "attn_probe.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
