@@ -65,7 +65,7 @@ class FrameStep:
     def __init__(self, params: FrameParams, state: SlotState, kv: PagedKV, max_rows: int,
                  dump_logits: bool = False, fused_cp: bool = True):
         self.p, self.s, self.kv = params, state, kv
-        self.fused_cp = fused_cp  # code-predictor passes 2..15 in one glue launch per layer
+        self.fused_cp = fused_cp  # each code-predictor pass's attention in one glue launch per layer
         cp = params.predictor.cfg
         dev = state.ints.device
         g = params.ids.num_code_groups
@@ -119,7 +119,11 @@ class FrameStep:
         for k in range(p.num_passes):
             first = k == 0
             cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
-            if first:  # positions 0 and 1: two query rows per stream
+            if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
+                attend = (lambda i, qkv: glue.cp_attend0(
+                    qkv, sp.q_norm[i], sp.k_norm[i], self.cp_cos, self.cp_sin, self.cp_k[i], self.cp_v[i],
+                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale))
+            elif first:
                 attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
             elif not self.fused_cp:
                 attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk"], c["off"][k], c["table"], c["lens"][k])

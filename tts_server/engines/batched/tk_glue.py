@@ -102,19 +102,15 @@ def add_rms(x, y, w, eps, out_dtype=torch.float32):
 
 
 @triton.jit
-def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, pos, eps, scale,
-                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
-    pdl.enter(GDC)
-    # program (m, kv head) of a code-predictor pass at position `pos` (same for every row; row m's
-    # scratch block is m and already holds positions 0..pos-1): k/v of this position normed, roped,
-    # stored; then the G = NH / NKV query heads attend over positions 0..pos (the new key from
-    # registers) -> out[m, h]
-    m = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+def _cp_attend_row(row, out_row, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, base, pos, eps, scale, kvh,
+                   NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+    # one (row, kv head) of a code-predictor pass at position `pos`: the row's k/v at this position
+    # normed, roped, stored into its scratch block (base: the block's first element for this kv head,
+    # which already holds positions 0..pos-1); then the G = NH / NKV query heads attend over
+    # positions 0..pos (the new key from registers) -> out_row[h]
     G: tl.constexpr = NH // NKV
     hd: tl.constexpr = 2 * HALF
     d = tl.arange(0, HALF)
-    row = qkv_ptr + m * (NH + 2 * NKV) * hd
     c1, c2 = tl.load(cos_ptr + d), tl.load(cos_ptr + HALF + d)
     s1, s2 = tl.load(sin_ptr + d), tl.load(sin_ptr + HALF + d)
     k1 = tl.load(row + (NH + kvh) * hd + d)
@@ -127,7 +123,6 @@ def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool
     v2 = tl.load(row + (NH + NKV + kvh) * hd + HALF + d)
     ty = k_pool_ptr.dtype.element_ty
     k1, k2, v1, v2 = k1.to(ty).to(tl.float32), k2.to(ty).to(tl.float32), v1.to(ty).to(tl.float32), v2.to(ty).to(tl.float32)
-    base = (m * NKV + kvh) * BS * hd
     tl.store(k_pool_ptr + base + pos * hd + d, k1.to(ty))
     tl.store(k_pool_ptr + base + pos * hd + HALF + d, k2.to(ty))
     tl.store(v_pool_ptr + base + pos * hd + d, v1.to(ty))
@@ -156,9 +151,39 @@ def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool
         inv = 1.0 / (tl.sum(pp, axis=0) + pn)
         o1 = (tl.sum(pp[:, None] * vp1, axis=0) + pn * v1) * inv
         o2 = (tl.sum(pp[:, None] * vp2, axis=0) + pn * v2) * inv
-        dst = out_ptr + (m * NH + h) * hd
+        dst = out_row + h * hd
         tl.store(dst + d, o1)
         tl.store(dst + HALF + d, o2)
+
+
+@triton.jit
+def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, pos, eps, scale,
+                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program (m, kv head) of a code-predictor pass at position `pos` (the same for every row; row
+    # m's scratch block is m and already holds positions 0..pos-1) -> out[m, h]
+    m = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    hd: tl.constexpr = 2 * HALF
+    _cp_attend_row(qkv_ptr + m * (NH + 2 * NKV) * hd, out_ptr + m * NH * hd, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                   k_pool_ptr, v_pool_ptr, (m * NKV + kvh) * BS * hd, pos, eps, scale, kvh, NH, NKV, BS, HALF)
+
+
+@triton.jit
+def _cp_attend0_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, eps, scale,
+                       NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program (stream b, kv head) of the first code-predictor pass: rows 2b and 2b + 1 at positions
+    # 0 and 1 of block b, one after the other (position 1 reads the K/V that position 0 stored)
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    hd: tl.constexpr = 2 * HALF
+    for p in tl.static_range(2):
+        _cp_attend_row(qkv_ptr + (2 * b + p) * (NH + 2 * NKV) * hd, out_ptr + (2 * b + p) * NH * hd, qn_ptr, kn_ptr,
+                       cos_ptr + p * hd, sin_ptr + p * hd, k_pool_ptr, v_pool_ptr, (b * NKV + kvh) * BS * hd, p, eps,
+                       scale, kvh, NH, NKV, BS, HALF)
+        if p == 0:
+            tl.debug_barrier()  # position 0's K/V stores before position 1's loads of them
 
 
 # warps per cp_attend program: they set its reductions' order, so one value for every batch size.
@@ -167,7 +192,7 @@ def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool
 CP_ATTEND_WARPS = 1
 
 
-def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale):
+def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, **launch):
     """qkv [M, (NH + 2 NKV) HD] fp32 at position `pos` of every row; cos/sin [HD] of that position;
     k_pool/v_pool [>= M, NKV, BS, HD] (row m's block is m) -> attention out [M, NH, HD] fp32."""
     m = qkv.shape[0]
@@ -175,7 +200,21 @@ def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, 
     out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
     _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
                                 NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS,
-                                **pdl.kw())
+                                **pdl.kw(), **launch)
+    return out
+
+
+def cp_attend0(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scale, **launch):
+    """The first code-predictor pass in one launch: qkv [2B, (NH + 2 NKV) HD] fp32, rows 2b and 2b + 1
+    stream b's positions 0 and 1; cos/sin [>= 2, HD] (positions 0, 1); k_pool/v_pool [>= B, NKV,
+    BS, HD] (stream b's block is b) -> attention out [2B, NH, HD] fp32 (cp_attend at pos 0, then 1)."""
+    m = qkv.shape[0]
+    hd = k_pool.shape[-1]
+    assert m % 2 == 0 and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == hd
+    out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
+    _cp_attend0_kernel[(m // 2, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, eps, scale, NH=nh, NKV=nkv,
+                                      BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS, **pdl.kw(),
+                                      **launch)
     return out
 
 
