@@ -102,11 +102,51 @@ def run_case(b: int, ctx: str) -> dict:
     return row
 
 
+def cp_attend_case() -> dict:
+    """The code predictor's fused attention (tk_glue.cp_attend at position 8, cp_attend0) at M = 1 /
+    16 / 64 / 256 streams, as launched and with a register cap (maxnreg; more programs resident,
+    the same instructions' results), each checked bitwise against the default launch."""
+    from tts_server.engines.batched import tk_glue as tg
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    nh, nkv, hd = 16, 8, 128
+    qn, kn = 1 + 0.1 * torch.randn(hd, device="cuda", generator=g), 1 + 0.1 * torch.randn(hd, device="cuda", generator=g)
+    cos, sin = torch.randn(16, hd, device="cuda", generator=g), torch.randn(16, hd, device="cuda", generator=g)
+    out = {}
+    for m in (1, 16, 64, 256):
+        qkv = torch.randn(2 * m, (nh + 2 * nkv) * hd, device="cuda", generator=g)
+        kp, vp = (torch.randn(m, nkv, 16, hd, device="cuda", generator=g) for _ in range(2))
+        row = {}
+        for name, fn in (("pos8", lambda **kw: tg.cp_attend(qkv[:m], qn, kn, cos[8:9], sin[8:9], kp, vp, 8, nh, nkv,
+                                                               1e-6, 0.088, **kw)),
+                         ("pass0", lambda **kw: tg.cp_attend0(qkv, qn, kn, cos[:2], sin[:2], kp, vp, nh, nkv, 1e-6,
+                                                              0.088, **kw))):
+            ref = fn()
+            for cap in (None, 128, 96, 64):
+                kw = {} if cap is None else {"maxnreg": cap}
+                key = f"{name}|maxnreg{cap}"
+                try:
+                    same = torch.equal(fn(**kw), ref)
+                    row[key] = round(graph_us(lambda: fn(**kw)), 2) if same else "NOT EQUAL"
+                except Exception as e:  # noqa: BLE001
+                    row[key] = repr(e)[:160]
+        out[m] = row
+        log(f"cp_attend M={m}", json.dumps(row))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
+    ap.add_argument("--sections", default="decode,cp")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if "cp" in a.sections.split(","):
+        res["cp_attend"] = cp_attend_case()
+    if "decode" not in a.sections.split(","):
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "attn_probe_cp.json").write_text(json.dumps(res, indent=1))
+        return
     # the copy rate of this card, as the ceiling
     x = torch.empty(2 ** 30 // 4, dtype=torch.float32, device="cuda")
     y = torch.empty_like(x)
