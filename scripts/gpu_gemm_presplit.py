@@ -7,7 +7,7 @@ checked bitwise against `_gemm` (reduced) at the same M and at M = 1; times are 
 replays with 8 weight copies in rotation (weights from HBM, as in a frame).
 
 Then `_gemm` itself with fp16 x (the frame's path since session 31) over its tiles per M bucket
-(X16_ONLY=1: that section only).
+(X16_ONLY=1: that section only; X16_SHAPES=o_proj,...: those products only).
 
   PYTHONPATH=. python3 scripts/gpu_gemm_presplit.py   # writes $OUT/gemm_presplit.json
 """
@@ -92,12 +92,12 @@ def x16_tiles() -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     out: dict = {}
     for name, kind, n, k in GEMMS:
-        if name not in FP16_SHAPES or name == "o_proj":  # o_proj's input (attention) stays fp32
+        if name not in FP16_SHAPES or name not in os.environ.get("X16_SHAPES", name):
             continue
         sw = kind == "swiglu"
         ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.03).half() for _ in range(COPIES)]
         w2s = [(torch.randn(n, k, device="cuda", generator=g) * 0.03).half() for _ in range(COPIES)] if sw else [None] * COPIES
-        reduce = name == "qkv" or sw
+        reduce = name == "qkv" or sw  # o_proj and the heads go out as K pieces in the frame
         for m in X16_MS:
             x = torch.randn(m, k, device="cuda", generator=g)
             x16 = x.half()

@@ -272,6 +272,8 @@ for pos in (1, 5, 15):  # the fused code-predictor pass (row m's scratch block i
     worst = max(worst, (a - b).abs().max().item(), (kp - kp2).abs().max().item(), (vp - vp2).abs().max().item())
     a1 = glue.cp_attend(qkv[:1], qn, kn, cos[:1], sin[:1], kp, vp, pos, nh, nkv, 1e-6, hd ** -0.5)
     same &= torch.equal(a1[0], a[0])
+    a16 = glue.cp_attend(qkv, qn, kn, cos[:1], sin[:1], kp, vp, pos, nh, nkv, 1e-6, hd ** -0.5, torch.float16)
+    same &= a16.dtype == torch.float16 and torch.equal(a16, a.half())  # the interpreter: no other layout
 # the first pass: rows 2b, 2b + 1 at positions 0, 1 of block b (stale values past them must not count)
 qkv6 = r(6, (nh + 2 * nkv) * hd)
 kp, vp = r(3, nkv, 16, hd), r(3, nkv, 16, hd)
@@ -284,6 +286,8 @@ v0 = qkv6[0::2, (nh + nkv) * hd:].reshape(3, nkv, 1, hd).expand(3, nkv, nh // nk
 same &= torch.equal(a[0::2], v0)  # position 0 attends to itself alone: its own v
 a1 = glue.cp_attend0(qkv6[2:4], qn, kn, cos[:2], sin[:2], kp[1:], vp[1:], nh, nkv, 1e-6, hd ** -0.5)
 same &= torch.equal(a1, a[2:4])
+a16 = glue.cp_attend0(qkv6, qn, kn, cos[:2], sin[:2], kp, vp, nh, nkv, 1e-6, hd ** -0.5, torch.float16)
+same &= a16.dtype == torch.float16 and torch.equal(a16, a.half())
 print("RESULT", worst, worst16, same)
 """
 

@@ -42,16 +42,23 @@ def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32
     return h
 
 
+def o_input_dtype(sp: StackParams) -> torch.dtype:
+    """The attention output's dtype: fp16 (rounded once, as the product would) when o_proj's
+    matrices are fp16, for half the bytes that its output tiles re-read; else fp32."""
+    return torch.float16 if sp.wo[0].dtype == torch.float16 else torch.float32
+
+
 def paged_attend(sp: StackParams, cos, sin, k_pools, v_pools, blk, off, table, lens) -> Callable:
     """attend() over a paged pool: q/k norm + RoPE + k/v store at pool[blk[m], :, off[m]] (glue),
     then ops.paged_attention over table / lens."""
     cfg = sp.cfg
     nh, nkv, eps, scale = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+    out_dtype = o_input_dtype(sp)
 
     def attend(i, qkv):
         q = glue.qk_rope_store(qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, k_pools[i], v_pools[i], blk, off,
                                nh, nkv, eps)
-        return ops.paged_attention(q, k_pools[i], v_pools[i], table, lens, scale)
+        return ops.paged_attention(q, k_pools[i], v_pools[i], table, lens, scale, out_dtype)
     return attend
 
 
@@ -122,7 +129,7 @@ class FrameStep:
             if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
                 attend = (lambda i, qkv: glue.cp_attend0(
                     qkv, sp.q_norm[i], sp.k_norm[i], self.cp_cos, self.cp_sin, self.cp_k[i], self.cp_v[i],
-                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale))
+                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, o_input_dtype(sp)))
             elif first:
                 attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
             elif not self.fused_cp:
@@ -130,7 +137,7 @@ class FrameStep:
             else:  # one new position per stream: norm + RoPE + store + attention in one launch
                 attend = (lambda i, qkv, k=k, cos=cos, sin=sin: glue.cp_attend(
                     qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
-                    cfg.num_kv_heads, cfg.rms_norm_eps, scale))
+                    cfg.num_kv_heads, cfg.rms_norm_eps, scale, o_input_dtype(sp)))
             # the final norm goes to the head only: fp16 when the head's matrix is
             h = stack_forward(x, sp, attend, final_fp32=p.predictor_heads[k].dtype != torch.float16)
             hk, head = h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k]

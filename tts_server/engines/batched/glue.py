@@ -67,46 +67,49 @@ def add_rms_torch(x, y, w, eps: float, out_dtype: torch.dtype = torch.float32) -
 
 def cp_attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               k_pool: torch.Tensor, v_pool: torch.Tensor, pos: int, nh: int, nkv: int, eps: float,
-              scale: float) -> torch.Tensor:
+              scale: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A code-predictor pass at position `pos` of every row, in one launch: q/k RMSNorm +
     RoPE, k/v stored at k_pool[m, :, pos] (row m's scratch block is m), attention of the new query
-    over positions 0..pos. qkv [M, (NH + 2 NKV) HD] fp32; cos/sin [1, HD] -> [M, NH, HD] fp32."""
+    over positions 0..pos. qkv [M, (NH + 2 NKV) HD] fp32; cos/sin [1, HD] -> [M, NH, HD] in out_dtype
+    (fp16 for an o_proj with fp16 matrices, see ops.paged_attention)."""
     if _use_triton(qkv):
         from .tk_glue import cp_attend as tk
 
-        return tk(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale)
-    return cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale)
+        return tk(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, out_dtype)
+    return cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, out_dtype)
 
 
 def cp_attend_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos: int, nh: int, nkv: int, eps: float,
-                    scale: float) -> torch.Tensor:
+                    scale: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     m, dev = qkv.shape[0], qkv.device
     rows = torch.arange(m, device=dev)
     q = qk_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, rows, torch.full_like(rows, pos),
                             nh, nkv, eps)
     lens = torch.full((m,), pos + 1, dtype=torch.int32, device=dev)
-    return ops.paged_attention(q, k_pool, v_pool, rows.to(torch.int32)[:, None], lens, scale)
+    return ops.paged_attention(q, k_pool, v_pool, rows.to(torch.int32)[:, None], lens, scale, out_dtype)
 
 
 def cp_attend0(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_pool: torch.Tensor, v_pool: torch.Tensor, nh: int, nkv: int, eps: float, scale: float) -> torch.Tensor:
+               k_pool: torch.Tensor, v_pool: torch.Tensor, nh: int, nkv: int, eps: float, scale: float,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The first code-predictor pass (two rows per stream: rows 2b, 2b + 1 at positions 0 and 1 of
     block b) in one launch instead of three (norm + RoPE + store, paged attention, its merge): as
     cp_attend at position 0 over rows 0::2, then at position 1 over rows 1::2. cos/sin [>= 2, HD]
-    -> [2B, NH, HD] fp32."""
+    -> [2B, NH, HD] in out_dtype."""
     if _use_triton(qkv):
         from .tk_glue import cp_attend0 as tk
 
-        return tk(qkv, q_norm, k_norm, cos[:2].contiguous(), sin[:2].contiguous(), k_pool, v_pool, nh, nkv, eps, scale)
-    return cp_attend0_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scale)
+        return tk(qkv, q_norm, k_norm, cos[:2].contiguous(), sin[:2].contiguous(), k_pool, v_pool, nh, nkv, eps, scale,
+                  out_dtype)
+    return cp_attend0_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scale, out_dtype)
 
 
 def cp_attend0_torch(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh: int, nkv: int, eps: float,
-                     scale: float) -> torch.Tensor:
-    out = torch.empty(qkv.shape[0], nh, k_pool.shape[-1], dtype=torch.float32, device=qkv.device)
+                     scale: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = torch.empty(qkv.shape[0], nh, k_pool.shape[-1], dtype=out_dtype, device=qkv.device)
     for p in (0, 1):
         out[p::2] = cp_attend_torch(qkv[p::2], q_norm, k_norm, cos[p:p + 1], sin[p:p + 1], k_pool, v_pool, p, nh, nkv,
-                                    eps, scale)
+                                    eps, scale, out_dtype)
     return out
 
 

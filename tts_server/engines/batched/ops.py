@@ -61,13 +61,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtyp
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One query per row. q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD] bf16|fp32;
     block_table [B, MAX_BLOCKS] int32; seq_lens [B] int32 -> [B, NH, HD] fp32 (GQA: head h reads
-    kv head h // (NH // NKV); rows with seq_len 0 give zeros)."""
+    kv head h // (NH // NKV); rows with seq_len 0 give zeros); out_dtype fp16: rounded once to
+    nearest even, for an o_proj with fp16 matrices (as rms_norm's out_dtype)."""
     if _use_triton(q):
-        return _kernels().paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
-    return ops_ref.paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+        return _kernels().paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale, out_dtype)
+    return ops_ref.paged_attention(q, k_pool, v_pool, block_table, seq_lens, scale).to(out_dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,

@@ -177,6 +177,8 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, NH, NSPLIT,
         acc = acc * a_old + tl.load(acc_ptr + (base + s) * HD + d, mask=dmask, other=0.0) * a_new
         m = m_new
     out = tl.where(used > 0, acc / tl.where(used > 0, l, 1.0), 0.0)
+    if out_ptr.dtype.element_ty == tl.float16:  # for an o_proj with fp16 matrices: rounded as it rounds x
+        out = out.to(tl.float16, fp_downcast_rounding="rtne")
     tl.store(out_ptr + (b * NH + h) * HD + d, out, mask=dmask)
 
 
@@ -188,9 +190,11 @@ def use_tensor_cores(k_pool: torch.Tensor, hd: int, split_len: int) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD]; block_table [B, MAX_BLOCKS]
-    int32; seq_lens [B] int32 -> [B, NH, HD] fp32. Grid fixed by (B, NKV, MAX_BLOCKS)."""
+    int32; seq_lens [B] int32 -> [B, NH, HD] fp32, or rounded to fp16 (out_dtype). Grid fixed by
+    (B, NKV, MAX_BLOCKS)."""
     b, nh, hd = q.shape
     nkv, block = k_pool.shape[1], k_pool.shape[2]
     max_blocks = block_table.shape[1]
@@ -206,7 +210,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     m = torch.empty((b, nh, nsplit), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, nh, nsplit, hd), dtype=torch.float32, device=q.device)
-    out = torch.empty((b, nh, hd), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, nh, hd), dtype=out_dtype, device=q.device)
     hd_p2 = triton.next_power_of_2(hd)
     if use_tensor_cores(k_pool, hd, pps * block):
         spp, stages = splits_per_program(b)

@@ -152,6 +152,9 @@ def _cp_attend_row(row, out_row, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_pool_ptr, v
         o1 = (tl.sum(pp[:, None] * vp1, axis=0) + pn * v1) * inv
         o2 = (tl.sum(pp[:, None] * vp2, axis=0) + pn * v2) * inv
         dst = out_row + h * hd
+        if out_row.dtype.element_ty == tl.float16:  # for an o_proj with fp16 matrices
+            o1 = o1.to(tl.float16, fp_downcast_rounding="rtne")
+            o2 = o2.to(tl.float16, fp_downcast_rounding="rtne")
         tl.store(dst + d, o1)
         tl.store(dst + HALF + d, o2)
 
@@ -192,26 +195,30 @@ def _cp_attend0_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_poo
 CP_ATTEND_WARPS = 1
 
 
-def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, **launch):
+def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, out_dtype=torch.float32,
+              **launch):
     """qkv [M, (NH + 2 NKV) HD] fp32 at position `pos` of every row; cos/sin [HD] of that position;
-    k_pool/v_pool [>= M, NKV, BS, HD] (row m's block is m) -> attention out [M, NH, HD] fp32."""
+    k_pool/v_pool [>= M, NKV, BS, HD] (row m's block is m) -> attention out [M, NH, HD] in out_dtype
+    (fp32, or fp16 rounded to nearest even for an o_proj with fp16 matrices)."""
     m = qkv.shape[0]
     hd = k_pool.shape[-1]
-    out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(m, nh, hd, dtype=out_dtype, device=qkv.device)
     _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
                                 NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS,
                                 **pdl.kw(), **launch)
     return out
 
 
-def cp_attend0(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scale, **launch):
+def cp_attend0(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scale, out_dtype=torch.float32,
+               **launch):
     """The first code-predictor pass in one launch: qkv [2B, (NH + 2 NKV) HD] fp32, rows 2b and 2b + 1
     stream b's positions 0 and 1; cos/sin [>= 2, HD] (positions 0, 1); k_pool/v_pool [>= B, NKV,
-    BS, HD] (stream b's block is b) -> attention out [2B, NH, HD] fp32 (cp_attend at pos 0, then 1)."""
+    BS, HD] (stream b's block is b) -> attention out [2B, NH, HD] in out_dtype (cp_attend at pos 0,
+    then 1)."""
     m = qkv.shape[0]
     hd = k_pool.shape[-1]
     assert m % 2 == 0 and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == hd
-    out = torch.empty(m, nh, hd, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(m, nh, hd, dtype=out_dtype, device=qkv.device)
     _cp_attend0_kernel[(m // 2, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, eps, scale, NH=nh, NKV=nkv,
                                       BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS, **pdl.kw(),
                                       **launch)
