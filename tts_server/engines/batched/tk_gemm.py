@@ -76,8 +76,8 @@ BY_M_FP16: dict[tuple[str, int, int], tuple] = {
 # x fp16 with these tiles): q|k|v 6.2 -> 5.5 at 16 rows, 8.0 -> 5.5 at 64, 9.4 -> 6.4 at 128,
 # 11.3 -> 8.6 at 256; gate|up 7.0 -> 6.3, 9.0 -> 7.0, 11.7 -> 8.5, 15.6 -> 11.8; the code-predictor
 # heads 3.6 -> 3.2, 5.2 -> 3.6, 6.3 -> 4.5, 7.4 -> 6.2; o_proj (its input the attention's output,
-# gemm_x16_tiles_o_proj.json) 3.8 -> 3.4, 5.3 -> 3.9, 6.8 -> 4.9, 8.0 -> 6.5. None: BY_M_FP16's tile
-# (the same there, or its own the fastest).
+# gemm_x16_tiles_o_proj.json) 3.8 -> 3.4, 5.3 -> 3.9, 6.8 -> 4.9, 8.0 -> 6.5. None: these rows take
+# BY_M_FP16's tile (the sweep's fastest there too).
 BY_M_X16: dict[tuple[str, int, int], tuple] = {
     ("linear", 1024, 2048): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (512, None)),
     ("linear", 4096, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
