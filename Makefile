@@ -65,9 +65,12 @@ soak: setup
 	@mkdir -p out
 	$(BIN)/tts-soak --minutes $(SOAK_MINUTES) --json out/soak.json
 
-# The megakernel's own benchmark (GPU): copy bandwidth, talker/predictor/frame times vs torch.
+# The kernels' benchmarks (GPU): the megakernel's (copy bandwidth, talker/predictor/frame times vs
+# torch), then the batched engine's frame against B = 1..256 at talker contexts 100, 1000 and mixed
+# (graph replay ms, frames/s, GB/s of weights + KV, TFLOP/s; JSON in out/batched-frames/).
 bench-kernel: kernel
 	$(BIN)/python scripts/bench_kernel.py
+	$(BIN)/python scripts/gpu_batched_engine.py --sections bench --out out/batched-frames
 
 # The megakernel's full evidence run on a GPU machine: build, correctness, sanitizers, benchmark.
 kernel-gpu-check:
