@@ -110,6 +110,31 @@ def test_sampled_codes_invariant_to_neighbours_slot_and_row(weights, prompts, kv
     assert not np.array_equal(a, b)
 
 
+def test_fp16_matrices_hand_fp16_inputs_to_every_product_and_stay_invariant(weights, prompts, monkeypatch):
+    """With fp16 GEMM matrices (the default on a GPU) the frame's norms and attention outputs go to
+    q|k|v, o_proj, gate|up and the code-predictor heads in fp16 (rounded once by their producer),
+    the final talker state stays fp32, and a seeded stream's codes stay the same alone and among
+    others (CPU: the ops' torch references over fp16 inputs)."""
+    from tts_server.engines.batched import ops
+
+    monkeypatch.setenv("TTS_GEMM_DTYPE", "fp16")
+    seen = []
+    for name in ("linear", "linear_parts", "swiglu"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda x, *a, _real=real, _name=name: seen.append((_name, x.dtype, a[0].dtype))
+                            or _real(x, *a))
+    eng = _engine(weights)
+    assert eng.p.talker.wqkv[0].dtype == torch.float16
+    res = checks.invariance(eng, prompts[0], SamplingConfig(seed=99), sizes=(1, 3), frames=3, neighbour_len=(5, 30))
+    assert all(r["codes_equal"] for r in res.values()), res
+    fp16_in = {n for n, xd, wd in seen if xd == torch.float16}
+    assert fp16_in == {"linear", "linear_parts", "swiglu"}, seen[:8]
+    # fp16 x only ever meets fp16 matrices; the down projection (bf16) keeps fp32 x
+    assert all(wd == torch.float16 for _, xd, wd in seen if xd == torch.float16)
+    assert any(wd == torch.bfloat16 and xd == torch.float32 for _, xd, wd in seen)
+    assert eng.state.past_hidden.dtype == torch.float32
+
+
 def test_paged_kv_blocks_follow_length_and_come_back(weights, prompts):
     """Blocks are taken as positions grow (one per block_size positions) and all return on release."""
     bs = 4
