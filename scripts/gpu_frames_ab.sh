@@ -6,7 +6,7 @@
 # stream's admission + first frame; the codes and hidden states of 64 and of 4 admissions over 16
 # sampled frames, saved as sigs.npz), then those signatures compared across the trees (equal: the
 # same bits), and each tree's engine digest (DIGEST=0: not). PRE_TESTS: GPU tests of this tree
-# first. Results under $OUT/{base,new}-<round>/.
+# first. Results: $OUT/{base,new}-<round>.log and, packed in $OUT/rounds.tar.gz, {base,new}-<round>/.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 SIZES=${SIZES:-1,16,64,128,256}
@@ -46,3 +46,8 @@ try:
 except Exception as e:  # a tree that failed has no signatures
     print("signatures:", repr(e))
 PYEOF
+# the rounds' folders (JSON and signatures) in one archive: the device tool returns a few files only
+dirs=$(cd "$OUT" && find . -maxdepth 1 -type d \( -name 'base-*' -o -name 'new-*' \) -printf '%f\n' | sort)
+if [ -n "$dirs" ]; then
+  (cd "$OUT" && tar czf rounds.tar.gz $dirs && rm -rf $dirs) && echo "rounds: $OUT/rounds.tar.gz"
+fi
