@@ -9,13 +9,7 @@
 # Results: $OUT/{base,new}/*.json, $OUT/digest-{base,new}.txt, tables on stdout.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-echo "base $BASE, new ${COMMIT:-?}" | tee -a "$OUT/env.txt"
-if [ -n "${PRE_TESTS:-}" ]; then
-  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu $PRE_TESTS \
-    -p no:cacheprovider > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "passed|failed|error|FAILED|Error" "$OUT/tests.log" | tail -12
-fi
+ab_start
 if [ "${ATTN:-0}" = 1 ]; then
   for tree in base new; do
     dir=$([ $tree = base ] && echo "$BASE" || echo .)
@@ -24,12 +18,7 @@ if [ "${ATTN:-0}" = 1 ]; then
     echo "== $tree attention"; grep -E "B[0-9]+\||accuracy" "$OUT/attention-$tree.log"
   done
 fi
-for tree in base new; do
-  [ "${DIGEST:-1}" = 0 ] && break
-  dir=$([ $tree = base ] && echo "$BASE" || echo .)
-  (cd "$dir" && timeout 200 $PY "$ROOT/scripts/interp_engine_digest.py" --device cuda) > "$OUT/digest-$tree.txt" 2>&1
-  echo "$tree: $(grep DIGEST "$OUT/digest-$tree.txt" || tail -3 "$OUT/digest-$tree.txt")"
-done
+ab_digests
 for tree in base new; do
   dir=$([ $tree = base ] && echo "$BASE" || echo .)
   timeout 200 $PY "$dir/scripts/gpu_batched_engine.py" --sections bench --out "$OUT/$tree" > "$OUT/bench-$tree.log" 2>&1

@@ -47,3 +47,26 @@ with tarfile.open(dst, "w:gz") as tar:
 print(f"triton cache: {len(os.listdir(src))} entries, {os.path.getsize(dst) / 2**20:.1f} MiB packed")
 PYEOF
 }
+# Same-call A/Bs of two trees (gpu_engine_ab.sh, gpu_frames_ab.sh; BASE: the other tree's folder).
+# ab_start: the machine and the trees into $OUT/env.txt, then PRE_TESTS (GPU tests of this tree, a
+# pytest file list; TEST_TIMEOUT) into $OUT/tests.log. ab_digests: each tree's engine digest
+# (interp_engine_digest.py: 8 admissions x 48 frames; equal = the same bits) into
+# $OUT/digest-{base,new}.txt; DIGEST=0 skips it.
+ab_start() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+  echo "base $BASE, new ${COMMIT:-?}" | tee -a "$OUT/env.txt"
+  if [ -n "${PRE_TESTS:-}" ]; then
+    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu $PRE_TESTS \
+      -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|error|FAILED|Error" "$OUT/tests.log" | tail -12
+  fi
+}
+ab_digests() {
+  [ "${DIGEST:-1}" = 0 ] && return
+  local tree dir
+  for tree in base new; do
+    dir=$([ $tree = base ] && echo "$BASE" || echo .)
+    (cd "$dir" && timeout 200 $PY "$ROOT/scripts/interp_engine_digest.py" --device cuda) > "$OUT/digest-$tree.txt" 2>&1
+    echo "$tree: $(grep DIGEST "$OUT/digest-$tree.txt" || tail -3 "$OUT/digest-$tree.txt")"
+  done
+}

@@ -11,19 +11,8 @@ source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 SIZES=${SIZES:-1,16,64,128,256}
 ROUNDS=${ROUNDS:-2}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-echo "base $BASE, new ${COMMIT:-?}" | tee -a "$OUT/env.txt"
-if [ -n "${PRE_TESTS:-}" ]; then
-  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu $PRE_TESTS \
-    -p no:cacheprovider > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "passed|failed|error|FAILED|Error" "$OUT/tests.log" | tail -12
-fi
-for tree in base new; do  # the engine digest (scripts/interp_engine_digest.py): 8 admissions x 48 frames
-  [ "${DIGEST:-1}" = 0 ] && break
-  dir=$([ $tree = base ] && echo "$BASE" || echo .)
-  (cd "$dir" && timeout 200 $PY "$ROOT/scripts/interp_engine_digest.py" --device cuda) > "$OUT/digest-$tree.txt" 2>&1
-  echo "$tree: $(grep DIGEST "$OUT/digest-$tree.txt" || tail -3 "$OUT/digest-$tree.txt")"
-done
+ab_start
+ab_digests
 for r in $(seq "$ROUNDS"); do
   for tree in base new; do
     dir=$([ $tree = base ] && echo "$BASE" || echo .)
