@@ -123,6 +123,7 @@ class FrameStep:
         cfg = sp.cfg
         scale = cfg.head_dim ** -0.5
         err = p.ids.num_code_groups + 1
+        att_dtype = o_input_dtype(sp)
         x = self._cp_in(x0)  # [2B, Hp]
         for k in range(p.num_passes):
             first = k == 0
@@ -130,7 +131,7 @@ class FrameStep:
             if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
                 attend = (lambda i, qkv: glue.cp_attend0(
                     qkv, sp.q_norm[i], sp.k_norm[i], self.cp_cos, self.cp_sin, self.cp_k[i], self.cp_v[i],
-                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, o_input_dtype(sp)))
+                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
             elif first:
                 attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
             elif not self.fused_cp:
@@ -138,7 +139,7 @@ class FrameStep:
             else:  # one new position per stream: norm + RoPE + store + attention in one launch
                 attend = (lambda i, qkv, k=k, cos=cos, sin=sin: glue.cp_attend(
                     qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
-                    cfg.num_kv_heads, cfg.rms_norm_eps, scale, o_input_dtype(sp)))
+                    cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
             # the final norm goes to the head only: fp16 when the head's matrix is
             h = stack_forward(x, sp, attend, final_fp32=p.predictor_heads[k].dtype != torch.float16)
             hk, head = h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k]
