@@ -71,11 +71,11 @@ def run_case(b: int, ctx: str) -> dict:
     grid = (b, NKV, triton.cdiv(nsplit, spp))
     qr = max(16, triton.next_power_of_2(NH // NKV))
 
-    def split(terms=ta.TC_TERMS, spp_=spp, stages_=stages):
-        g = (b, NKV, triton.cdiv(nsplit, spp_))
+    def split(terms=ta.TC_TERMS, spp_=spp, stages_=stages, kv_major=False):
+        g = (NKV, b, triton.cdiv(nsplit, spp_)) if kv_major else (b, NKV, triton.cdiv(nsplit, spp_))
         ta._attn_split_tc_kernel[g](q, kp, vp, bt, lens, m, l, acc, 0.088, max_blocks, nsplit, NKV=NKV,
                                     G=NH // NKV, BLOCK=BLOCK, PPS=pps, HD=HD, SPP=spp_, QR=qr, TERMS=terms,
-                                    STAGES=stages_, INTERPRET=False, num_warps=warps, GDC=False)
+                                    STAGES=stages_, INTERPRET=False, num_warps=warps, GDC=False, KV_MAJOR=kv_major)
 
     def combine():
         ta._attn_combine_kernel[(b, NH)](m, l, acc, lens, out, NH, nsplit, SPLIT_LEN=pps * BLOCK, HD=HD,
@@ -88,7 +88,7 @@ def run_case(b: int, ctx: str) -> dict:
                                  STAGES=stages_, num_warps=warps_)
 
     row = {}
-    for name, fn in (("full", lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088)), ("split", split),
+    for name, fn in (("full", lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088)), ("split", split), ("split_kv_major", lambda: split(kv_major=True)),
                      ("combine", combine), ("split_2terms", lambda: split(2)), ("loads_only", loads),
                      ("loads_only_3stages", lambda: loads(3)), ("loads_only_8warps", lambda: loads(2, 8)),
                      ("split_spp1", lambda: split(spp_=1, stages_=1))):

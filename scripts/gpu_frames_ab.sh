@@ -4,7 +4,8 @@
 # .base && cp -r scripts .base/`) and this tree. ROUNDS alternating rounds of gpu_pdl_ab.py's
 # default variant per tree (a fresh engine: graph-replay frame at B = SIZES, mixed contexts; one
 # stream's admission + first frame; the codes and hidden states of 64 and of 4 admissions over 16
-# sampled frames, saved as sigs.npz), then those signatures compared across the trees (equal: the
+# sampled frames, saved as sigs.npz; VARIANTS: gpu_pdl_ab.py's, default first), then those signatures
+# compared across the trees (equal: the
 # same bits), and each tree's engine digest (DIGEST=0: not). PRE_TESTS: GPU tests of this tree
 # first. Results: $OUT/{base,new}-<round>.log and, packed in $OUT/rounds.tar.gz, {base,new}-<round>/.
 source "$(dirname "$0")/gpu_env.sh"
@@ -16,9 +17,9 @@ ab_digests
 for r in $(seq "$ROUNDS"); do
   for tree in base new; do
     dir=$([ $tree = base ] && echo "$BASE" || echo .)
-    timeout "${RUN_TIMEOUT:-280}" $PY "$dir/scripts/gpu_pdl_ab.py" --variants default --sizes "$SIZES" \
+    timeout "${RUN_TIMEOUT:-280}" $PY "$dir/scripts/gpu_pdl_ab.py" --variants "${VARIANTS:-default}" --sizes "$SIZES" \
       --out "$OUT/$tree-$r" > "$OUT/$tree-$r.log" 2>&1
-    echo "== $tree round $r (rc $?)"; grep -E "B +[0-9]+ mixed|admission of" "$OUT/$tree-$r.log"
+    echo "== $tree round $r (rc $?)"; grep -E "\] == |B +[0-9]+ mixed|admission of" "$OUT/$tree-$r.log"
   done
 done
 $PY - "$OUT" "$ROUNDS" <<'PYEOF'

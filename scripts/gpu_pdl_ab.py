@@ -44,6 +44,11 @@ VARIANTS.update({f"rows{n}": ({"TTS_PDL": "1"}, n) for n in (16, 32, 64, 128)}) 
 # up to N rows (prefill.PDL_MAX_ROWS)
 PREFILL_ROWS = {f"pf{n}": n for n in (128, 256, 512, 1 << 30)}
 VARIANTS.update({name: ({"TTS_PDL": "1"}, None) for name in PREFILL_ROWS})
+# the decode attention's programs in (row, kv head) order instead of (kv head, row) (tk_attention;
+# run it after the variants that expect the default)
+VARIANTS["kvminor"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "0", "TTS_ATTN_TC_TERMS": "2"}, None)
+# and with 3 bf16 parts of q and of the softmax weights instead of 2 (tk_attention.TC_TERMS)
+VARIANTS["terms3"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "1", "TTS_ATTN_TC_TERMS": "3"}, None)
 
 
 def admissions(eng, counts=(4, 16, 64), length: int = 60) -> dict:
