@@ -18,7 +18,7 @@ from tts_server.model.sampler import repetition_penalty_, talker_mask_, warp
 ROOT = Path(__file__).resolve().parents[1]
 LIN_TOL = 2e-5     # linear / swiglu: max |err| / max |ref| against fp64 on the same (bf16) weights
 F32_TOL = 2e-6     # rms_norm / attention over fp32 KV (CUDA cores)
-TC_TOL = 1e-5      # attention over bf16 KV: exact products on tensor cores, whose fp32 sums round more
+TC_TOL = 1e-5      # attention over bf16 KV on tensor cores: q and the softmax weights as 2 bf16 parts (~4e-6)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -108,6 +108,23 @@ def check_accuracy(ops, dev: str) -> dict:
         out16 = ops.paged_attention(*case, 0.17, torch.float16)
         assert out16.dtype == torch.float16 and torch.equal(out16, out.half()), kv
     return res
+
+
+def check_attention_program_order(ops, dev: str) -> None:
+    """The decode attention's (kv head, row) program order (large B) computes the same bits as the
+    (row, kv head) order: the same programs, launched in another order."""
+    from tts_server.engines.batched import tk_attention
+
+    case = attn_case(5, 4, 2, 32, 8, 7, [0, 1, 13, 56, 40], 11, dev, torch.bfloat16)
+    before = tk_attention.KV_MAJOR_MIN_B
+    try:
+        outs = []
+        for min_b in (1 << 30, 1):
+            tk_attention.KV_MAJOR_MIN_B = min_b
+            outs.append(ops.paged_attention(*case, 0.17))
+    finally:
+        tk_attention.KV_MAJOR_MIN_B = before
+    assert torch.equal(outs[0], outs[1])
 
 
 def check_talker_process(ops, dev: str) -> None:
@@ -389,6 +406,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     if dev != "cpu":  # the interpreter's dots round by their shapes, so only a GPU can say
         check_gemm_buckets(dev)
     check_copy_prefix(dev)
+    check_attention_program_order(ops, dev)
     check_talker_process(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)

@@ -25,17 +25,25 @@ PRECISION: tl.constexpr = tl.constexpr("ieee" if _INTERPRET else "tf32x3")
 CONFIG = {2: (64, 4), 4: (64, 4)}
 OVERRIDE: dict[int, tuple[int, int]] = {}
 # bf16 pools: the split's two products on tensor cores (TC_TERMS bf16 parts of the fp32 q and of
-# the softmax weights: 3 parts hold an fp32 value exactly, so every product is exact and only the
-# fp32 sums round; the tensor cores' fp32 sums round a little more coarsely: max error 2.2e-6 of
-# the largest output vs fp64, the CUDA cores' 2e-7). 1.6-1.7x faster than the CUDA-core kernel
-# at B >= 64 (benchmarks/results/h100-attention-*.json). Splits per program (SPP) by batch
+# the softmax weights: 3 parts would hold an fp32 value exactly; 2 hold 16 significant bits, a
+# relative error of at most 2^-17 per value, ~250x below the bf16 rounding of the stored K/V
+# that they multiply, and 5-6% faster at B = 256 (one dot in three fewer per product,
+# benchmarks/results/h200-s31/attn_probe.json: 173 -> 165 us a layer); the tensor cores' fp32 sums
+# round a little more coarsely than the CUDA cores'). 1.6-1.7x faster than the CUDA-core kernel
+# at B >= 64 (benchmarks/results/h100-attention-*.json). TTS_ATTN_TC_TERMS (2 or 3, read per
+# call): A/B variants. Splits per program (SPP) by batch
 # size: a program walks SPP consecutive splits of one (row, kv head), each split's math and
 # stores unchanged, so the bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP
 # may follow B; fewer programs find nothing to do. A walk of several splits is software-pipelined
 # in 2 stages (the next split's K/V loads in flight during this one's math; instruction order
 # only, so no bits move either). (max B, SPP, stages), from the same sweep: B = 256 at mixed
 # contexts 240 -> 214 us a layer with the 2 stages.
-TC_TERMS = 3
+TC_TERMS = 2
+# grids of at least this many rows in (kv head, row, c) order: the programs launched together then
+# read one page's kv heads, side by side in the pool. The same programs, so the same bits at any
+# B. Same-call A/Bs on an H200 (benchmarks/results/h200-s32/): B = 256 frames 0.6-0.7% faster,
+# B = 128 0.3-0.4% slower, B <= 64 within 0.2%. TTS_ATTN_KV_MAJOR=0 (read per call): never.
+KV_MAJOR_MIN_B = 129
 SPP_BY_B: tuple[tuple[int, int, int], ...] = ((16, 1, 1), (128, 4, 2), (1 << 30, 8, 2))
 TENSOR_CORES = os.environ.get("TTS_ATTN_TC", "1") != "0"
 # a split no longer than the block table (the code predictor's first pass: 1 page of 16 positions
@@ -78,13 +86,18 @@ def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, ac
                           MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                           PPS: tl.constexpr, HD: tl.constexpr, SPP: tl.constexpr, QR: tl.constexpr,
                           TERMS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-                          GDC: tl.constexpr):
+                          GDC: tl.constexpr, KV_MAJOR: tl.constexpr = False):
     pdl.enter(GDC)
     # program (b, kv head, c): splits c*SPP .. c*SPP+SPP-1 (those holding positions) of row b for
     # the G query heads of this kv head (padded to QR rows for the tensor cores) -> per split the
     # partial max m, sum l and unnormalised acc [HD] per query head, as _attn_split_kernel.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # KV_MAJOR: the grid is (kv head, b, c) (see KV_MAJOR_MIN_B).
+    if KV_MAJOR:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     c = tl.program_id(2)
     n = tl.load(len_ptr + b)
     SPLIT_LEN: tl.constexpr = PPS * BLOCK
@@ -214,10 +227,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hd_p2 = triton.next_power_of_2(hd)
     if use_tensor_cores(k_pool, hd, pps * block):
         spp, stages = splits_per_program(b)
-        _attn_split_tc_kernel[(b, nkv, triton.cdiv(nsplit, spp))](
+        kv_major = b >= KV_MAJOR_MIN_B and os.environ.get("TTS_ATTN_KV_MAJOR", "1") != "0"
+        terms = int(os.environ.get("TTS_ATTN_TC_TERMS", TC_TERMS))
+        assert terms in (2, 3), terms
+        _attn_split_tc_kernel[(nkv, b, triton.cdiv(nsplit, spp)) if kv_major else (b, nkv, triton.cdiv(nsplit, spp))](
             q, k_pool, v_pool, bt, lens, m, l, acc, float(scale), max_blocks, nsplit, NKV=nkv, G=nh // nkv,
             BLOCK=block, PPS=pps, HD=hd, SPP=spp, QR=max(16, triton.next_power_of_2(nh // nkv)),
-            TERMS=TC_TERMS, STAGES=stages, INTERPRET=_INTERPRET, num_warps=warps, **pdl.kw())
+            TERMS=terms, STAGES=stages, INTERPRET=_INTERPRET, num_warps=warps, KV_MAJOR=kv_major, **pdl.kw())
     else:
         _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                              max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
