@@ -7,8 +7,8 @@
              kernel's bits across splits-per-program values (must be equal)
   frames     graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts; 256 also at 1000)
              with each attention kernel
-  profile    one eager frame at B 1 / 64 / 256 under the torch profiler: GPU time per (kernel,
-             grid), largest first
+  profile    one eager frame at B 1 / 64 / 256 (PROFILE_SIZES) under the torch profiler: GPU time
+             per (kernel, grid), largest first
 
   PYTHONPATH=. python3 scripts/gpu_frame_profile.py --out $OUT [--sections attention,frames,profile]
 """
@@ -190,7 +190,7 @@ def profile(w) -> dict:
 
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1, use_graphs=False)
     out = {}
-    for b in (1, 64, 256):
+    for b in [int(x) for x in os.environ.get("PROFILE_SIZES", "1,64,256").split(",")]:
         slots = fake_admit(eng, mixed_lengths(b), margin=8)
         rows = torch.tensor(slots, device="cuda")
         eng.kv.sync()
