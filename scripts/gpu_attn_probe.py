@@ -2,7 +2,8 @@
 """Where the talker's decode attention spends its time at large B (issue 16): the tensor-core
 split kernel and its combine timed apart, against a kernel that walks the same programs and pages
 but only loads K/V (the access pattern's own memory bound) and the split kernel with 2 instead of 3
-bf16 parts (its tensor-core share). Graph replays, median us per layer, K/V GB/s.
+bf16 parts (its tensor-core share); with --sections spp, splits per program and stages at
+B = 4..128. Graph replays, median us per layer, K/V GB/s.
 
   PYTHONPATH=. python3 scripts/gpu_attn_probe.py --out $OUT
 """
@@ -135,6 +136,31 @@ def cp_attend_case() -> dict:
     return out
 
 
+def spp_case() -> dict:
+    """The decode attention (split + merge, ops.paged_attention) at B = 4..128, mixed contexts,
+    4,096-position tables (the server's default), with each (splits per program, stages): graph
+    replay us, each output checked bitwise against the default's."""
+    out = {}
+    default = ta.SPP_BY_B
+    try:
+        for b in (4, 8, 16, 32, 64, 128):
+            lengths = mixed_lengths(b)
+            q, kp, vp, bt, lens = attn_inputs(b, lengths, 4096 // BLOCK, seed=b)
+            ta.SPP_BY_B = default
+            ref = ops.paged_attention(q, kp, vp, bt, lens, 0.088)
+            row = {"default": list(ta.splits_per_program(b))}
+            for spp, stages in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2)):
+                ta.SPP_BY_B = ((1 << 30, spp, stages),)
+                same = torch.equal(ops.paged_attention(q, kp, vp, bt, lens, 0.088), ref)
+                us = graph_us(lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088))
+                row[f"spp{spp}_st{stages}"] = round(us, 2) if same else "NOT EQUAL"
+            out[b] = row
+            log(f"spp B={b}", json.dumps(row))
+    finally:
+        ta.SPP_BY_B = default
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
@@ -143,9 +169,11 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     if "cp" in a.sections.split(","):
         res["cp_attend"] = cp_attend_case()
+    if "spp" in a.sections.split(","):
+        res["spp"] = spp_case()
     if "decode" not in a.sections.split(","):
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "attn_probe_cp.json").write_text(json.dumps(res, indent=1))
+        (Path(a.out) / "attn_probe_parts.json").write_text(json.dumps(res, indent=1))
         return
     # the copy rate of this card, as the ceiling
     x = torch.empty(2 ** 30 // 4, dtype=torch.float32, device="cuda")

@@ -37,14 +37,16 @@ OVERRIDE: dict[int, tuple[int, int]] = {}
 # may follow B; fewer programs find nothing to do. A walk of several splits is software-pipelined
 # in 2 stages (the next split's K/V loads in flight during this one's math; instruction order
 # only, so no bits move either). (max B, SPP, stages), from the same sweep: B = 256 at mixed
-# contexts 240 -> 214 us a layer with the 2 stages.
+# contexts 240 -> 214 us a layer with the 2 stages; B = 32 with (2, 2): 32.9 -> 31.3 us (H200,
+# benchmarks/results/h200-s32/attn_probe_spp.json, where 1 / 1 stayed best up to 16 rows and
+# 4 / 2 at 64 and 128).
 TC_TERMS = 2
 # grids of at least this many rows in (kv head, row, c) order: the programs launched together then
 # read one page's kv heads, side by side in the pool. The same programs, so the same bits at any
 # B. Same-call A/Bs on an H200 (benchmarks/results/h200-s32/): B = 256 frames 0.6-0.7% faster,
 # B = 128 0.3-0.4% slower, B <= 64 within 0.2%. TTS_ATTN_KV_MAJOR=0 (read per call): never.
 KV_MAJOR_MIN_B = 129
-SPP_BY_B: tuple[tuple[int, int, int], ...] = ((16, 1, 1), (128, 4, 2), (1 << 30, 8, 2))
+SPP_BY_B: tuple[tuple[int, int, int], ...] = ((16, 1, 1), (32, 2, 2), (128, 4, 2), (1 << 30, 8, 2))
 TENSOR_CORES = os.environ.get("TTS_ATTN_TC", "1") != "0"
 # a split no longer than the block table (the code predictor's first pass: 1 page of 16 positions
 # and <= 2 keys, where a 64-position split is 4x the work). A call site's table width never
