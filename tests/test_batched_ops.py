@@ -327,20 +327,50 @@ def check_split_sum_fused(ops, dev: str, shapes=((64, 2048), (48, 3072))) -> Non
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k, m)
 
 
-def check_embed_sum(dev: str) -> None:
-    """glue.embed_sum (one launch) is bitwise the frame's loop of lookups and fp32 adds."""
+def check_advance_glue(dev: str) -> None:
+    """glue.advance_inputs / advance_commit (one launch each) are bitwise their torch forms: the
+    gathers, the input row (code 0's embedding + 15 groups' + the text track, both of its
+    branches, fp32 adds in order), the KV addresses; the commit's state, padding rows at the
+    scratch slot changing nothing but `seen`."""
     from tts_server.engines.batched import glue
 
-    g = _gen(11)
-    tab = torch.randn(15, 50, 96, generator=g).bfloat16()
-    e0 = torch.randn(7, 96, generator=g)
-    codes = torch.randint(0, 50, (7, 15), generator=g, dtype=torch.int32)
-    want = e0
-    for k in range(15):
-        want = want + tab[k][codes[:, k].long()].float()
-    assert torch.equal(glue.embed_sum(e0.to(dev), tab.to(dev), codes.to(dev)).cpu(), want)
-    one = glue.embed_sum(None, tab[3:4].to(dev), codes[:, 3:4].to(dev)).cpu()
-    assert torch.equal(one, tab[3][codes[:, 3].long()].float())
+    g = _gen(31)
+    ns, h, v, k, mt, mb, bs = 9, 40, 50, 15, 6, 8, 4
+    fields = (0, 1, 2, 3, 4, 9)  # POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM
+    ints = torch.randint(0, v, (10, ns), generator=g, dtype=torch.int32)
+    ints[0] = torch.randint(0, mb * bs - 1, (ns,), generator=g, dtype=torch.int32)
+    # text step vs vectors given (of 6 at most): before, at and past the end
+    ints[3] = torch.tensor([0, 2, 5, 7, 2, 9, 3, 0, 4], dtype=torch.int32)
+    ints[4] = torch.tensor([3, 3, 6, 6, 2, 2, 1, 1, 5], dtype=torch.int32)
+    floats = torch.rand(5, ns, generator=g)
+    seed = torch.randint(-2 ** 62, 2 ** 62, (ns,), generator=g)
+    emb = torch.randn(v, h, generator=g).to(torch.bfloat16)
+    tables = torch.randn(k, v, h, generator=g).to(torch.bfloat16)
+    out = torch.randint(0, v, (7, 18), generator=g, dtype=torch.int32)
+    trailing = torch.randn(ns, mt, h, generator=g).to(torch.bfloat16)
+    pad = torch.randn(ns, h, generator=g).to(torch.bfloat16)
+    table = torch.randint(0, 100, (ns, mb), generator=g, dtype=torch.int32)
+    rows = torch.tensor([4, 0, 8, 2, 6, 8, 8])  # slot 8: the scratch slot (graph padding)
+    res = []
+    for d, fn in ((dev, glue.advance_inputs), ("cpu", glue.advance_inputs_torch)):
+        args = [t.to(d) for t in (rows, ints, floats, seed, emb, tables, out[:, 1:16], trailing, pad, table)]
+        res.append([t.cpu() for t in fn(*args, bs, (0, 5, 6), (0, 1, 2), fields)])
+    for a, b in zip(*res):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    assert res[1][4].tolist() != [-1] * 7 and -1 in res[1][4].tolist()  # the EOS gate both ways
+    hidden = torch.randn(7, h, generator=g)
+    codes = torch.randint(0, v, (7,), generator=g, dtype=torch.int32)
+    states = []
+    for d, fn in ((dev, glue.advance_commit), ("cpu", glue.advance_commit_torch)):
+        st = [t.clone().to(d) for t in (ints, torch.randn(ns, h, generator=_gen(5)), torch.zeros(ns, v, dtype=torch.uint8))]
+        fn(rows.to(d), codes.to(d), hidden.to(d), *st, 8, fields[:4])
+        states.append([t.cpu() for t in st])
+    for a, b in zip(*states):
+        assert torch.equal(a, b)
+    new_ints, past, seen = states[1]
+    assert torch.equal(new_ints[:4, 8], torch.zeros(4, dtype=torch.int32))
+    assert torch.equal(new_ints[0, 4], ints[0, 4] + 1) and int(new_ints[1, 4]) == int(codes[0])
+    assert torch.equal(past[4], hidden[0]) and int(seen.sum()) == len(set(zip(rows.tolist(), codes.tolist())))
 
 
 def check_gemm_big(dev: str) -> None:
@@ -398,7 +428,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
 
     res = check_accuracy(ops, dev)
     res["prefill_attention"] = check_prefill_attention(ops, dev)
-    check_embed_sum(dev)
+    check_advance_glue(dev)
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)

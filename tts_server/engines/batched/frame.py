@@ -13,7 +13,7 @@ from ...model.lm import rope_cos_sin
 from . import glue, ops
 from .kv_pool import PagedKV
 from .params import FrameParams, StackParams
-from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, NUM_STEP_INTS, PENALTY, POS, SUB_DO_SAMPLE,
+from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, PENALTY, POS, SUB_DO_SAMPLE,
                     SUB_TEMPERATURE, SUB_TOP_K, SUB_TOP_P, TEMPERATURE, TEXT_STEP, TOP_K, TOP_P, SlotState)
 
 # out[b] = 16 codes of the frame, the next code 0, an error bitmask (bit k < 15: code-predictor
@@ -86,7 +86,6 @@ class FrameStep:
         self.out = torch.zeros(max_rows, g + 2, dtype=torch.int32, device=dev)
         vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
         self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
-        self._one = torch.ones((), dtype=torch.uint8, device=dev)
         self._consts: dict[int, dict] = {}
 
     @staticmethod
@@ -154,24 +153,18 @@ class FrameStep:
             if more:
                 x = self._cp_in(drawn[2])
 
-    def _talker(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, H] fp32 at positions pos [B] int32 of slots rows -> final-normed hidden [B, H]."""
+    def _talker(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+                lens: torch.Tensor) -> torch.Tensor:
+        """x [B, H] fp32 at positions pos [B] int32, over the slots' block tables [B, MAX_BLOCKS]
+        (the new K/V at block blk [B], offset off [B]; lens = pos + 1) -> final-normed hidden [B, H]."""
         sp, kv = self.p.talker, self.kv
-        cfg = sp.cfg
-        cos, sin = rope_cos_sin(pos[:, None], cfg, torch.float32)
+        cos, sin = rope_cos_sin(pos[:, None], sp.cfg, torch.float32)
         cos, sin = cos[:, 0], sin[:, 0]  # [B, HD]
-        table = kv.table[rows]  # [B, MAX_BLOCKS] int32
-        blk = table.gather(1, (pos // kv.block_size).long()[:, None])[:, 0].long()
-        off = (pos % kv.block_size).long()
-        return stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, pos + 1))
+        return stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, lens))
 
     def __call__(self, rows: torch.Tensor) -> None:
         self.predict(rows)
         self.advance(rows)
-
-    def _gather(self, rows: torch.Tensor):
-        s = self.s
-        return s.ints[:, rows], s.floats[:, rows], s.seed[rows]  # [10, B], [5, B], [B]
 
     def predict(self, rows: torch.Tensor) -> None:
         """The frame's first half: the 15 code-predictor passes -> out[:B, :16] (code 0, codes
@@ -188,28 +181,24 @@ class FrameStep:
         """The frame's second half, after `predict` of the same rows: the talker step over this
         frame's codes (out[:B, :16]) -> the next code 0 in out[:B, 16], its error bit added to
         out[:B, 17]; then the state commit."""
-        p, s = self.p, self.s
+        p, s, kv = self.p, self.s, self.kv
         ids = p.ids
         b, g = rows.shape[0], ids.num_code_groups
-        ints, floats, seed = self._gather(rows)
-        pos, code0, n_sampled, text_step = ints[POS], ints[CODE0], ints[N_SAMPLED], ints[TEXT_STEP]
-        counter = n_sampled.long()  # draw index: prefill drew 0, frame f draws f + 1
-        e0 = p.codec_embedding[code0.long()].float()  # [B, H]
-        x = glue.embed_sum(e0, p.predictor_embedding_stack, self.out[:b, 1:g])  # e0 + each group's, in order
-        step = text_step.clamp(max=s.max_trailing - 1).long()
-        text = torch.where((text_step < ints[N_TRAILING])[:, None], s.trailing[rows, step], s.pad_embed[rows])
-        hidden = self._talker(x + text.float(), rows, pos)
+        # one launch: the slots' settings, the input row (code 0's embedding + this frame's codes
+        # 1..15 + the text track), the KV addresses of the new position
+        ig, fg, seed, counter, gate, x, table, blk, off, lens = glue.advance_inputs(
+            rows, s.ints, s.floats, s.seed, p.codec_embedding, p.predictor_embedding_stack, self.out[:b, 1:g],
+            s.trailing, s.pad_embed, kv.table, kv.block_size, (POS, DO_SAMPLE, TOP_K), (TEMPERATURE, TOP_P, PENALTY),
+            (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM))
+        hidden = self._talker(x, ig[0], table, blk, off, lens)
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
             self.dump[:b, g - 1, :logits.shape[1]] = logits
-        gate = torch.where(n_sampled >= ints[EOS_FROM], n_sampled, -1)  # contract.eos_gate
-        ops.talker_process_(logits, s.seen[rows], floats[PENALTY], gate, ids.eos, ids.suppress_start,
-                            ids.min_new_tokens)
-        # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]
-        nxt, _ = ops.sample_tokens(logits, ints[DO_SAMPLE], floats[TEMPERATURE], ints[TOP_K], floats[TOP_P], seed,
-                                   counter, 0, into=(self.out, g, g + 1, TALKER_BAD_BIT))
-        # commit (padding rows all point at the scratch slot, which is reset last)
-        s.ints[:NUM_STEP_INTS, rows] = torch.stack((pos + 1, nxt, n_sampled + 1, text_step + 1))
-        s.past_hidden[rows] = hidden
-        s.seen.index_put_((rows, nxt.long()), self._one)  # a device value: no host copy in a capture
-        s.ints[:NUM_STEP_INTS, s.scratch].zero_()
+        ops.talker_process_(logits, s.seen[rows], fg[2], gate, ids.eos, ids.suppress_start, ids.min_new_tokens)
+        # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]; the
+        # draw index: prefill drew 0, frame f draws f + 1
+        nxt, _ = ops.sample_tokens(logits, ig[1], fg[0], ig[2], fg[1], seed, counter, 0,
+                                   into=(self.out, g, g + 1, TALKER_BAD_BIT))
+        # commit (padding rows all point at the scratch slot, whose step fields stay 0)
+        glue.advance_commit(rows, nxt, hidden, s.ints, s.past_hidden, s.seen, s.scratch,
+                            (POS, CODE0, N_SAMPLED, TEXT_STEP))

@@ -140,19 +140,69 @@ def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
             v[d, :, :c] = v[s, :, :c]
 
 
-def embed_sum(e0: torch.Tensor | None, tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """e0 [B, H] fp32 (or None); tables [K, V, H] (bf16); codes [B, K] int, each < V -> [B, H] fp32:
-    e0 + tables[0][codes[:, 0]] + ... + tables[K-1][codes[:, K-1]], added in that order (or from
-    the first row when e0 is None). One launch for the frame's K embedding lookups."""
-    if _use_triton(tables):
-        from .tk_glue import embed_sum as tk
+def advance_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, seed: torch.Tensor,
+                   embedding: torch.Tensor, tables: torch.Tensor, codes: torch.Tensor, trailing: torch.Tensor,
+                   pad_embed: torch.Tensor, block_table: torch.Tensor, block_size: int, fi: tuple, ff: tuple,
+                   fields: tuple):
+    """The talker step's inputs for slots rows [B] (device, int), in one launch for what were ~25
+    gathers and elementwise ops: per stream the slot-state ints at fields fi and floats at ff
+    ([len(fi), B] int32, [len(ff), B] fp32), the seed [B] int64, the draw counter (N_SAMPLED as
+    int64 [B]) and the EOS gate (N_SAMPLED where N_SAMPLED >= EOS_FROM, else -1; int32 [B]); the
+    input row [B, H] fp32: embedding[CODE0] + tables[k][codes[:, k]] for k = 0..K-1 + the text
+    track's vector (trailing[slot, TEXT_STEP] while TEXT_STEP < N_TRAILING, else pad_embed[slot]),
+    fp32 adds in that order; the slot's block_table row [B, MAX_BLOCKS] int32, the new position's
+    block and offset in it ([B] int64) and the length with it (POS + 1, int32 [B]). fields: the
+    state's (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM) rows."""
+    if _use_triton(rows):
+        from .tk_glue import advance_inputs as tk
 
-        return tk(e0, tables, codes)
-    x = e0
+        return tk(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table, block_size,
+                  fi, ff, fields)
+    return advance_inputs_torch(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table,
+                                block_size, fi, ff, fields)
+
+
+def advance_inputs_torch(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table,
+                         block_size: int, fi: tuple, ff: tuple, fields: tuple):
+    """`advance_inputs` in torch ops (the CPU path, and the kernel's reference in the tests)."""
+    pos_f, code0_f, n_sampled_f, text_step_f, n_trailing_f, eos_from_f = fields
+    ig, fg = ints[:, rows], floats[:, rows]
+    pos, n_sampled, text_step = ig[pos_f], ig[n_sampled_f], ig[text_step_f]
+    x = embedding[ig[code0_f].long()].float()
     for k in range(codes.shape[1]):
-        row = tables[k][codes[:, k].long()].float()
-        x = row if x is None else x + row
-    return x
+        x = x + tables[k][codes[:, k].long()].float()
+    step = text_step.clamp(max=trailing.shape[1] - 1).long()
+    text = torch.where((text_step < ig[n_trailing_f])[:, None], trailing[rows, step], pad_embed[rows])
+    table = block_table[rows]
+    blk = table.gather(1, (pos // block_size).long()[:, None])[:, 0].long()
+    gate = torch.where(n_sampled >= ig[eos_from_f], n_sampled, -1)
+    return (ig[list(fi)], fg[list(ff)], seed[rows], n_sampled.long(), gate, x + text.float(), table, blk,
+            (pos % block_size).long(), pos + 1)
+
+
+def advance_commit(rows: torch.Tensor, codes: torch.Tensor, hidden: torch.Tensor, ints: torch.Tensor,
+                   past_hidden: torch.Tensor, seen: torch.Tensor, scratch: int, fields: tuple) -> None:
+    """The talker step's commit for slots rows [B]: POS, N_SAMPLED and TEXT_STEP + 1, CODE0 = the
+    drawn codes [B] int32, past_hidden[slot] = hidden [B, H] fp32, seen[slot, code] = 1. The
+    scratch slot (graph padding rows) keeps those four fields at 0 and its past hidden state.
+    fields: the state's (POS, CODE0, N_SAMPLED, TEXT_STEP) rows, consecutive."""
+    if _use_triton(rows):
+        from .tk_glue import advance_commit as tk
+
+        return tk(rows, codes, hidden, ints, past_hidden, seen, scratch, fields)
+    return advance_commit_torch(rows, codes, hidden, ints, past_hidden, seen, scratch, fields)
+
+
+def advance_commit_torch(rows, codes, hidden, ints, past_hidden, seen, scratch: int, fields: tuple) -> None:
+    pos_f, code0_f, n_sampled_f, text_step_f = fields
+    real = rows != scratch  # padding rows (all at the scratch slot) change no state but seen
+    r = rows[real]
+    for f in (pos_f, n_sampled_f, text_step_f):
+        ints[f, r] += 1
+    ints[code0_f, r] = codes[real]
+    ints[pos_f:text_step_f + 1, scratch] = 0
+    past_hidden[r] = hidden[real]
+    seen[rows, codes.long()] = 1
 
 
 def predict_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, seed: torch.Tensor,

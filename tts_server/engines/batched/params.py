@@ -76,7 +76,7 @@ class FrameParams:
     predictor: StackParams
     codec_embedding: torch.Tensor  # [V, H] bf16 (talker input table: code 0)
     codec_head: torch.Tensor  # [V, H] bf16
-    predictor_embedding_stack: torch.Tensor  # [G-1, VC, H] bf16: the code groups' tables, for glue.embed_sum
+    predictor_embedding_stack: torch.Tensor  # [G-1, VC, H] bf16: the code groups' tables, for glue.advance_inputs
     predictor_heads: tuple[torch.Tensor, ...]  # G-1 x [VC, Hp] bf16
     in_proj: tuple[torch.Tensor, torch.Tensor] | None  # (W [Hp, H] bf16, b [Hp] fp32); None = identity
     ids: CodecIds

@@ -288,33 +288,108 @@ def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
 
 
 @triton.jit
-def _embed_sum_kernel(e0_ptr, tab_ptr, codes_ptr, out_ptr, V, code_stride, H: tl.constexpr, HP2: tl.constexpr,
-                      K: tl.constexpr, HAS_E0: tl.constexpr, GDC: tl.constexpr):
+def _advance_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, emb_ptr, tab_ptr, codes_ptr, tr_ptr, pad_ptr,
+                           bt_ptr, ig_ptr, fg_ptr, sg_ptr, ctr_ptr, gate_ptr, x_ptr, tbl_ptr, blk_ptr, off_ptr, len_ptr,
+                           NS, B, V, code_stride, MT, MB, BS, FI: tl.constexpr, FF: tl.constexpr,
+                           NFI: tl.constexpr, NFF: tl.constexpr, POS: tl.constexpr, CODE0: tl.constexpr,
+                           NSAMP: tl.constexpr, TSTEP: tl.constexpr, NTR: tl.constexpr, EOSF: tl.constexpr,
+                           K: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, MBP2: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
-    # program b: out[b] = (e0[b] +) tab[0, codes[b, 0]] + ... + tab[K-1, codes[b, K-1]], fp32 adds in order
+    # program b: slot = rows[b]; gathers of its state, the talker step's input row and its KV
+    # addresses (see glue.advance_inputs)
     b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    for j in tl.static_range(NFI):
+        tl.store(ig_ptr + j * B + b, tl.load(ints_ptr + FI[j] * NS + slot))
+    for j in tl.static_range(NFF):
+        tl.store(fg_ptr + j * B + b, tl.load(floats_ptr + FF[j] * NS + slot))
+    tl.store(sg_ptr + b, tl.load(seed_ptr + slot))
+    pos = tl.load(ints_ptr + POS * NS + slot)
+    n_sampled = tl.load(ints_ptr + NSAMP * NS + slot)
+    text_step = tl.load(ints_ptr + TSTEP * NS + slot)
+    tl.store(ctr_ptr + b, n_sampled.to(tl.int64))
+    tl.store(gate_ptr + b, tl.where(n_sampled >= tl.load(ints_ptr + EOSF * NS + slot), n_sampled, -1))
+    # the input row: code 0's embedding + each group's, fp32 adds in order, + the text track
     d = tl.arange(0, HP2)
     mask = d < H
-    acc = tl.load(e0_ptr + b * H + d, mask=mask, other=0.0) if HAS_E0 else tl.zeros((HP2,), tl.float32)
+    c0 = tl.load(ints_ptr + CODE0 * NS + slot).to(tl.int64)
+    x = tl.load(emb_ptr + c0 * H + d, mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(K):
         c = tl.load(codes_ptr + b * code_stride + k).to(tl.int64)
-        row = tl.load(tab_ptr + (k * V + c) * H + d, mask=mask, other=0.0).to(tl.float32)
-        if HAS_E0 or k > 0:
-            acc = acc + row
-        else:
-            acc = row
-    tl.store(out_ptr + b * H + d, acc, mask=mask)
+        x = x + tl.load(tab_ptr + (k * V + c) * H + d, mask=mask, other=0.0).to(tl.float32)
+    if text_step < tl.load(ints_ptr + NTR * NS + slot):
+        text = tl.load(tr_ptr + (slot * MT + tl.minimum(text_step, MT - 1)) * H + d, mask=mask, other=0.0)
+    else:
+        text = tl.load(pad_ptr + slot * H + d, mask=mask, other=0.0)
+    tl.store(x_ptr + b * H + d, x + text.to(tl.float32), mask=mask)
+    # its block table row, the new position's block and offset, the length after it
+    j = tl.arange(0, MBP2)
+    tl.store(tbl_ptr + b * MB + j, tl.load(bt_ptr + slot * MB + j, mask=j < MB, other=0), mask=j < MB)
+    tl.store(blk_ptr + b, tl.load(bt_ptr + slot * MB + pos // BS).to(tl.int64))
+    tl.store(off_ptr + b, (pos % BS).to(tl.int64))
+    tl.store(len_ptr + b, pos + 1)
 
 
-def embed_sum(e0, tables, codes):
-    """e0 [B, H] fp32 or None; tables [K, V, H]; codes [B, K] int (rows < V) -> [B, H] fp32."""
-    b, k = codes.shape
-    _, v, h = tables.shape
-    codes = codes if codes.stride(1) == 1 else codes.contiguous()  # rows may be strided (frame.out)
-    out = torch.empty((b, h), dtype=torch.float32, device=tables.device)
-    _embed_sum_kernel[(b,)](e0 if e0 is not None else out, tables, codes, out, v, codes.stride(0), H=h,
-                            HP2=triton.next_power_of_2(h), K=k, HAS_E0=e0 is not None, **pdl.kw())
-    return out
+def advance_inputs(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table, block_size,
+                   fi, ff, fields):
+    b, (ns, h) = rows.shape[0], pad_embed.shape
+    k, v, _ = tables.shape
+    mt, mb = trailing.shape[1], block_table.shape[1]
+    pos, code0, n_sampled, text_step, n_trailing, eos_from = fields
+    assert ints.dtype == torch.int32 and floats.dtype == torch.float32 and seed.dtype == torch.int64
+    assert codes.dtype == torch.int32 and codes.stride(1) == 1 and block_table.dtype == torch.int32
+    assert trailing.is_contiguous() and pad_embed.is_contiguous() and block_table.is_contiguous()
+    dev = rows.device
+    ig = torch.empty((len(fi), b), dtype=torch.int32, device=dev)
+    fg = torch.empty((len(ff), b), dtype=torch.float32, device=dev)
+    sg = torch.empty(b, dtype=torch.int64, device=dev)
+    ctr = torch.empty(b, dtype=torch.int64, device=dev)
+    gate = torch.empty(b, dtype=torch.int32, device=dev)
+    x = torch.empty((b, h), dtype=torch.float32, device=dev)
+    tbl = torch.empty((b, mb), dtype=torch.int32, device=dev)
+    blk = torch.empty(b, dtype=torch.int64, device=dev)
+    off = torch.empty(b, dtype=torch.int64, device=dev)
+    lens = torch.empty(b, dtype=torch.int32, device=dev)
+    _advance_inputs_kernel[(b,)](
+        rows, ints, floats, seed, embedding.contiguous(), tables.contiguous(), codes, trailing, pad_embed,
+        block_table, ig, fg, sg, ctr, gate, x, tbl, blk, off, lens, ns, b, v, codes.stride(0), mt, mb, block_size,
+        FI=tuple(fi), FF=tuple(ff), NFI=len(fi), NFF=len(ff), POS=pos, CODE0=code0, NSAMP=n_sampled, TSTEP=text_step,
+        NTR=n_trailing, EOSF=eos_from, K=k, H=h, HP2=triton.next_power_of_2(h), MBP2=triton.next_power_of_2(mb),
+        **pdl.kw())
+    return ig, fg, sg, ctr, gate, x, tbl, blk, off, lens
+
+
+@triton.jit
+def _advance_commit_kernel(rows_ptr, code_ptr, hid_ptr, ints_ptr, past_ptr, seen_ptr, NS, V, scratch,
+                           POS: tl.constexpr, CODE0: tl.constexpr, NSAMP: tl.constexpr, TSTEP: tl.constexpr,
+                           H: tl.constexpr, HP2: tl.constexpr, GDC: tl.constexpr):
+    pdl.enter(GDC)
+    # program b: slot = rows[b] advanced one frame (see glue.advance_commit)
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    code = tl.load(code_ptr + b)
+    tl.store(seen_ptr + slot * V + code.to(tl.int64), tl.full((), 1, tl.uint8))
+    if slot == scratch:  # graph padding: the scratch slot's step fields stay 0
+        for f in tl.static_range(4):
+            tl.store(ints_ptr + (POS + f) * NS + slot, tl.zeros((), tl.int32))
+    else:
+        tl.store(ints_ptr + POS * NS + slot, tl.load(ints_ptr + POS * NS + slot) + 1)
+        tl.store(ints_ptr + CODE0 * NS + slot, code)
+        tl.store(ints_ptr + NSAMP * NS + slot, tl.load(ints_ptr + NSAMP * NS + slot) + 1)
+        tl.store(ints_ptr + TSTEP * NS + slot, tl.load(ints_ptr + TSTEP * NS + slot) + 1)
+        d = tl.arange(0, HP2)
+        tl.store(past_ptr + slot * H + d, tl.load(hid_ptr + b * H + d, mask=d < H), mask=d < H)
+
+
+def advance_commit(rows, codes, hidden, ints, past_hidden, seen, scratch, fields):
+    b, (ns, h) = rows.shape[0], past_hidden.shape
+    pos, code0, n_sampled, text_step = fields
+    assert (code0, n_sampled, text_step) == (pos + 1, pos + 2, pos + 3), fields  # four fields in a row
+    assert codes.dtype == ints.dtype == torch.int32 and hidden.dtype == past_hidden.dtype == torch.float32
+    assert seen.dtype == torch.uint8 and seen.is_contiguous() and hidden.is_contiguous()
+    _advance_commit_kernel[(b,)](rows, codes, hidden, ints, past_hidden, seen, ns, seen.shape[1], int(scratch),
+                                 POS=pos, CODE0=code0, NSAMP=n_sampled, TSTEP=text_step, H=h,
+                                 HP2=triton.next_power_of_2(h), **pdl.kw())
 
 
 @triton.jit
