@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the talker's decode attention spends its time at large B (issue 16): the tensor-core
 split kernel and its combine timed apart, against a kernel that walks the same programs and pages
-but only loads K/V (the access pattern's own memory bound) and the split kernel with 2 instead of 3
+but only loads K/V (the access pattern's own memory bound) and the split kernel with 3 instead of 2
 bf16 parts (its tensor-core share); with --sections spp, splits per program and stages at
 B = 4..128. Graph replays, median us per layer, K/V GB/s.
 
@@ -90,7 +90,7 @@ def run_case(b: int, ctx: str) -> dict:
 
     row = {}
     for name, fn in (("full", lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088)), ("split", split), ("split_kv_major", lambda: split(kv_major=True)),
-                     ("combine", combine), ("split_2terms", lambda: split(2)), ("loads_only", loads),
+                     ("combine", combine), ("split_3terms", lambda: split(3)), ("loads_only", loads),
                      ("loads_only_3stages", lambda: loads(3)), ("loads_only_8warps", lambda: loads(2, 8)),
                      ("split_spp1", lambda: split(spp_=1, stages_=1))):
         try:
