@@ -2,12 +2,12 @@
 # Same-call A/B of two trees' batched frames on one GPU: BASE (a directory holding another tree's
 # tts_server/ beside a copy of THIS tree's scripts/, e.g. `git archive <rev> tts_server | tar -x -C
 # .base && cp -r scripts .base/`) and this tree. ROUNDS alternating rounds of gpu_pdl_ab.py's
-# default variant per tree (a fresh engine: graph-replay frame at B = SIZES, mixed contexts; one
-# stream's admission + first frame; the codes and hidden states of 64 and of 4 admissions over 16
-# sampled frames, saved as sigs.npz; VARIANTS: gpu_pdl_ab.py's, default first), then those signatures
-# compared across the trees (equal: the
-# same bits), and each tree's engine digest (DIGEST=0: not). PRE_TESTS: GPU tests of this tree
-# first. Results: $OUT/{base,new}-<round>.log and, packed in $OUT/rounds.tar.gz, {base,new}-<round>/.
+# default variant per tree (VARIANTS: a list of its variants instead, default first; a fresh
+# engine: graph-replay frame at B = SIZES, mixed contexts; one stream's admission + first frame;
+# the codes and hidden states of 64 and of 4 admissions over 16 sampled frames, saved as
+# sigs.npz), then those signatures compared across the trees (equal: the same bits), and each
+# tree's engine digest (DIGEST=0: not). PRE_TESTS: GPU tests of this tree first. Results:
+# $OUT/{base,new}-<round>.log and, packed in $OUT/rounds.tar.gz, {base,new}-<round>/.
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 SIZES=${SIZES:-1,16,64,128,256}

@@ -362,7 +362,8 @@ def check_advance_glue(dev: str) -> None:
     codes = torch.randint(0, v, (7,), generator=g, dtype=torch.int32)
     states = []
     for d, fn in ((dev, glue.advance_commit), ("cpu", glue.advance_commit_torch)):
-        st = [t.clone().to(d) for t in (ints, torch.randn(ns, h, generator=_gen(5)), torch.zeros(ns, v, dtype=torch.uint8))]
+        past = torch.randn(ns, h, generator=_gen(5))
+        st = [t.clone().to(d) for t in (ints, past, torch.zeros(ns, v, dtype=torch.uint8))]
         fn(rows.to(d), codes.to(d), hidden.to(d), *st, 8, fields[:4])
         states.append([t.cpu() for t in st])
     for a, b in zip(*states):

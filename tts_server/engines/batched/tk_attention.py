@@ -27,14 +27,14 @@ OVERRIDE: dict[int, tuple[int, int]] = {}
 # bf16 pools: the split's two products on tensor cores (TC_TERMS bf16 parts of the fp32 q and of
 # the softmax weights: 3 parts would hold an fp32 value exactly; 2 hold 16 significant bits, a
 # relative error of at most 2^-17 per value, ~250x below the bf16 rounding of the stored K/V
-# that they multiply, and 5-6% faster at B = 256 (one dot in three fewer per product,
-# benchmarks/results/h200-s31/attn_probe.json: 173 -> 165 us a layer); the tensor cores' fp32 sums
-# round a little more coarsely than the CUDA cores'). 1.6-1.7x faster than the CUDA-core kernel
-# at B >= 64 (benchmarks/results/h100-attention-*.json). TTS_ATTN_TC_TERMS (2 or 3, read per
-# call): A/B variants. Splits per program (SPP) by batch
-# size: a program walks SPP consecutive splits of one (row, kv head), each split's math and
-# stores unchanged, so the bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP
-# may follow B; fewer programs find nothing to do. A walk of several splits is software-pipelined
+# that they multiply, and ~5% faster at B = 256 (one dot in three fewer per product; H200
+# probes: 173 -> 165 and 177 -> 166 us a layer, benchmarks/results/h200-s3{1,2}/); the tensor
+# cores' fp32 sums round a little more coarsely than the CUDA cores'). 1.6-1.7x faster than the
+# CUDA-core kernel at B >= 64 (benchmarks/results/h100-attention-*.json). TTS_ATTN_TC_TERMS (2
+# or 3, read per call): A/B variants. Splits per program (SPP) by batch size: a program walks
+# SPP consecutive splits of one (row, kv head), each split's math and stores unchanged, so the
+# bits do not depend on SPP (measured bitwise across 1 / 4 / 8) and SPP may follow B; fewer
+# programs find nothing to do. A walk of several splits is software-pipelined
 # in 2 stages (the next split's K/V loads in flight during this one's math; instruction order
 # only, so no bits move either). (max B, SPP, stages), from the same sweep: B = 256 at mixed
 # contexts 240 -> 214 us a layer with the 2 stages; B = 32 with (2, 2): 32.9 -> 31.3 us (H200,
