@@ -288,6 +288,27 @@ def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
 
 
 @triton.jit
+def _gather_slot(rows_ptr, ints_ptr, floats_ptr, seed_ptr, ig_ptr, fg_ptr, sg_ptr, b, NS, B, FI: tl.constexpr,
+                 FF: tl.constexpr, NFI: tl.constexpr, NFF: tl.constexpr):
+    # row b's slot = rows[b]: its ints at fields FI and floats at FF into ig / fg [fields, B], its
+    # seed into sg[b]; -> the slot (int64). The step inputs' kernels share it.
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    for j in tl.static_range(NFI):
+        tl.store(ig_ptr + j * B + b, tl.load(ints_ptr + FI[j] * NS + slot))
+    for j in tl.static_range(NFF):
+        tl.store(fg_ptr + j * B + b, tl.load(floats_ptr + FF[j] * NS + slot))
+    tl.store(sg_ptr + b, tl.load(seed_ptr + slot))
+    return slot
+
+
+def _slot_outputs(b: int, fi: tuple, ff: tuple, dev: torch.device):
+    """-> (ig [len(fi), B] int32, fg [len(ff), B] fp32, seed [B] int64, counter [B] int64)."""
+    return (torch.empty((len(fi), b), dtype=torch.int32, device=dev),
+            torch.empty((len(ff), b), dtype=torch.float32, device=dev),
+            torch.empty(b, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev))
+
+
+@triton.jit
 def _advance_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, emb_ptr, tab_ptr, codes_ptr, tr_ptr, pad_ptr,
                            bt_ptr, ig_ptr, fg_ptr, sg_ptr, ctr_ptr, gate_ptr, x_ptr, tbl_ptr, blk_ptr, off_ptr, len_ptr,
                            NS, B, V, code_stride, MT, MB, BS, FI: tl.constexpr, FF: tl.constexpr,
@@ -298,12 +319,7 @@ def _advance_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, emb_ptr, ta
     # program b: slot = rows[b]; gathers of its state, the talker step's input row and its KV
     # addresses (see glue.advance_inputs)
     b = tl.program_id(0).to(tl.int64)
-    slot = tl.load(rows_ptr + b).to(tl.int64)
-    for j in tl.static_range(NFI):
-        tl.store(ig_ptr + j * B + b, tl.load(ints_ptr + FI[j] * NS + slot))
-    for j in tl.static_range(NFF):
-        tl.store(fg_ptr + j * B + b, tl.load(floats_ptr + FF[j] * NS + slot))
-    tl.store(sg_ptr + b, tl.load(seed_ptr + slot))
+    slot = _gather_slot(rows_ptr, ints_ptr, floats_ptr, seed_ptr, ig_ptr, fg_ptr, sg_ptr, b, NS, B, FI, FF, NFI, NFF)
     pos = tl.load(ints_ptr + POS * NS + slot)
     n_sampled = tl.load(ints_ptr + NSAMP * NS + slot)
     text_step = tl.load(ints_ptr + TSTEP * NS + slot)
@@ -340,10 +356,7 @@ def advance_inputs(rows, ints, floats, seed, embedding, tables, codes, trailing,
     assert codes.dtype == torch.int32 and codes.stride(1) == 1 and block_table.dtype == torch.int32
     assert trailing.is_contiguous() and pad_embed.is_contiguous() and block_table.is_contiguous()
     dev = rows.device
-    ig = torch.empty((len(fi), b), dtype=torch.int32, device=dev)
-    fg = torch.empty((len(ff), b), dtype=torch.float32, device=dev)
-    sg = torch.empty(b, dtype=torch.int64, device=dev)
-    ctr = torch.empty(b, dtype=torch.int64, device=dev)
+    ig, fg, sg, ctr = _slot_outputs(b, fi, ff, dev)
     gate = torch.empty(b, dtype=torch.int32, device=dev)
     x = torch.empty((b, h), dtype=torch.float32, device=dev)
     tbl = torch.empty((b, mb), dtype=torch.int32, device=dev)
@@ -401,12 +414,7 @@ def _predict_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, past_ptr, e
     # program b: slot = rows[b]; gathers of its state, its first pass's two input rows, out's
     # code-0 and error columns (see glue.predict_inputs)
     b = tl.program_id(0).to(tl.int64)
-    slot = tl.load(rows_ptr + b).to(tl.int64)
-    for j in tl.static_range(NFI):
-        tl.store(ig_ptr + j * B + b, tl.load(ints_ptr + FI[j] * NS + slot))
-    for j in tl.static_range(NFF):
-        tl.store(fg_ptr + j * B + b, tl.load(floats_ptr + FF[j] * NS + slot))
-    tl.store(sg_ptr + b, tl.load(seed_ptr + slot))
+    slot = _gather_slot(rows_ptr, ints_ptr, floats_ptr, seed_ptr, ig_ptr, fg_ptr, sg_ptr, b, NS, B, FI, FF, NFI, NFF)
     tl.store(ctr_ptr + b, tl.load(ints_ptr + COUNTER * NS + slot).to(tl.int64))
     c0 = tl.load(ints_ptr + CODE0 * NS + slot)
     d = tl.arange(0, HP2)
@@ -423,10 +431,7 @@ def predict_inputs(rows, ints, floats, seed, past_hidden, embedding, out, fi, ff
     assert ints.dtype == torch.int32 and floats.dtype == torch.float32 and seed.dtype == torch.int64
     assert past_hidden.dtype == torch.float32 and out.dtype == torch.int32 and out.stride(1) == 1
     dev = rows.device
-    ig = torch.empty((len(fi), b), dtype=torch.int32, device=dev)
-    fg = torch.empty((len(ff), b), dtype=torch.float32, device=dev)
-    sg = torch.empty(b, dtype=torch.int64, device=dev)
-    ctr = torch.empty(b, dtype=torch.int64, device=dev)
+    ig, fg, sg, ctr = _slot_outputs(b, fi, ff, dev)
     x0 = torch.empty((2 * b, h), dtype=torch.float32, device=dev)
     _predict_inputs_kernel[(b,)](rows, ints, floats, seed, past_hidden, embedding.contiguous(), out, ig, fg, sg, ctr,
                                  x0, ns, b, out.stride(0), FI=tuple(fi), FF=tuple(ff), NFI=len(fi), NFF=len(ff),
