@@ -330,8 +330,8 @@ def check_split_sum_fused(ops, dev: str, shapes=((64, 2048), (48, 3072))) -> Non
 def check_advance_glue(dev: str) -> None:
     """glue.advance_inputs / advance_commit (one launch each) are bitwise their torch forms: the
     gathers, the input row (code 0's embedding + 15 groups' + the text track, both of its
-    branches, fp32 adds in order), the KV addresses; the commit's state, padding rows at the
-    scratch slot changing nothing but `seen`."""
+    branches, fp32 adds in order), the KV addresses, the RoPE rows; the commit's state, padding
+    rows at the scratch slot changing nothing but `seen`."""
     from tts_server.engines.batched import glue
 
     g = _gen(31)
@@ -350,11 +350,12 @@ def check_advance_glue(dev: str) -> None:
     trailing = torch.randn(ns, mt, h, generator=g).to(torch.bfloat16)
     pad = torch.randn(ns, h, generator=g).to(torch.bfloat16)
     table = torch.randint(0, 100, (ns, mb), generator=g, dtype=torch.int32)
+    rope = torch.randn(mb * bs, 2, 16, generator=g)  # [positions, (cos, sin), HD]
     rows = torch.tensor([4, 0, 8, 2, 6, 8, 8])  # slot 8: the scratch slot (graph padding)
     res = []
     for d, fn in ((dev, glue.advance_inputs), ("cpu", glue.advance_inputs_torch)):
         args = [t.to(d) for t in (rows, ints, floats, seed, emb, tables, out[:, 1:16], trailing, pad, table)]
-        res.append([t.cpu() for t in fn(*args, bs, (0, 5, 6), (0, 1, 2), fields)])
+        res.append([t.cpu() for t in fn(*args, bs, rope.to(d), (0, 5, 6), (0, 1, 2), fields)])
     for a, b in zip(*res):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
     assert res[1][4].tolist() != [-1] * 7 and -1 in res[1][4].tolist()  # the EOS gate both ways

@@ -87,6 +87,11 @@ class FrameStep:
         vmax = max(params.ids.vocab_size, params.ids.predictor_vocab_size)
         self.dump = torch.zeros(max_rows, g, vmax, dtype=torch.float32, device=dev) if dump_logits else None
         self._consts: dict[int, dict] = {}
+        # the talker's RoPE rows of every position [P, 2, HD] (cos, sin), made once by rope_cos_sin
+        # itself (so the same values as per frame); advance_inputs copies a step's rows
+        tcfg = params.talker.cfg
+        cos, sin = rope_cos_sin(torch.arange(kv.max_blocks * kv.block_size, device=dev)[None], tcfg, torch.float32)
+        self.rope = torch.stack((cos[0], sin[0]), 1).contiguous()
 
     @staticmethod
     def scratch_bytes(params_cp_layers: int, cp_kv_heads: int, cp_head_dim: int, groups: int,
@@ -153,13 +158,12 @@ class FrameStep:
             if more:
                 x = self._cp_in(drawn[2])
 
-    def _talker(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
-                lens: torch.Tensor) -> torch.Tensor:
-        """x [B, H] fp32 at positions pos [B] int32, over the slots' block tables [B, MAX_BLOCKS]
-        (the new K/V at block blk [B], offset off [B]; lens = pos + 1) -> final-normed hidden [B, H]."""
+    def _talker(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, blk: torch.Tensor,
+                off: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """x [B, H] fp32 with its positions' RoPE rows cos/sin [B, HD], over the slots' block tables
+        [B, MAX_BLOCKS] (the new K/V at block blk [B], offset off [B]; lens = position + 1) ->
+        final-normed hidden [B, H]."""
         sp, kv = self.p.talker, self.kv
-        cos, sin = rope_cos_sin(pos[:, None], sp.cfg, torch.float32)
-        cos, sin = cos[:, 0], sin[:, 0]  # [B, HD]
         return stack_forward(x, sp, paged_attend(sp, cos, sin, kv.k, kv.v, blk, off, table, lens))
 
     def __call__(self, rows: torch.Tensor) -> None:
@@ -185,19 +189,19 @@ class FrameStep:
         ids = p.ids
         b, g = rows.shape[0], ids.num_code_groups
         # one launch: the slots' settings, the input row (code 0's embedding + this frame's codes
-        # 1..15 + the text track), the KV addresses of the new position
-        ig, fg, seed, counter, gate, x, table, blk, off, lens = glue.advance_inputs(
+        # 1..15 + the text track), the KV addresses and RoPE rows of the new position
+        ig, fg, seed, counter, gate, x, table, blk, off, lens, cos, sin = glue.advance_inputs(
             rows, s.ints, s.floats, s.seed, p.codec_embedding, p.predictor_embedding_stack, self.out[:b, 1:g],
-            s.trailing, s.pad_embed, kv.table, kv.block_size, (POS, DO_SAMPLE, TOP_K), (TEMPERATURE, TOP_P, PENALTY),
-            (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM))
-        hidden = self._talker(x, ig[0], table, blk, off, lens)
+            s.trailing, s.pad_embed, kv.table, kv.block_size, self.rope, (DO_SAMPLE, TOP_K),
+            (TEMPERATURE, TOP_P, PENALTY), (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM))
+        hidden = self._talker(x, cos, sin, table, blk, off, lens)
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
             self.dump[:b, g - 1, :logits.shape[1]] = logits
         ops.talker_process_(logits, s.seen[rows], fg[2], gate, ids.eos, ids.suppress_start, ids.min_new_tokens)
         # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]; the
         # draw index: prefill drew 0, frame f draws f + 1
-        nxt, _ = ops.sample_tokens(logits, ig[1], fg[0], ig[2], fg[1], seed, counter, 0,
+        nxt, _ = ops.sample_tokens(logits, ig[0], fg[0], ig[1], fg[1], seed, counter, 0,
                                    into=(self.out, g, g + 1, TALKER_BAD_BIT))
         # commit (padding rows all point at the scratch slot, whose step fields stay 0)
         glue.advance_commit(rows, nxt, hidden, s.ints, s.past_hidden, s.seen, s.scratch,

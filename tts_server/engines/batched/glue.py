@@ -142,8 +142,8 @@ def copy_prefix(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
 
 def advance_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, seed: torch.Tensor,
                    embedding: torch.Tensor, tables: torch.Tensor, codes: torch.Tensor, trailing: torch.Tensor,
-                   pad_embed: torch.Tensor, block_table: torch.Tensor, block_size: int, fi: tuple, ff: tuple,
-                   fields: tuple):
+                   pad_embed: torch.Tensor, block_table: torch.Tensor, block_size: int, rope: torch.Tensor,
+                   fi: tuple, ff: tuple, fields: tuple):
     """The talker step's inputs for slots rows [B] (device, int), in one launch for what were ~25
     gathers and elementwise ops: per stream the slot-state ints at fields fi and floats at ff
     ([len(fi), B] int32, [len(ff), B] fp32), the seed [B] int64, the draw counter (N_SAMPLED as
@@ -151,19 +151,20 @@ def advance_inputs(rows: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
     input row [B, H] fp32: embedding[CODE0] + tables[k][codes[:, k]] for k = 0..K-1 + the text
     track's vector (trailing[slot, TEXT_STEP] while TEXT_STEP < N_TRAILING, else pad_embed[slot]),
     fp32 adds in that order; the slot's block_table row [B, MAX_BLOCKS] int32, the new position's
-    block and offset in it ([B] int64) and the length with it (POS + 1, int32 [B]). fields: the
-    state's (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM) rows."""
+    block and offset in it ([B] int64) and the length with it (POS + 1, int32 [B]); its RoPE rows
+    cos, sin [B, HD] fp32 from rope [positions, 2, HD] (rope_cos_sin of every position, made
+    once). fields: the state's (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM) rows."""
     if _use_triton(rows):
         from .tk_glue import advance_inputs as tk
 
         return tk(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table, block_size,
-                  fi, ff, fields)
+                  rope, fi, ff, fields)
     return advance_inputs_torch(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table,
-                                block_size, fi, ff, fields)
+                                block_size, rope, fi, ff, fields)
 
 
 def advance_inputs_torch(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table,
-                         block_size: int, fi: tuple, ff: tuple, fields: tuple):
+                         block_size: int, rope: torch.Tensor, fi: tuple, ff: tuple, fields: tuple):
     """`advance_inputs` in torch ops (the CPU path, and the kernel's reference in the tests)."""
     pos_f, code0_f, n_sampled_f, text_step_f, n_trailing_f, eos_from_f = fields
     ig, fg = ints[:, rows], floats[:, rows]
@@ -177,7 +178,7 @@ def advance_inputs_torch(rows, ints, floats, seed, embedding, tables, codes, tra
     blk = table.gather(1, (pos // block_size).long()[:, None])[:, 0].long()
     gate = torch.where(n_sampled >= ig[eos_from_f], n_sampled, -1)
     return (ig[list(fi)], fg[list(ff)], seed[rows], n_sampled.long(), gate, x + text.float(), table, blk,
-            (pos % block_size).long(), pos + 1)
+            (pos % block_size).long(), pos + 1, rope[pos.long(), 0], rope[pos.long(), 1])
 
 
 def advance_commit(rows: torch.Tensor, codes: torch.Tensor, hidden: torch.Tensor, ints: torch.Tensor,

@@ -310,11 +310,12 @@ def _slot_outputs(b: int, fi: tuple, ff: tuple, dev: torch.device):
 
 @triton.jit
 def _advance_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, emb_ptr, tab_ptr, codes_ptr, tr_ptr, pad_ptr,
-                           bt_ptr, ig_ptr, fg_ptr, sg_ptr, ctr_ptr, gate_ptr, x_ptr, tbl_ptr, blk_ptr, off_ptr, len_ptr,
-                           NS, B, V, code_stride, MT, MB, BS, FI: tl.constexpr, FF: tl.constexpr,
-                           NFI: tl.constexpr, NFF: tl.constexpr, POS: tl.constexpr, CODE0: tl.constexpr,
-                           NSAMP: tl.constexpr, TSTEP: tl.constexpr, NTR: tl.constexpr, EOSF: tl.constexpr,
-                           K: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, MBP2: tl.constexpr, GDC: tl.constexpr):
+                           bt_ptr, rope_ptr, ig_ptr, fg_ptr, sg_ptr, ctr_ptr, gate_ptr, x_ptr, tbl_ptr, blk_ptr, off_ptr,
+                           len_ptr, cos_ptr, sin_ptr, NS, B, V, code_stride, MT, MB, BS, FI: tl.constexpr,
+                           FF: tl.constexpr, NFI: tl.constexpr, NFF: tl.constexpr, POS: tl.constexpr,
+                           CODE0: tl.constexpr, NSAMP: tl.constexpr, TSTEP: tl.constexpr, NTR: tl.constexpr,
+                           EOSF: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr, MBP2: tl.constexpr,
+                           HD: tl.constexpr, GDC: tl.constexpr):
     pdl.enter(GDC)
     # program b: slot = rows[b]; gathers of its state, the talker step's input row and its KV
     # addresses (see glue.advance_inputs)
@@ -344,10 +345,15 @@ def _advance_inputs_kernel(rows_ptr, ints_ptr, floats_ptr, seed_ptr, emb_ptr, ta
     tl.store(blk_ptr + b, tl.load(bt_ptr + slot * MB + pos // BS).to(tl.int64))
     tl.store(off_ptr + b, (pos % BS).to(tl.int64))
     tl.store(len_ptr + b, pos + 1)
+    # the new position's RoPE rows (rope [positions, 2, HD]: cos, sin)
+    e = tl.arange(0, HD)
+    rope = rope_ptr + pos.to(tl.int64) * 2 * HD
+    tl.store(cos_ptr + b * HD + e, tl.load(rope + e))
+    tl.store(sin_ptr + b * HD + e, tl.load(rope + HD + e))
 
 
 def advance_inputs(rows, ints, floats, seed, embedding, tables, codes, trailing, pad_embed, block_table, block_size,
-                   fi, ff, fields):
+                   rope, fi, ff, fields):
     b, (ns, h) = rows.shape[0], pad_embed.shape
     k, v, _ = tables.shape
     mt, mb = trailing.shape[1], block_table.shape[1]
@@ -363,13 +369,17 @@ def advance_inputs(rows, ints, floats, seed, embedding, tables, codes, trailing,
     blk = torch.empty(b, dtype=torch.int64, device=dev)
     off = torch.empty(b, dtype=torch.int64, device=dev)
     lens = torch.empty(b, dtype=torch.int32, device=dev)
+    hd = rope.shape[2]
+    assert rope.dtype == torch.float32 and rope.is_contiguous() and rope.shape[1] == 2 and hd & (hd - 1) == 0
+    cos = torch.empty((b, hd), dtype=torch.float32, device=dev)
+    sin = torch.empty((b, hd), dtype=torch.float32, device=dev)
     _advance_inputs_kernel[(b,)](
         rows, ints, floats, seed, embedding.contiguous(), tables.contiguous(), codes, trailing, pad_embed,
-        block_table, ig, fg, sg, ctr, gate, x, tbl, blk, off, lens, ns, b, v, codes.stride(0), mt, mb, block_size,
-        FI=tuple(fi), FF=tuple(ff), NFI=len(fi), NFF=len(ff), POS=pos, CODE0=code0, NSAMP=n_sampled, TSTEP=text_step,
-        NTR=n_trailing, EOSF=eos_from, K=k, H=h, HP2=triton.next_power_of_2(h), MBP2=triton.next_power_of_2(mb),
-        **pdl.kw())
-    return ig, fg, sg, ctr, gate, x, tbl, blk, off, lens
+        block_table, rope, ig, fg, sg, ctr, gate, x, tbl, blk, off, lens, cos, sin, ns, b, v, codes.stride(0), mt, mb,
+        block_size, FI=tuple(fi), FF=tuple(ff), NFI=len(fi), NFF=len(ff), POS=pos, CODE0=code0, NSAMP=n_sampled,
+        TSTEP=text_step, NTR=n_trailing, EOSF=eos_from, K=k, H=h, HP2=triton.next_power_of_2(h),
+        MBP2=triton.next_power_of_2(mb), HD=hd, **pdl.kw())
+    return ig, fg, sg, ctr, gate, x, tbl, blk, off, lens, cos, sin
 
 
 @triton.jit
