@@ -169,7 +169,8 @@ class BatchedEngine:
         num_blocks = num_blocks or default_num_blocks(max_streams, max_positions, block_size)
         rows = bucket_sizes(max_streams)[-1]
         table = (max_streams + 1) * math.ceil(max_positions / block_size) * 4
-        return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table
+        rope = 2 * math.ceil(max_positions / block_size) * block_size * t.head_dim * 4  # FrameStep.rope
+        return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table + rope
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
                 + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
