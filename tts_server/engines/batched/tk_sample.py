@@ -60,33 +60,39 @@ def _mix32(x):
 
 @triton.jit
 def _order_key(x):
-    # fp32 -> int64 with the same order (+0 and -0 equal)
+    # fp32 -> int32 with the same order (+0 and -0 equal); -inf -> -0x7F800000, +inf -> 0x7F800000
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)
+    return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
 
 
 @triton.jit
 def _kth_largest_key(key, valid, k):
-    # key [BLOCK_V] int64 order keys -> the k-th largest valid key: the largest t with
-    # count(valid & key >= t) >= k, by bisection over the fp32 key range (32 steps)
-    lo = tl.full((), -0x7F800000, tl.int64)  # count(key >= lo) = V >= k
-    hi = tl.full((), 0x7F800001, tl.int64)   # count(key >= hi) = 0 < k
-    for _ in range(32):
+    # key [BLOCK_V] int32 order keys, 0 < k < count(valid) -> a threshold t with {key >= t} equal
+    # to {key >= the k-th largest valid key}: bisection for the largest t with count(valid & key
+    # >= t) >= k between the smallest valid key (count >= k) and the largest + 1 (count 0 < k),
+    # stopping early at a t that keeps exactly k (the same set: the k largest). Only ties at the
+    # k-th key, where no such t exists, take the whole walk (<= 32 steps). The bounds are int64
+    # (their sum overflows int32), every midpoint lies between two keys, so fits an int32.
+    lo = tl.min(tl.where(valid, key, 0x7F800000), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(valid, key, -0x7F800000), axis=0).to(tl.int64) + 1
+    while hi - lo > 1:
         mid = (lo + hi) >> 1
-        ok = tl.sum(((key >= mid) & valid).to(tl.int32), axis=0) >= k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    return lo
+        n = tl.sum(((key >= mid.to(tl.int32)) & valid).to(tl.int32), axis=0)
+        exact = n == k
+        lo = tl.where(n >= k, mid, lo)
+        hi = tl.where(exact, mid + 1, tl.where(n >= k, hi, mid))
+    return lo.to(tl.int32)
 
 
 @triton.jit
 def _mass_cut_key(key, e, budget):
-    # the largest t with sum(e where key <= t) <= budget (masked entries carry e = 0)
+    # the largest t with sum(e where key <= t) <= budget (masked entries carry e = 0; key int32,
+    # every midpoint fits one)
     lo = tl.full((), -0x7F800001, tl.int64)  # mass(key <= lo) = 0 <= budget
     hi = tl.full((), 0x7F800000, tl.int64)
     for _ in range(32):
         mid = (lo + hi) >> 1
-        ok = tl.sum(tl.where(key <= mid, e, 0.0), axis=0) <= budget
+        ok = tl.sum(tl.where(key <= mid.to(tl.int32), e, 0.0), axis=0) <= budget
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
     return lo
@@ -117,7 +123,7 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
     if tl.load(ds_ptr + b) != 0:
         # temperature, then top-k: keep values >= the k-th largest (search over order keys)
         s = tl.math.div_rn(x, tl.load(temp_ptr + b))
-        key = tl.where(valid, _order_key(s), -0x7F800001)  # [BLOCK_V] int64
+        key = tl.where(valid, _order_key(s), -0x7F800001)  # [BLOCK_V] int32
         k = tl.load(topk_ptr + b)
         if (k > 0) & (k < V):
             s = tl.where(key >= _kth_largest_key(key, valid, k), s, ninf)
