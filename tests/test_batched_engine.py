@@ -121,17 +121,18 @@ def test_fp16_matrices_hand_fp16_inputs_to_every_product_and_stay_invariant(weig
     seen = []
     for name in ("linear", "linear_parts", "swiglu"):
         real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda x, *a, _real=real, _name=name: seen.append((_name, x.dtype, a[0].dtype))
-                            or _real(x, *a))
+        monkeypatch.setattr(ops, name, lambda x, *a, _real=real, _name=name:
+                            seen.append((_name, x.dtype, a[0].dtype, x.shape[-1])) or _real(x, *a))
     eng = _engine(weights)
     assert eng.p.talker.wqkv[0].dtype == torch.float16
     res = checks.invariance(eng, prompts[0], SamplingConfig(seed=99), sizes=(1, 3), frames=3, neighbour_len=(5, 30))
     assert all(r["codes_equal"] for r in res.values()), res
-    fp16_in = {n for n, xd, wd in seen if xd == torch.float16}
+    fp16_in = {n for n, xd, wd, _ in seen if xd == torch.float16}
     assert fp16_in == {"linear", "linear_parts", "swiglu"}, seen[:8]
-    # fp16 x only ever meets fp16 matrices; the down projection (bf16) keeps fp32 x
-    assert all(wd == torch.float16 for _, xd, wd in seen if xd == torch.float16)
-    assert any(wd == torch.bfloat16 and xd == torch.float32 for _, xd, wd in seen)
+    # every product's matrix is fp16, the down projections' inputs too (swiglu's scaled rows)
+    assert all(wd == torch.float16 for _, xd, wd, _ in seen)
+    downs = [xd for n, xd, _, k in seen if n == "linear_parts" and k == eng.p.talker.cfg.intermediate_size]
+    assert downs and all(xd == torch.float16 for xd in downs)
     assert eng.state.past_hidden.dtype == torch.float32
 
 
@@ -220,7 +221,7 @@ def test_memory_bytes_counts_what_the_engine_allocates(weights):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_fused_bytes_are_the_new_tensors_of_prepare(weights, monkeypatch, dtype):
     """What the memory plan counts beside bf16 weights is what `prepare` allocates: the fused
-    q|k|v, the stacked tables and, for fp16 GEMMs, the fp16 matrices (down stays a bf16 view)."""
+    q|k|v, the stacked tables and, for fp16 GEMMs, the fp16 matrices."""
     from dataclasses import fields, is_dataclass
 
     from tts_server.engines.batched import params
@@ -240,8 +241,8 @@ def test_fused_bytes_are_the_new_tensors_of_prepare(weights, monkeypatch, dtype)
 
     old = {t.untyped_storage().data_ptr() for t in tensors(w16)}
     p = params.prepare(w16)
-    assert (p.talker.wo[0].dtype, p.talker.down[0].dtype) == (params.FP16 if dtype == "fp16" else params.BF16,
-                                                                params.BF16)
+    want = params.FP16 if dtype == "fp16" else params.BF16
+    assert (p.talker.wo[0].dtype, p.talker.down[0].dtype) == (want, want)
     new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(p)
            if t.untyped_storage().data_ptr() not in old and t.dtype != torch.float32}  # (norms: fp32 copies)
     assert sum(new.values()) == fused_bytes(w16, params.gemm_dtype("cpu"))

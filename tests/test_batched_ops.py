@@ -434,6 +434,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)
+    check_mlp_fp16_scaled(dev)
     check_norms_fp16(dev)
     if dev != "cpu":  # the interpreter's dots round by their shapes, so only a GPU can say
         check_gemm_buckets(dev)
@@ -469,6 +470,31 @@ def check_gemm_fp16(dev: str) -> None:
         assert torch.equal(tk_gemm.gemm_big(x16, w, w2), out), swiglu
         if not swiglu:
             assert torch.equal(tk_gemm.linear_parts(x16, w), tk_gemm.linear_parts(x, w))
+
+
+def check_mlp_fp16_scaled(dev: str) -> None:
+    """The MLP with fp16 matrices: swiglu's fp16 output is its fp32 value times 2^-shift rounded
+    once (bitwise, also past fp16's range unscaled, and through the many-row kernel), and the down
+    projection's partial products of that row with x_shift are the unshifted ones times 2^shift
+    (bitwise); a row's bits are the same alone."""
+    from tts_server.engines.batched import ops, tk_gemm
+
+    shift = ops.MLP_SHIFT
+    x, wg, wu = gemm_case(40, 256, 96, 31, dev)
+    wg, wu = (wg * 150).half(), (wu * 150).half()  # products past 65504, as the real code predictor's
+    full = tk_gemm._gemm(x, wg, wu)
+    assert full.abs().max() > 65504
+    y = tk_gemm.swiglu(x, wg, wu, torch.float16, shift)
+    assert y.dtype == torch.float16 and torch.equal(y, (full * 2.0 ** -shift).half())
+    bm, bn, _, warps, stages = tk_gemm.config("swiglu", 96, 256, 40)[:5]
+    assert torch.equal(tk_gemm.gemm_big(x, wg, wu, tile=(bm, bn, warps, stages), shift=-shift,
+                                        out_dtype=torch.float16), y)
+    _, wd, _ = gemm_case(40, 96, 128, 32, dev)
+    wd = wd.half()
+    parts = tk_gemm.linear_parts(y, wd, shift)
+    assert torch.equal(parts, tk_gemm.linear_parts(y, wd) * 2.0 ** shift)
+    assert torch.equal(tk_gemm.linear_parts(y[7:8], wd, shift)[:, 0], parts[:, 7])
+    assert torch.equal(ops.linear_parts(y, wd, shift), parts)
 
 
 def check_norms_fp16(dev: str) -> None:

@@ -139,8 +139,8 @@ class BatchedEngine:
         self.row_graphs = None
         self.draw_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if dev.type == "cuda":
-            # every GEMM tile of every row-count bucket (the down projection is bf16 in either mode)
-            ops.warm_up(dev, tuple({torch.bfloat16, self.gemm_dtype}))
+            # every GEMM tile of every row-count bucket (every matrix is in the engine's GEMM dtype)
+            ops.warm_up(dev, (self.gemm_dtype,))
             self._warm_admissions()  # eager admission kernels compiled for every row count
             if use_graphs:
                 before = torch.cuda.memory_reserved(dev)

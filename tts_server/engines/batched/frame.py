@@ -27,19 +27,24 @@ def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32
     k/v and returns attention [M, NH, HD].
     With fp16 matrices the norms that feed products (q|k|v, gate|up) come out rounded to fp16, as
     the products would round them (half the bytes that each output tile re-reads); the final one
-    too unless final_fp32 (for a caller that feeds it to an fp16 head only). Each norm's dtype
+    too unless final_fp32 (for a caller that feeds it to an fp16 head only); and with an fp16 down
+    projection the MLP's inner row is fp16 times 2^-ops.MLP_SHIFT. Each norm's dtype
     follows the matrices and the call site, never B (see ops.rms_norm)."""
     cfg = sp.cfg
     m, eps = x.shape[0], cfg.rms_norm_eps
     norm_dtype = torch.float16 if sp.wqkv[0].dtype == torch.float16 == sp.gate[0].dtype else torch.float32
+    down16 = sp.down[0].dtype == torch.float16
     h = ops.rms_norm(x, sp.in_norm[0], eps, norm_dtype)
     for i in range(cfg.num_layers):
         att = attend(i, ops.linear(h, sp.wqkv[i]))
         x, h = glue.add_rms(x, ops.linear_parts(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps, norm_dtype)
         last = i + 1 == cfg.num_layers
         nxt = sp.final_norm if last else sp.in_norm[i + 1]
-        x, h = glue.add_rms(x, ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i]), nxt, eps,
-                            torch.float32 if last and final_fp32 else norm_dtype)
+        if down16:  # the MLP's inner row in fp16, scaled into its range (ops.MLP_SHIFT)
+            down = ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i], torch.float16), sp.down[i], ops.MLP_SHIFT)
+        else:
+            down = ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i])
+        x, h = glue.add_rms(x, down, nxt, eps, torch.float32 if last and final_fp32 else norm_dtype)
     return h
 
 

@@ -33,19 +33,32 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ops_ref.linear(x, w)
 
 
-def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_parts(x: torch.Tensor, w: torch.Tensor, x_shift: int = 0) -> torch.Tensor:
     """`linear` as partial products [SPLIT, M, N] fp32 (the fixed K pieces) whose in-order sum is
-    `linear(x, w)` bitwise; SPLIT is 1 for the references. For a consumer that sums them itself."""
+    `linear(x, w)` bitwise; SPLIT is 1 for the references. For a consumer that sums them itself.
+    x_shift: x holds the input times 2^-x_shift (swiglu's fp16 output), and the products come back
+    times 2^x_shift (powers of two: exact, so the same as the unscaled input's products)."""
     if _use_triton(x):
-        return _kernels().linear_parts(x, w)
-    return ops_ref.linear(x, w)[None]
+        return _kernels().linear_parts(x, w, x_shift)
+    return (ops_ref.linear(x, w) * 2.0 ** x_shift)[None]
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32."""
+# swiglu's fp16 output is the product times 2^-MLP_SHIFT: silu(gate) * up reaches ~1.4e5 in the real
+# Qwen3-TTS 0.6B code predictor (its block 2; CrispASR's fp16 port, their issue 38), past fp16's
+# 65504; scaled, fp16 holds values up to ~4.2e6 (30x that) at full precision down to ~3.9e-3 and
+# below it an absolute step of 2^-18 (~3.8e-6) in the unscaled units
+MLP_SHIFT = 6
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] fp32, w_* [I, K] bf16 -> silu(x @ w_gate.T) * (x @ w_up.T) [M, I] fp32; out_dtype
+    fp16 (for a down projection with fp16 matrices): that times 2^-MLP_SHIFT, rounded once to
+    nearest even (`linear_parts(..., x_shift=MLP_SHIFT)` undoes the scale)."""
     if _use_triton(x):
-        return _kernels().swiglu(x, w_gate, w_up)
-    return ops_ref.swiglu(x, w_gate, w_up)
+        return _kernels().swiglu(x, w_gate, w_up, out_dtype, MLP_SHIFT if out_dtype == torch.float16 else 0)
+    out = ops_ref.swiglu(x, w_gate, w_up)
+    return (out * 2.0 ** -MLP_SHIFT).to(out_dtype) if out_dtype == torch.float16 else out
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -118,4 +131,4 @@ def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
     """Compile the GEMM tiles of every row-count bucket, for matrices of each of `dtypes`, before
     serving (CUDA only)."""
     if device.type == "cuda":
-        _kernels().warm_up(device, dtypes)
+        _kernels().warm_up(device, dtypes, MLP_SHIFT)

@@ -29,9 +29,9 @@ def gemm_dtype(device: torch.device | str, frame_kernel: str = "triton") -> torc
     2^-17..65504) and activations rounded once to fp16 (11 significant bits, one dot). On an H100
     fp16 made a B = 1 frame 14% faster and B = 256 10%, with issue 16's accuracy bar still met
     (teacher-forced top-1 99.73% against 99.79%, BENCHMARKS.md session 21); both are
-    batch-invariant. Only products whose input is bounded go to fp16: the normed hidden states
-    (q|k|v, gate|up, the heads) and attention outputs (o_proj). The MLP's down projection stays
-    bf16: its input, silu(gate) * up, exceeds fp16's 65504 in the real Qwen3-TTS 0.6B code
+    batch-invariant. The products' inputs: the normed hidden states (q|k|v, gate|up, the heads)
+    and attention outputs (o_proj) as they are; the MLP's down projection takes silu(gate) * up
+    times 2^-6 (ops.MLP_SHIFT), which exceeds fp16's 65504 unscaled in the real Qwen3-TTS 0.6B code
     predictor (~1.4e5 in its block 2, found by CrispASR's fp16 port, their issue 38)."""
     if frame_kernel != "triton":
         return BF16
@@ -56,7 +56,7 @@ class StackParams:
     post_norm: tuple[torch.Tensor, ...]  # [H] fp32
     gate: tuple[torch.Tensor, ...]  # [I, H] bf16
     up: tuple[torch.Tensor, ...]  # [I, H] bf16
-    down: tuple[torch.Tensor, ...]  # [H, I] bf16
+    down: tuple[torch.Tensor, ...]  # [H, I] bf16 (fp16: see gemm_dtype)
     final_norm: torch.Tensor  # [H] fp32
 
     @property
@@ -88,7 +88,7 @@ class FrameParams:
 
 def _stack(lm: LMWeights, device, dtype: torch.dtype) -> StackParams:
     f32 = lambda t: t.to(device, torch.float32)  # noqa: E731
-    mat = lambda t: t.to(device, BF16).to(dtype)  # noqa: E731 - the GEMMs' matrices (but down: see gemm_dtype)
+    mat = lambda t: t.to(device, BF16).to(dtype)  # noqa: E731 - the GEMMs' matrices
     ls = lm.layers
     return StackParams(
         cfg=lm.config,
@@ -97,7 +97,7 @@ def _stack(lm: LMWeights, device, dtype: torch.dtype) -> StackParams:
         q_norm=tuple(f32(l.q_norm) for l in ls), k_norm=tuple(f32(l.k_norm) for l in ls),
         wo=tuple(mat(l.o_proj).contiguous() for l in ls), post_norm=tuple(f32(l.post_norm) for l in ls),
         gate=tuple(mat(l.gate_proj).contiguous() for l in ls), up=tuple(mat(l.up_proj).contiguous() for l in ls),
-        down=tuple(l.down_proj.to(device, BF16).contiguous() for l in ls), final_norm=f32(lm.final_norm))
+        down=tuple(mat(l.down_proj).contiguous() for l in ls), final_norm=f32(lm.final_norm))
 
 
 def prepare(w: DecodeWeights, device: torch.device | str | None = None,
@@ -126,8 +126,9 @@ def fused_bytes(w: DecodeWeights, dtype: torch.dtype = BF16) -> int:
     for lm in (w.talker, w.predictor):
         c = lm.config
         n += c.num_layers * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size * 2
-        if dtype != BF16:  # o_proj, gate, up
-            n += sum((l.o_proj.numel() + l.gate_proj.numel() + l.up_proj.numel()) * 2 for l in lm.layers)
+        if dtype != BF16:  # o_proj, gate, up, down
+            n += sum((l.o_proj.numel() + l.gate_proj.numel() + l.up_proj.numel() + l.down_proj.numel()) * 2
+                     for l in lm.layers)
     if dtype != BF16:  # the heads (and the 1.7B's projection into the code predictor)
         n += (w.codec_head.numel() + sum(h.numel() for h in w.predictor_heads)) * 2
         n += w.predictor_in_proj[0].numel() * 2 if w.predictor_in_proj is not None else 0

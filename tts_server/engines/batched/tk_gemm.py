@@ -56,7 +56,7 @@ BY_M: dict[tuple[str, int, int], tuple] = {
 # fastest bitwise-equal tiles of `DTYPE=fp16 scripts/gpu_gemm_tiles.py` on the H100
 # (benchmarks/results/h100-gemm-tiles-fp16-*.json; µs per product, graph replays, weights past
 # L2: q|k|v 6.4-7.1 -> 6.2 at 1-16 rows, gate|up 8.1 -> 7.2, the code-predictor heads 13.1 ->
-# 10.1 at 256). Shapes not here (down stays bf16) use BY_M.
+# 10.1 at 256). Shapes not here (down: no fp16 sweep yet) use BY_M.
 BY_M_FP16: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 2, 4)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
                              (256, (64, 128, 4, 4))),
@@ -84,6 +84,8 @@ BY_M_X16: dict[tuple[str, int, int], tuple] = {
     ("swiglu", 3072, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
     ("linear", 2048, 1024): ((16, None), (64, (64, 32, 4, 4)), (256, (64, 64, 4, 4))),
 }
+# TUNED's MLP down projections (their fp16 input comes scaled: warm_up compiles that variant too)
+MLP_DOWN = {("linear", 1024, 3072)}
 # one row count per tile bucket, for compiling every tile before serving (warm_up)
 WARM_ROWS = (1, 17, 33, 65, 129, 257, 513)
 OVERRIDE: dict[str, tuple] = {}
@@ -114,16 +116,22 @@ def config(kind: str, n: int, k: int, m: int = 1 << 30, fp16: bool = False, x16:
     return tuned
 
 
-def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,)) -> None:
+def warm_up(device: torch.device, dtypes: tuple = (torch.bfloat16,), mlp_shift: int = 0) -> None:
     """Compile every tuned tile once for matrices of each of `dtypes` (a first compile while
-    serving stalls a step for ~1 s); for fp16 matrices also with x in fp16."""
+    serving stalls a step for ~1 s); for fp16 matrices also with x in fp16, and (mlp_shift) the
+    MLP's scaled pair: swiglu into fp16 times 2^-mlp_shift, the down projection undoing it."""
     for (kind, n, k) in TUNED:
         for dtype in dtypes:
             w = torch.zeros(n, k, dtype=dtype, device=device)
-            for x_dtype in (torch.float32,) + ((torch.float16,) if dtype == torch.float16 else ()):
+            fp16 = dtype == torch.float16
+            for x_dtype in (torch.float32,) + ((torch.float16,) if fp16 else ()):
                 for m in WARM_ROWS:
                     x = torch.zeros(m, k, dtype=x_dtype, device=device)
                     _gemm(x, w, w if kind == "swiglu" else None)
+                    if fp16 and mlp_shift and kind == "swiglu":
+                        swiglu(x, w, w, torch.float16, mlp_shift)
+                    elif fp16 and mlp_shift and x_dtype == torch.float16 and (kind, n, k) in MLP_DOWN:
+                        linear_parts(x, w, mlp_shift)
 
 
 @triton.jit
@@ -138,14 +146,25 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _scaled(acc, out_ptr, SCALE: tl.constexpr):
+    # acc * SCALE (a power of two, so exact), rounded once to nearest even for an fp16 out
+    if SCALE != 1.0:
+        acc = acc * SCALE
+    if out_ptr.dtype.element_ty == tl.float16:
+        acc = acc.to(tl.float16, fp_downcast_rounding="rtne")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                  stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                 INTERPRET: tl.constexpr, GDC: tl.constexpr):
+                 INTERPRET: tl.constexpr, GDC: tl.constexpr, SCALE: tl.constexpr = 1.0):
     pdl.enter(GDC)
     # x [M, K] fp32 (or fp16 with fp16 w); w, w2 [N, K] bf16 or fp16; out [SPLIT, M, N] fp32 (split s
-    # covers K range s*K_PER_SPLIT..)
+    # covers K range s*K_PER_SPLIT..), each value times SCALE (a power of two: exact); an fp16 out
+    # (swiglu) takes the scaled value rounded once to nearest even
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -192,6 +211,7 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                     acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    acc = _scaled(acc, out_ptr, SCALE)
     omask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
 
@@ -216,12 +236,14 @@ def _pieces(swiglu: bool, k: int, chunk: int, bk: int) -> tuple[int, int]:
     return triton.cdiv(k, k_per), k_per
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True) -> torch.Tensor:
+def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: bool = True, shift: int = 0,
+          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] fp32, w (, w2) [N, K] bf16 or fp16 -> [M, N] fp32 (x @ w.T, or silu(x @ w.T) * (x @ w2.T)).
     With fp16 matrices x may come as fp16 already (x rounded by its producer as this rounds fp32
     x: the same bits, half the bytes to read). reduce=False: the K pieces' partial products
     [SPLIT, M, N] instead (SPLIT may be 1), for the consumer to sum in piece order (glue.add_rms
-    does: one launch fewer)."""
+    does: one launch fewer). shift: the result times 2^shift (exact); out_dtype fp16 (swiglu
+    only): that rounded once to fp16."""
     assert w.dtype in (torch.bfloat16, torch.float16), w.dtype
     assert x.dtype == torch.float32 or (x.dtype == w.dtype == torch.float16), (x.dtype, w.dtype)
     x = x.contiguous()
@@ -235,17 +257,19 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
                                                      x16=x.dtype == torch.float16)
     if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
+    assert out_dtype == torch.float32 or (swiglu and out_dtype == torch.float16), out_dtype
     if m >= big_m_min_rows(terms) and not OVERRIDE and (kind, n, k) in big_m_tiles(terms):
         # the same bits, for many rows
-        out = gemm_big(x, w, w2 if swiglu else None)
+        out = gemm_big(x, w, w2 if swiglu else None, shift=shift, out_dtype=out_dtype)
         return out if reduce else out[None]
     split, k_per = _pieces(swiglu, k, chunk, bk)
-    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.kw())
+                       TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.kw(),
+                       **_scale_kw(shift))
     if not reduce:
         return part if split > 1 else out[None]
     if split > 1:
@@ -254,21 +278,28 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     return out
 
 
+def _scale_kw(shift: int) -> dict:
+    """The kernels' SCALE (2^shift) where it is not 1: other launches keep their compiled form."""
+    return dict(SCALE=2.0 ** shift) if shift else {}
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 (fp16 with fp16 w), w [N, K] bf16 or fp16 -> [M, N] fp32."""
     return _gemm(x, w, None)
 
 
-def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_parts(x: torch.Tensor, w: torch.Tensor, x_shift: int = 0) -> torch.Tensor:
     """x [M, K] fp32 (fp16 with fp16 w), w [N, K] bf16 or fp16 -> partial products [SPLIT, M, N]
-    fp32 whose in-order sum is `linear(x, w)` bitwise."""
-    return _gemm(x, w, None, reduce=False)
+    fp32 whose in-order sum is `linear(x, w)` bitwise; x_shift: x is the input times 2^-x_shift
+    (see swiglu), and the products come back times 2^x_shift."""
+    return _gemm(x, w, None, reduce=False, shift=x_shift)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+           shift: int = 0) -> torch.Tensor:
     """x [M, K] fp32 (fp16 with fp16 w), w_* [I, K] bf16 or fp16 -> silu(x @ w_gate.T) * (x @ w_up.T)
-    [M, I] fp32."""
-    return _gemm(x, w_gate, w_up)
+    [M, I] fp32; out_dtype fp16: that times 2^-shift, rounded once to fp16 (see ops.swiglu)."""
+    return _gemm(x, w_gate, w_up, shift=-shift, out_dtype=out_dtype)
 
 
 @triton.jit
@@ -385,7 +416,8 @@ def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_x
 @triton.jit(do_not_specialize=["M"])
 def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, SPLIT, stride_xm, stride_wn,
                      stride_w2n, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr):
+                     BLOCK_K: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr,
+                     SCALE: tl.constexpr = 1.0):
     pdl.enter(GDC)
     # hi/lo [M, K] bf16 (x's parts; TERMS 0: hi = x in fp16); w, w2 [N, K] bf16 (fp16) -> out
     # [M, N] fp32: the K pieces (K_PER_SPLIT each) from zero, summed in order
@@ -403,6 +435,7 @@ def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLI
         y += p
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * y2
+    y = _scaled(y, out_ptr, SCALE)
     omask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=omask)
 
@@ -419,11 +452,11 @@ def split_parts(x: torch.Tensor, terms: int = 2) -> torch.Tensor:
 
 
 def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tuple | None = None,
-             parts: torch.Tensor | None = None) -> torch.Tensor:
+             parts: torch.Tensor | None = None, shift: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`_gemm(x, w, w2)` (reduced) bitwise, through split_parts and one program per output tile
     over all K pieces. tile: (BLOCK_M, BLOCK_N, warps, stages), default BIG_M's (BIG_M_FP16's for
     fp16 matrices) or TUNED's. parts: x's split_parts when the caller has them (one split for
-    several products of x)."""
+    several products of x). shift / out_dtype: as `_gemm`'s."""
     m, k = x.shape
     n = w.shape[0]
     swiglu = w2 is not None
@@ -442,9 +475,9 @@ def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tu
     hl = split_parts(x, terms) if parts is None else parts
     w = w.contiguous()
     w2 = w2.contiguous() if swiglu else w
-    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _gemm_big_kernel[grid](hl[0], hl[-1], w, w2, out, m, n, k, k_per, split, k, w.stride(0), w2.stride(0), n,
                            SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TERMS=terms, INTERPRET=_INTERPRET,
-                           num_warps=warps, num_stages=stages, **pdl.kw())
+                           num_warps=warps, num_stages=stages, **pdl.kw(), **_scale_kw(shift))
     return out
