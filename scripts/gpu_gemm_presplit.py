@@ -7,7 +7,8 @@ checked bitwise against `_gemm` (reduced) at the same M and at M = 1; times are 
 replays with 8 weight copies in rotation (weights from HBM, as in a frame).
 
 Then `_gemm` itself with fp16 x (the frame's path since session 31) over its tiles per M bucket
-(X16_ONLY=1: that section only; X16_SHAPES=o_proj,...: those products only).
+(X16_ONLY=1: that section only; X16_SHAPES=o_proj,...: those products only; `down` there takes
+swiglu's scaled fp16 row, as the frame does since session 33).
 
   PYTHONPATH=. python3 scripts/gpu_gemm_presplit.py   # writes $OUT/gemm_presplit.json
 """
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_batched_ops import GEMMS, bench_graph  # noqa: E402
 
-from tts_server.engines.batched import tk_gemm  # noqa: E402
+from tts_server.engines.batched import ops, tk_gemm  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/gemm_presplit_out")
 MS = tuple(int(m) for m in os.environ.get("MS", "64,128,256").split(","))
@@ -92,18 +93,20 @@ def x16_tiles() -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     out: dict = {}
     for name, kind, n, k in GEMMS:
-        if name not in FP16_SHAPES or name not in os.environ.get("X16_SHAPES", name):
+        if name not in FP16_SHAPES + ("down",) or name not in os.environ.get("X16_SHAPES", name):
             continue
         sw = kind == "swiglu"
         ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.03).half() for _ in range(COPIES)]
         w2s = [(torch.randn(n, k, device="cuda", generator=g) * 0.03).half() for _ in range(COPIES)] if sw else [None] * COPIES
-        reduce = name == "qkv" or sw  # o_proj and the heads go out as K pieces in the frame
+        reduce = name == "qkv" or sw  # o_proj, down and the heads go out as K pieces in the frame
+        # down: x is swiglu's fp16 row times 2^-MLP_SHIFT (frame.stack_forward), the parts scaled back
+        shift = ops.MLP_SHIFT if name == "down" else 0
         for m in X16_MS:
             x = torch.randn(m, k, device="cuda", generator=g)
             x16 = x.half()
-            ref = tk_gemm._gemm(x, ws[0], w2s[0], reduce=reduce)
+            ref = tk_gemm._gemm(x16 if shift else x, ws[0], w2s[0], reduce=reduce, shift=shift)
             cfg = tk_gemm.config(kind, n, k, m, fp16=True, x16=True)
-            row = {"config": list(cfg), "x32_us": round(bench_graph(
+            row = {"config": list(cfg), "x32_us": None if shift else round(bench_graph(
                 lambda i: tk_gemm._gemm(x, ws[i % COPIES], w2s[i % COPIES], reduce=reduce), 16), 2), "tiles": {}}
             for bm, bn, warps, stages in X16_TILES:
                 if n % bn or bm > max(16, 2 * m):
@@ -111,16 +114,16 @@ def x16_tiles() -> dict:
                 key = f"{bm}x{bn}x{warps}x{stages}"
                 tk_gemm.OVERRIDE[kind] = (bm, bn, cfg[2], warps, stages) + tuple(cfg[5:])
                 try:
-                    same = torch.equal(tk_gemm._gemm(x16, ws[0], w2s[0], reduce=reduce), ref)
-                    row["tiles"][key] = round(bench_graph(
-                        lambda i: tk_gemm._gemm(x16, ws[i % COPIES], w2s[i % COPIES], reduce=reduce), 16), 2) \
+                    same = torch.equal(tk_gemm._gemm(x16, ws[0], w2s[0], reduce=reduce, shift=shift), ref)
+                    row["tiles"][key] = round(bench_graph(lambda i: tk_gemm._gemm(
+                        x16, ws[i % COPIES], w2s[i % COPIES], reduce=reduce, shift=shift), 16), 2) \
                         if same else "NOT EQUAL"
                 except Exception as e:  # noqa: BLE001
                     row["tiles"][key] = repr(e)[:120]
                 finally:
                     tk_gemm.OVERRIDE.clear()
             row["x16_default_us"] = round(bench_graph(
-                lambda i: tk_gemm._gemm(x16, ws[i % COPIES], w2s[i % COPIES], reduce=reduce), 16), 2)
+                lambda i: tk_gemm._gemm(x16, ws[i % COPIES], w2s[i % COPIES], reduce=reduce, shift=shift), 16), 2)
             timed = [(v, t) for t, v in row["tiles"].items() if isinstance(v, float)]
             row["best"] = min(timed) if timed else None
             out[f"{name}|{m}"] = row
