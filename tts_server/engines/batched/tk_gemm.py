@@ -83,10 +83,12 @@ BY_M_X16: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
     ("swiglu", 3072, 1024): ((16, None), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)), (256, (128, 64, 8, 3))),
     ("linear", 2048, 1024): ((16, None), (64, (64, 32, 4, 4)), (256, (64, 64, 4, 4))),
-    # down, its x swiglu's scaled fp16 row (session 33, X16_SHAPES=down, an H200,
-    # benchmarks/results/h200-s33/down16-tests-sweep/): 4.75 -> 4.28 us at 1 row, 4.94 -> 4.36 at 16,
-    # 5.38 -> 5.17 at 64, 8.82 -> 8.29 at 256; BY_M's tile was the fastest at 32 and 128
-    ("linear", 1024, 3072): ((16, (16, 32, 4, 5)), (32, None), (64, (64, 32, 4, 4)), (128, None), (256, (64, 64, 4, 3))),
+    # down, its x swiglu's scaled fp16 row (session 33, X16_SHAPES=down on an H200,
+    # benchmarks/results/h200-s33/down16-tests-sweep/): 5.38 -> 5.17 us at 64 rows, and the B = 64
+    # frame 4.93 -> 4.78 ms (two calls). The sweep's faster tiles at 1-16 rows (4.75 -> 4.28 us)
+    # made those frames slower (3.03 -> 3.12 ms at B = 1), at 256 rows the frame was unchanged:
+    # BY_M's tiles there
+    ("linear", 1024, 3072): ((32, None), (64, (64, 32, 4, 4)), (256, None)),
 }
 # TUNED's MLP down projections (their fp16 input comes scaled: warm_up compiles that variant too)
 MLP_DOWN = {("linear", 1024, 3072)}
