@@ -4,7 +4,7 @@ inside every output tile; K pieces as partial products). Checks every candidate 
 against `_gemm` (M = 4096 and M = 1), times both (CUDA graphs), then times eager batched
 prefills (4,313 rows: 145 prompts' worth; and fewer) with the switch off and on, bitwise compared.
 DTYPE=fp16: the same for fp16 matrices (x rounded once to fp16; tk_gemm.BIG_M_FP16), the
-products that the fp16 default keeps in fp16 (q|k|v, o_proj, gate|up; down stays bf16).
+products that the fp16 default kept in fp16 then (q|k|v, o_proj, gate|up; down was bf16 until session 33).
 
   PYTHONPATH=. python3 scripts/gpu_gemm_big.py   # writes $OUT/gemm_big[_fp16].json
 """

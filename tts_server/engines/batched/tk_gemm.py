@@ -56,7 +56,7 @@ BY_M: dict[tuple[str, int, int], tuple] = {
 # fastest bitwise-equal tiles of `DTYPE=fp16 scripts/gpu_gemm_tiles.py` on the H100
 # (benchmarks/results/h100-gemm-tiles-fp16-*.json; µs per product, graph replays, weights past
 # L2: q|k|v 6.4-7.1 -> 6.2 at 1-16 rows, gate|up 8.1 -> 7.2, the code-predictor heads 13.1 ->
-# 10.1 at 256). Shapes not here (down: no fp16 sweep yet) use BY_M.
+# 10.1 at 256). Shapes not here use BY_M (down: its x is always fp16, see BY_M_X16).
 BY_M_FP16: dict[tuple[str, int, int], tuple] = {
     ("linear", 4096, 1024): ((16, (16, 32, 4, 5)), (32, (16, 64, 2, 4)), (64, (64, 32, 4, 4)), (128, (64, 64, 4, 4)),
                              (256, (64, 128, 4, 4))),
