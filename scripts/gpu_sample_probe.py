@@ -22,7 +22,9 @@ SHAPES = ((2048, 2), (3072, 1))  # (vocabulary, partial products)
 
 
 def bench_graph(fn, ncalls: int = 20, reps: int = 7) -> float:
-    """Median µs per call of fn(), ncalls captured in one CUDA graph."""
+    """Median µs per call of fn(), ncalls captured in one CUDA graph. (gpu_batched_ops.py has the
+    same timer, but it imports the tests, which the other tree of an A/B, a `git archive` of
+    tts_server/ beside a copy of scripts/, does not have.)"""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
