@@ -31,12 +31,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_batched_engine import fake_admit, load_weights, log, time_replays  # noqa: E402
+from gpu_pdl_ab import signature  # noqa: E402
 
-from tts_server.api import SamplingConfig  # noqa: E402
-from tts_server.engines.batched import checks, tk_gemm  # noqa: E402
+from tts_server.engines.batched import tk_gemm  # noqa: E402
 from tts_server.engines.batched.checks import mixed_lengths  # noqa: E402
 from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
-from tts_server.engines.contract import Admission  # noqa: E402
 
 TABLES = {"x16": "BY_M_X16", "fp16": "BY_M_FP16", "bf16": "BY_M"}
 
@@ -46,17 +45,6 @@ def with_tile(entries: tuple, bucket: int, tile: tuple | None) -> tuple:
     shape the table lacks gets a last bucket of None (the other rows keep the next table's tile)."""
     rest = [(m, t) for m, t in (entries or ((1 << 30, None),)) if m != bucket]
     return tuple(sorted(rest + [(bucket, tile)], key=lambda e: e[0]))
-
-
-def signature(eng: BatchedEngine, n: int) -> dict:
-    for s in list(eng.positions):
-        eng.release(s)
-    h = eng.p.talker.cfg.hidden_size
-    admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"), SamplingConfig(seed=i))
-                  for i in range(n))
-    codes = checks.step_codes(eng, list(range(n)), 8, admit)
-    return {f"codes{n}": np.stack([codes[s] for s in range(n)]),
-            f"hidden{n}": eng.state.past_hidden[:n].detach().cpu().numpy().copy().view(np.uint32)}
 
 
 def main() -> None:
@@ -96,7 +84,7 @@ def main() -> None:
                 res["replay_ms"][name][b].append(ms)
                 log(f"  B {b:3d} mixed: {ms:.3f} ms")
             if r == 0:
-                sig = signature(eng, 4) | signature(eng, max(sizes))
+                sig = signature(eng, 4, 8) | signature(eng, max(sizes), 8)
                 ref = sig if name == "default" else ref
                 res["bitwise_equal_to_default"][name] = {f: bool(np.array_equal(v, ref[f])) for f, v in sig.items()}
                 log("  bitwise:", res["bitwise_equal_to_default"][name])

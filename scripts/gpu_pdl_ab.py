@@ -70,8 +70,20 @@ def admissions(eng, counts=(4, 16, 64), length: int = 60) -> dict:
     return out
 
 
+def signature(eng: BatchedEngine, n: int, frames: int = 16) -> dict:
+    """The codes and past hidden states (as uint32) of n seeded admissions after `frames`
+    sampled frames: equal between two engines = the same bits."""
+    for s in list(eng.positions):
+        eng.release(s)
+    h = eng.p.talker.cfg.hidden_size
+    admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"), SamplingConfig(seed=i))
+                  for i in range(n))
+    codes = checks.step_codes(eng, list(range(n)), frames, admit)
+    return {f"codes{n}": np.stack([codes[s] for s in range(n)]),
+            f"hidden{n}": eng.state.past_hidden[:n].detach().cpu().numpy().copy().view(np.uint32)}
+
+
 def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
-    h = w.talker.config.hidden_size
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
     res = dict(capture_s=eng.capture_s, replay_ms={})
     for b in sizes:
@@ -80,17 +92,7 @@ def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
         log(f"  B {b:3d} mixed: {res['replay_ms'][b]:.3f} ms (runs {', '.join(f'{m:.3f}' for m in ms)})")
     res["first_frame"] = first_frame(eng)
     res["admissions"] = admissions(eng)
-    for s in list(eng.positions):
-        eng.release(s)
-    sig = {}
-    for n in (64, 4):
-        for s in list(eng.positions):
-            eng.release(s)
-        admit = tuple(Admission(i, checks.random_prompt(1000 + i, 8 + i % 23, h, device="cuda"),
-                                SamplingConfig(seed=i)) for i in range(n))
-        codes = checks.step_codes(eng, list(range(n)), 16, admit)
-        sig[f"codes{n}"] = np.stack([codes[s] for s in range(n)])
-        sig[f"hidden{n}"] = eng.state.past_hidden[:n].detach().cpu().numpy().copy().view(np.uint32)
+    sig = signature(eng, 64) | signature(eng, 4)
     del eng
     torch.cuda.empty_cache()
     return res, sig
