@@ -40,10 +40,9 @@ def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32
         x, h = glue.add_rms(x, ops.linear_parts(att.reshape(m, sp.q_dim), sp.wo[i]), sp.post_norm[i], eps, norm_dtype)
         last = i + 1 == cfg.num_layers
         nxt = sp.final_norm if last else sp.in_norm[i + 1]
-        if down16:  # the MLP's inner row in fp16, scaled into its range (ops.MLP_SHIFT)
-            down = ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i], torch.float16), sp.down[i], ops.MLP_SHIFT)
-        else:
-            down = ops.linear_parts(ops.swiglu(h, sp.gate[i], sp.up[i]), sp.down[i])
+        # with an fp16 down projection the MLP's inner row is fp16, scaled into its range (ops.MLP_SHIFT)
+        inner = ops.swiglu(h, sp.gate[i], sp.up[i], torch.float16 if down16 else torch.float32)
+        down = ops.linear_parts(inner, sp.down[i], ops.MLP_SHIFT if down16 else 0)
         x, h = glue.add_rms(x, down, nxt, eps, torch.float32 if last and final_fp32 else norm_dtype)
     return h
 
