@@ -49,9 +49,9 @@ VARIANTS.update({name: ({"TTS_PDL": "1"}, None) for name in PREFILL_ROWS})
 VARIANTS["kvminor"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "0", "TTS_ATTN_TC_TERMS": "2"}, None)
 # and with 3 bf16 parts of q and of the softmax weights instead of 2 (tk_attention.TC_TERMS)
 VARIANTS["terms3"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "1", "TTS_ATTN_TC_TERMS": "3"}, None)
-# what a variant sets only for itself: popped before each variant, so that a later one (e.g.
-# default_again after kvminor) runs with the tree's default
-VARIANT_ONLY = ("TTS_ATTN_KV_MAJOR", "TTS_ATTN_TC_TERMS")
+# every setting a variant makes: popped before each variant, so that a later one (e.g.
+# default_again after kvminor) runs with the tree's default for what it does not set itself
+VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}
 
 
 def admissions(eng, counts=(4, 16, 64), length: int = 60) -> dict:
