@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tts_client import bench
 
@@ -156,3 +160,44 @@ async def test_http_closed_loop_level_over_load_processes(tiny_custom, tmp_path)
         [("http", i, "OK", 4) for i in range(4)]
     starts = [r["start_s"] for r in records]
     assert max(starts) - min(starts) < 0.5  # one start for both processes
+
+
+async def test_waiting_for_a_server_sees_it_soon_after_a_long_start():
+    """A server that listens only after 12 s (a GPU server compiles and captures for minutes) is
+    seen SERVING within ~1 s of its start: gRPC's own reconnect backoff (1 s growing 1.6x, up to
+    120 s) had the waiting channel's next try 2.5-4.6 s late here (3 runs), ~2 min late after 200 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = []
+
+    async def late_server():
+        await asyncio.sleep(12)
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        started.append(time.monotonic())
+        return server
+
+    task = asyncio.create_task(late_server())
+    try:
+        assert await bench.wait_for_serving(f"127.0.0.1:{port}", 40)
+        seen = time.monotonic()
+    finally:
+        server = await task
+        await server.stop(None)
+    assert seen - started[0] < 2.0, f"SERVING seen {seen - started[0]:.1f} s after the server started"
+
+
+async def test_waiting_for_a_server_stops_when_it_exits_or_times_out():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="gone"):
+        await bench.wait_for_serving(f"127.0.0.1:{port}", 10, lambda: "gone")
+    t0 = time.monotonic()
+    assert not await bench.wait_for_serving(f"127.0.0.1:{port}", 1.5)
+    assert time.monotonic() - t0 < 5

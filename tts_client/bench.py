@@ -30,6 +30,30 @@ from .workloads import WORKLOADS, load_text_file, open_loop, poisson_arrivals, s
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = b"\x08\x01"  # HealthCheckResponse{status: SERVING} in protobuf wire format
+# A channel made before the server listens retries its connection with gRPC's backoff (1 s,
+# growing 1.6x up to 120 s): after a GPU server's minutes of start-up, a poll on it saw SERVING
+# up to two minutes late. Retried every second at most instead.
+WAIT_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                        ("grpc.max_reconnect_backoff_ms", 1000))
+
+
+async def wait_for_serving(address: str, timeout_s: float, exited=lambda: None) -> bool:
+    """Polls address's health service ("") until SERVING (True) or timeout_s (False); stops at
+    once if exited() says the server is gone (raises RuntimeError with what it returned)."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address, options=WAIT_CHANNEL_OPTIONS) as channel:
+        check = channel.unary_unary(HEALTH_CHECK)  # raw bytes in and out
+        while time.monotonic() < deadline:
+            gone = exited()
+            if gone is not None:
+                raise RuntimeError(gone)
+            try:
+                if await check(b"", timeout=2.0) == SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    return False
 
 
 class Progress:
@@ -89,19 +113,13 @@ class ServerProcess:
 
     async def wait_serving(self, timeout_s: float) -> None:
         """Polls the health service ("") until SERVING; raises if the server exits or times out."""
-        deadline = time.monotonic() + timeout_s
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            check = channel.unary_unary(HEALTH_CHECK)  # raw bytes in and out
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"tts-server exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if await check(b"", timeout=2.0) == SERVING:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.5)
-        raise TimeoutError(f"tts-server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
+        def exited():
+            if self.proc.poll() is not None:
+                return f"tts-server exited with {self.proc.returncode}:\n{self.log_tail()}"
+            return None
+
+        if not await wait_for_serving(self.address, timeout_s, exited):
+            raise TimeoutError(f"tts-server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, num_lines: int = 15) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
