@@ -76,6 +76,19 @@ def test_deployment_matches_the_server():
     assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == a.metrics_port
 
 
+def test_compiled_kernels_outlive_the_pod():
+    """TRITON_CACHE_DIR lies on a node folder (not the container's or an emptyDir), so that a
+    restarted or added pod does not compile every kernel again."""
+    c = _container()
+    pod = _one("Deployment")["spec"]["template"]["spec"]
+    cache = {e["name"]: e.get("value") for e in c.get("env", [])}.get("TRITON_CACHE_DIR")
+    assert cache, "TRITON_CACHE_DIR is not set"
+    mounts = [m for m in c.get("volumeMounts", []) if (cache + "/").startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts and not mounts[0].get("readOnly"), f"{cache} is not on a writable volume"
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
+    assert "hostPath" in volume or "persistentVolumeClaim" in volume, volume
+
+
 def test_termination_grace_covers_the_drain():
     c, a = _container(), _args()
     pod = _one("Deployment")["spec"]["template"]["spec"]

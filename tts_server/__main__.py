@@ -9,6 +9,7 @@ import faulthandler
 import logging
 import os
 import sys
+import time
 
 from tts_client.helpfmt import ArgumentParser
 
@@ -272,6 +273,14 @@ async def _serve(config: ServerConfig) -> int:
              ",".join(info.voices) or "(clone from reference)")
     if info.is_synthetic:
         log.warning("!" * 20 + " " + info.warning + " " + "!" * 20)
+    took = time.monotonic() - _STARTED[0]
+    if info.device.startswith("cuda"):
+        # most of a first start on a machine is Triton compiling the kernels (BENCHMARKS.md)
+        log.info("start-up took %.0f s; the compiled Triton kernels are cached in %s for the next start "
+                 "(keep that folder across restarts, e.g. a volume in a container)", took, triton_cache_dir(),
+                 extra={"startup_s": round(took, 1)})
+    else:
+        log.info("start-up took %.0f s", took, extra={"startup_s": round(took, 1)})
     if config.watchdog_s > 0:
         # Backstop for a hang the Python watchdog cannot act on (a thread holding the GIL): the
         # watchdog thread re-arms this on every poll; if it stops polling, faulthandler dumps
@@ -281,7 +290,18 @@ async def _serve(config: ServerConfig) -> int:
     return await TTSServer(worker, info, config).serve_forever()
 
 
+_STARTED = [time.monotonic()]  # main() sets it again: start-up is timed from there
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels: TRITON_CACHE_DIR, else .triton/cache under TRITON_HOME
+    or the home folder (triton.knobs.cache.dir, without importing Triton here)."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+
+
 def main(argv=None) -> None:
+    _STARTED[0] = time.monotonic()
     if os.environ.get("TTS_GIL_SWITCH_MS"):  # experiments only: Python's 5 ms default measured best
         sys.setswitchinterval(float(os.environ["TTS_GIL_SWITCH_MS"]) / 1e3)  # (scripts/gpu_gil_ab.sh)
     try:
