@@ -257,10 +257,6 @@ class BatchedCodecDecoder:
                 with torch.cuda.graph(g, pool=pool, stream=side):  # on this device (engines/batched/graphs.py)
                     out = self._forward(self._idx[:bp], self._codes[:bp])
                 self._graphs[bp] = (g, out)
-            # each graph's first launch (its upload) here, not in a request's first decode (as
-            # engines/batched/graphs.first_replays): the same scratch-slot work as the warm-up
-            for bp in sorted(self.buckets):
-                self._graphs[bp][0].replay()
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before

@@ -35,16 +35,6 @@ def bucket_for(n: int, sizes: list[int]) -> int:
     raise ValueError(f"{n} rows exceed the largest bucket {sizes[-1]}")
 
 
-def first_replays(graphs, dev: torch.device) -> None:
-    """Replay each captured graph once, in order, and wait: a graph's first launch uploads it to
-    the device, which cost the first request after start ~40 ms in its first frame (the frame's
-    graphs, ~950 kernels; H200, benchmarks/results/h200-s35/startup). The captures' callers make
-    a replay the same work as their warm-up run (the scratch slot's rows and blocks only)."""
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize(dev)
-
-
 class StepGraphs:
     """predict[b] / advance[b] replay `step.predict(rows[:b])` / `step.advance(rows[:b])`; the
     caller fills rows[:b] (device, int64) first. predict=False: the advance graphs only (the
@@ -82,10 +72,7 @@ class StepGraphs:
                 with torch.cuda.graph(g, pool=pool, stream=side), pdl.scope(b <= PDL_MAX_ROWS):
                     half(self.rows[:b])
                 graphs[b] = g
-        # each graph's first launch (its upload) at start-up, not in a request's frame: predict
-        # then advance, as a step replays them (the rows are the scratch slot's, as in the warm-up)
-        first_replays([g for b in reversed(sizes) for g in ((self.predict[b],) if predict else ()) + (self.advance[b],)],
-                      dev)
+        torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         torch.cuda.empty_cache()
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from ...model.lm import apply_rope, rope_cos_sin
 from . import pdl
-from .graphs import first_replays
 from .ops import PREFILL_QB
 from .params import StackParams
 
@@ -88,9 +87,7 @@ def capture(fn, sizes: list[int], dev: torch.device, pdl_rows: int | None = None
         graphs[n] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[n], pool=pool, stream=side), pdl.scope(n <= pdl_rows):  # on dev (see graphs.py)
             fn(n)
-    first_replays(graphs.values(), dev)
     return graphs
-
 
 
 class PrefillGraphs:
