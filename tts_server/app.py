@@ -14,6 +14,7 @@ from .config import ServerConfig
 from .devices import Placement, resolve_placements
 from .memory_plan import StartupError, plan_streams
 from .metrics import Metrics
+from .serving import warm_up
 from .serving.loop import Worker
 from .serving.pool import EnginePool
 from .model.loader import LoadedModel, load_model
@@ -197,4 +198,7 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> App:
         default_voice=default_voice, languages=tuple(loaded.languages))
     worker = workers[0] if len(workers) == 1 else EnginePool(workers)
     worker.start()
+    if loaded.device.type == "cuda" and warm_up.enabled():
+        for w in workers:  # each engine's first request, before any user's (serving/warm_up.py)
+            warm_up.run_warm_up(w, info)
     return App(loaded, worker, info)
