@@ -55,7 +55,9 @@ async def test_deadline_is_logged_as_a_deadline(tiny_server, caplog):
     caplog.set_level(logging.INFO, logger="tts_server")
     async with TTSClient(tiny_server) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.synthesize(build_request("A long one.", max_duration_s=30.0,
+            # seed 1: no EOS in its first 100 frames (a random seed drew one at frame 23 once,
+            # and the stream ended before the deadline)
+            await client.synthesize(build_request("A long one.", max_duration_s=30.0, seed=1,
                                                   request_id="late-1"), timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         call = client.stream(build_request("Cancel me.", max_duration_s=30.0, request_id="gone-1"))
