@@ -5,6 +5,7 @@ and a failure of it is an error, not a silent start."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -61,3 +62,14 @@ def test_a_failed_warm_up_raises(tiny_custom):
             warm_up.run_warm_up(app.worker, app.info)
     finally:
         app.worker.stop(10)
+
+
+def test_a_warm_up_that_does_not_end_in_time_raises_and_frees_its_slot(tiny_app):
+    worker = tiny_app.worker
+    with pytest.raises(RuntimeError, match="did not end in"):
+        warm_up.run_warm_up(worker, tiny_app.info, timeout_s=1e-3)
+    for _ in range(100):  # the engine drops the cancelled stream at its next step
+        if worker.num_outstanding == 0:
+            break
+        time.sleep(0.05)
+    assert worker.num_outstanding == 0

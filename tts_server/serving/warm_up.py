@@ -1,12 +1,15 @@
 """One short request through an engine's whole path before the server says SERVING.
 
 Start-up compiles every kernel and captures every graph, yet the first request after a start
-waited 34-55 ms more in its first frame than the next ones (first audio 42-64 ms, then 7-10; an
-H200, warm and cold Triton caches, benchmarks/results/h200-s35/startup*): first-time work on the
-engine thread's path of a request (admission, first draws, the frame, the codes' copy, the
-codec's launch) that nothing at start-up reaches. This request takes that cost instead of a
-user's. Its stream ends and frees its slot like any other (an admission rewrites the slot's KV,
-state and codec history), so it changes no later request's bytes."""
+took 24-55 ms in its first frame against 2.3-2.7 for the next ones (first audio 31-64 ms against
+8-11; an H200, empty and filled Triton caches, benchmarks/results/h200-s35/startup*): first-time
+work on the engine thread's path of a request (admission, first draws, the frame, the codes'
+copy, the codec's launch) that nothing at start-up reaches. Not the graphs' first launch
+(replaying each at start-up changed nothing); what it is was not found (per-thread library
+state is a candidate: the engine thread is not the one that captured). This request takes that
+cost instead of a user's (first audio of the first request then 10.7-11.0 ms). Its stream ends
+and frees its slot like any other (an admission rewrites the slot's KV, state and codec
+history), so it changes no later request's bytes."""
 
 from __future__ import annotations
 
@@ -50,16 +53,22 @@ def run_warm_up(worker, info: ModelInfo, timeout_s: float = 120.0) -> float:
     async def run() -> None:
         handle = worker.submit(request, asyncio.get_running_loop())
         end = None
-        async for event in handle:
-            if isinstance(event, AudioChunk):
-                handle.mark_sent(event.samples.shape[0])
-            elif isinstance(event, StreamEnd):
-                end = event
+        try:
+            async for event in handle:
+                if isinstance(event, AudioChunk):
+                    handle.mark_sent(event.samples.shape[0])
+                elif isinstance(event, StreamEnd):
+                    end = event
+        finally:  # (timed out: the engine drops the stream at its next step)
+            handle.cancel()
         if end is None or end.finish_reason is FinishReason.ERROR:
             raise RuntimeError(f"the start-up's warm-up request failed: {end and end.error}")
 
     t0 = time.perf_counter()
-    asyncio.run(asyncio.wait_for(run(), timeout_s))
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout_s))
+    except TimeoutError:
+        raise RuntimeError(f"the start-up's warm-up request did not end in {timeout_s:g} s") from None
     took = time.perf_counter() - t0
     log.info("warm-up request on %s: %d frames in %.0f ms", worker.label, request.max_frames, took * 1e3)
     return took
