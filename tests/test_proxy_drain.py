@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 HAPROXY = shutil.which("haproxy") or next(
     (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.path.exists(p)), None)
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy" / "haproxy.cfg"
-DRAIN_DELAY_S = 2.0  # > the proxy's fall x inter (2 x 0.2 s) with room for a loaded machine
+DRAIN_DELAY_S = 3.0  # > the proxy's fall x inter (2 x 0.2 s) with room for a loaded machine: on the
+# 2-core CI machine HAProxy marked the replica DOWN 0.3-1.3 s after SIGTERM, and once 2.003 s
 STREAM_S = 4.8  # audio per in-flight stream (60 frames), read at real-time pace
 NUM_STREAMS = 9
 
@@ -201,4 +202,4 @@ def test_sigterm_drains_one_replica_behind_haproxy_without_failing_a_stream(clus
     assert out["stot_down"] == out["stot_before"]  # not even in the check's window
     assert int(st[("tts_grpc", "BACKEND")]["eresp"]) == 0 and int(st[("tts_grpc", "BACKEND")]["econ"]) == 0
     assert code == 0, log_text[-2000:]
-    assert "health NOT_SERVING; new calls still taken for 2.0 s" in log_text
+    assert f"health NOT_SERVING; new calls still taken for {DRAIN_DELAY_S:.1f} s" in log_text
