@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import grpc
@@ -166,9 +165,7 @@ async def test_waiting_for_a_server_sees_it_soon_after_a_long_start():
     """A server that listens only after 12 s (a GPU server compiles and captures for minutes) is
     seen SERVING within ~1 s of its start: gRPC's own reconnect backoff (1 s growing 1.6x, up to
     120 s) had the waiting channel's next try 2.5-4.6 s late here (3 runs), ~2 min late after 200 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = bench.free_port()
     started = []
 
     async def late_server():
@@ -193,9 +190,7 @@ async def test_waiting_for_a_server_sees_it_soon_after_a_long_start():
 
 
 async def test_waiting_for_a_server_stops_when_it_exits_or_times_out():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = bench.free_port()
     with pytest.raises(RuntimeError, match="gone"):
         await bench.wait_for_serving(f"127.0.0.1:{port}", 10, lambda: "gone")
     t0 = time.monotonic()
