@@ -20,7 +20,7 @@ from tts_client.pb.tts.v1 import tts_pb2
 
 from ..api import (AudioChunk, FinishReason, InvalidRequest, ModelInfo, ReferenceAudio,
                    SamplingConfig, StreamEnd, SynthesisRequest, default_max_duration_s)
-from ..audio_formats import FORMATS, AudioEncoder
+from ..audio_formats import FORMATS, AudioEncoder, s16
 from ..config import ServerConfig
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
@@ -244,13 +244,12 @@ def encoder_for(encoding: int, rate: int) -> AudioEncoder | None:
 def chunk_message(chunk: AudioChunk, rate: int, encoding: int,
                   data: bytes | None = None) -> tts_pb2.SynthesizeResponse:
     """`data`: the chunk already encoded (encoder_for); else PCM from its samples."""
-    samples = np.clip(chunk.samples, -1.0, 1.0)  # the proto promises [-1, 1] for FLOAT32 too
     if data is not None:
         pass
-    elif encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:
-        data = samples.astype("<f4").tobytes()
+    elif encoding == tts_pb2.AUDIO_ENCODING_FLOAT32_LE:  # the proto promises [-1, 1] for FLOAT32 too
+        data = np.clip(chunk.samples, -1.0, 1.0).astype("<f4").tobytes()
     else:
-        data = (samples * 32767.0).round().astype("<i2").tobytes()
+        data = s16(chunk.samples).tobytes()
     return tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(
         audio=data, sample_rate_hz=rate, encoding=encoding, sequence_number=chunk.sequence_number,
         sample_offset=chunk.sample_offset, num_samples=int(chunk.samples.shape[0]),
