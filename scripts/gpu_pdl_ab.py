@@ -86,7 +86,7 @@ def signature(eng: BatchedEngine, n: int, frames: int = 16) -> dict:
             f"hidden{n}": eng.state.past_hidden[:n].detach().cpu().numpy().copy().view(np.uint32)}
 
 
-def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
+def run_variant(w, sizes, iters: int, sig_rows=(64, 4)) -> tuple[dict, dict]:
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
     res = dict(capture_s=eng.capture_s, replay_ms={})
     for b in sizes:
@@ -95,7 +95,9 @@ def run_variant(w, sizes, iters: int) -> tuple[dict, dict]:
         log(f"  B {b:3d} mixed: {res['replay_ms'][b]:.3f} ms (runs {', '.join(f'{m:.3f}' for m in ms)})")
     res["first_frame"] = first_frame(eng)
     res["admissions"] = admissions(eng)
-    sig = signature(eng, 64) | signature(eng, 4)
+    sig = {}
+    for n in sig_rows:
+        sig |= signature(eng, n)
     del eng
     torch.cuda.empty_cache()
     return res, sig
@@ -107,6 +109,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sizes", default="1,8,64,256")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sig-rows", default="64,4", help="admissions whose codes and hidden states are compared")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +133,8 @@ def main() -> None:
         prefill.PDL_MAX_ROWS = PREFILL_ROWS.get(name, default_prefill)
         log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS} prefill {prefill.PDL_MAX_ROWS}")
         try:
-            res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters)
+            res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters,
+                                                            [int(n) for n in args.sig_rows.split(",")])
         except Exception as e:  # keep the other variants
             import traceback
             res["variants"][name] = dict(error=traceback.format_exc())

@@ -9,9 +9,11 @@ change, so outputs are bitwise the same with PDL on or off (scripts/gpu_pdl_ab.p
 Measured on an H100 (benchmarks/results/h100-pdl-ab-*.json, h100-pdl-rows-ab-*.json): frame
 graphs of B <= 128 rows get faster (session 12's kernels: B = 1 4.91 -> 4.47 ms; session 29's:
 B = 16 / 64 / 128 4.58 -> 4.29, 6.55 -> 6.38, 9.19 -> 8.98 ms), B = 256 slower (13.96 -> 14.08),
-and a weight prefetch into L2 before the wait was slower at every B. So PDL is on only inside `scope(True)`,
-which the frame graphs and the prefill row graphs of small buckets are captured in
-(graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS); a CUDA graph keeps what was set at its capture.
+and a weight prefetch into L2 before the wait was slower at every B (again in session 36, each
+product of 1-16 rows prefetching its own rows: B = 1 3.03 -> 3.44 ms on an H200). So PDL is on
+only inside `scope(True)`, which the frame graphs and the prefill row graphs of small buckets are
+captured in (graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS); a CUDA graph keeps what was set at its
+capture.
 TTS_PDL=0 turns it off everywhere."""
 
 from __future__ import annotations
