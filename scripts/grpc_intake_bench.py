@@ -6,8 +6,7 @@ intake half of issue 18's 256-stream burst without the engine.
 
     python scripts/grpc_intake_bench.py [--calls 256] [--procs 8] [--loop uvloop|asyncio] [--servers 2]
         [--registered] [--shared-channel]   # a channel per call by default, as tts-bench
-        [--metadata-first]   # headers as a batch of their own before the first message (tts_server
-                             # did so until session 36; now its headers go with the first chunk)
+        [--no-metadata-first]   # the headers with the first message, not a batch of their own
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ def _serve(port: int, loop_kind: str, ready, starts_q, n_calls: int, chunks: int
 
     async def stream(request: bytes, context):
         starts.append(time.monotonic())
-        if metadata_first:  # headers before the first chunk, a batch of their own
+        if metadata_first:  # as tts_server's servicer: headers before the first chunk, a batch of their own
             await context.send_initial_metadata((("x-request-id", "r"),))
         for _ in range(chunks):
             await context.write(b"\0" * 3840)  # 80 ms of 24 kHz s16 audio
@@ -92,12 +91,12 @@ def main() -> None:
     ap.add_argument("--registered", action="store_true", help="also add_registered_method_handlers")
     ap.add_argument("--servers", type=int, default=1, help="grpc.aio servers sharing the port in the one process")
     ap.add_argument("--shared-channel", action="store_true", help="one channel per client process, not per call")
-    ap.add_argument("--metadata-first", action="store_true",
-                    help="send_initial_metadata before the first message (a batch of its own)")
+    ap.add_argument("--no-metadata-first", dest="no_metadata", action="store_true",
+                    help="no send_initial_metadata before the first message (headers go with it)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     ready, go, starts_q, out_q = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
-    srv = ctx.Process(target=_serve, args=(args.port, args.loop, ready, starts_q, args.calls, args.chunks, args.registered, args.servers, args.metadata_first), daemon=True)
+    srv = ctx.Process(target=_serve, args=(args.port, args.loop, ready, starts_q, args.calls, args.chunks, args.registered, args.servers, not args.no_metadata), daemon=True)
     srv.start()
     ready.wait(30)
     per = [args.calls // args.procs + (i < args.calls % args.procs) for i in range(args.procs)]
@@ -114,7 +113,7 @@ def main() -> None:
     srv.terminate()
     spread = [(t - starts[0]) * 1e3 for t in starts]
     ms = sorted(f * 1e3 for f in firsts)
-    print(json.dumps({"grpcio": grpc.__version__, "loop": args.loop, "registered": args.registered, "servers": args.servers, "shared_channel": args.shared_channel, "metadata_first": args.metadata_first, "calls": args.calls, "procs": args.procs,
+    print(json.dumps({"grpcio": grpc.__version__, "loop": args.loop, "registered": args.registered, "servers": args.servers, "shared_channel": args.shared_channel, "metadata_first": not args.no_metadata, "calls": args.calls, "procs": args.procs,
                       "handler_start_spread_ms": {"p50": round(spread[len(spread) // 2], 1), "max": round(spread[-1], 1)},
                       "per_call_ms": round(spread[-1] / max(1, len(spread) - 1), 3),
                       "first_message_ms": {"p50": round(statistics.median(ms), 1),
