@@ -2,18 +2,19 @@
 """The floor under a frame made of many dependent kernels (issue 16's B = 1): a CUDA graph of a
 chain of N Triton kernels, each reading what the one before it wrote, with and without
 programmatic dependent launch (PDL, as the engine's frame graphs use it: wait, then let the
-successor launch). Two kinds of kernel:
+successor launch). The kernels:
 
 - `empty`: P programs, each loads one float its predecessor wrote and stores one (the cost of a
   launch in a chain: start, dependency, tail);
 - `stream`: the same, plus each program sums its share of a weight matrix of W MB (fp16, 16 KB
   per step) that the chain rotates through buffers past the L2, as a B = 1 product reads its
-  weights (q|k|v 8 MB, o_proj 4, gate|up 12, down 6).
+  weights (q|k|v 8 MB, o_proj 4, gate|up 12, down 6);
+- `stream+prefetch`: the stream kernel issuing `cp.async.bulk.prefetch.L2` for its whole slice
+  before the PDL wait (while its predecessor runs).
 
-`stream+prefetch`: the stream kernel issuing `cp.async.bulk.prefetch.L2` for its whole slice before
-the PDL wait (while its predecessor runs). Prints µs per kernel (graph replay, CUDA events, median of 20) for each (kind, P, W, PDL). A frame
-of ~830 launches pays at least N x the `empty` figure, and its products at least the `stream`
-figures of their sizes.
+Prints µs per kernel (graph replay, CUDA events, median of 20) for each (kind, P, W, PDL) and
+writes them to $OUT/launch_floor.json. A frame of ~830 launches pays at least N x the `empty`
+figure, and its products at least the `stream` figures of their sizes (BENCHMARKS.md, session 36).
 
   PYTHONPATH=. python3 scripts/gpu_launch_floor.py --out $OUT
 """
