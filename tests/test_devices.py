@@ -194,7 +194,8 @@ async def test_two_engines_share_load_and_a_failed_engine_ends_only_its_streams(
                                               request_id="bystander"))
         assert (await bystander.read()).HasField("audio")
         assert (e0.num_active, e1.num_active) == (1, 0)
-        killed = await _outcome(client, build_request("Boom.", max_duration_s=30, request_id="kill-1"))
+        killed = await _outcome(client, build_request("Boom.", max_duration_s=30, seed=2,
+                                                        request_id="kill-1"))
         assert killed[0] == grpc.StatusCode.UNAVAILABLE and "illegal memory access" in killed[1]
         assert e1.failure is not None and e0.failure is None and pool.failure is None
         summary = None
@@ -204,7 +205,7 @@ async def test_two_engines_share_load_and_a_failed_engine_ends_only_its_streams(
         await slow.close()
         assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
         assert (await client.model_info()).max_concurrent_streams == 2
-        assert await _outcome(client, build_request("Still here.", max_duration_s=0.4)) == 5
+        assert await _outcome(client, build_request("Still here.", max_duration_s=0.4, seed=3)) == 5
         m = await asyncio.to_thread(_scrape, server.metrics_port)
         assert m[("tts_engine_healthy", (("device", "cpu:0"),))] == 1
         assert m[("tts_engine_healthy", (("device", "cpu:1"),))] == 0
@@ -214,7 +215,7 @@ async def test_two_engines_share_load_and_a_failed_engine_ends_only_its_streams(
         assert m[("tts_requests_total", (("code", "UNAVAILABLE"),))] == 1
 
         # the last engine fails too: now health is NOT_SERVING and the server reports failure
-        last = await _outcome(client, build_request("Boom again.", max_duration_s=30,
+        last = await _outcome(client, build_request("Boom again.", max_duration_s=30, seed=4,
                                                     request_id="kill-0"))
         assert last[0] == grpc.StatusCode.UNAVAILABLE
         await _until(lambda: server.failure is not None)

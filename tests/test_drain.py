@@ -80,7 +80,7 @@ async def test_drain_delay_takes_new_calls_while_not_serving(tiny_app):
         await asyncio.sleep(0.1)
         assert await asyncio.to_thread(_ready, server.metrics_port) == 503
         assert await _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        res = await client.synthesize(build_request("Just in time.", max_duration_s=0.4), timeout=30)
+        res = await client.synthesize(build_request("Just in time.", max_duration_s=0.4, seed=3), timeout=30)
         assert res.summary.num_frames == 5  # served: within the drain delay
         await asyncio.sleep(1.5)
         try:

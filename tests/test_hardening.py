@@ -312,7 +312,7 @@ async def test_device_fault_fails_every_stream_and_health(make_server):
         other = asyncio.ensure_future(_outcome(client, build_request(
             "A bystander.", max_duration_s=30, seed=1, request_id="bystander")))
         await asyncio.sleep(0.3)
-        dev = await _outcome(client, build_request("Boom.", max_duration_s=30, request_id="dev-1"))
+        dev = await _outcome(client, build_request("Boom.", max_duration_s=30, seed=2, request_id="dev-1"))
         bystander = await other
         after = await _outcome(client, build_request("Anyone there?", max_duration_s=0.16))
     for outcome in (dev, bystander, after):
@@ -430,7 +430,7 @@ def test_hung_step_flips_health_and_exits_nonzero(tmp_path, where):
                 poller = asyncio.ensure_future(poll())
                 async with TTSClient(address) as client:
                     outcome = await _outcome(client, build_request(
-                        "Hang here.", max_duration_s=30, request_id="hang-1"))
+                        "Hang here.", max_duration_s=30, seed=3, request_id="hang-1"))
                 await asyncio.wait_for(poller, 20)
             return outcome, statuses
 
