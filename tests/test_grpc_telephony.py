@@ -38,10 +38,16 @@ async def test_g711_at_8khz_matches_pcm_within_companding_error(tiny_server, enc
 
 
 async def test_ogg_opus_chunks_form_one_file(tiny_server):
-    msgs = await _chunks(tiny_server, build_request(
-        "Opus, please.", encoding=tts_pb2.AUDIO_ENCODING_OGG_OPUS, sample_rate_hz=24000, **SHORT))
+    request = build_request("Opus, please.", encoding=tts_pb2.AUDIO_ENCODING_OGG_OPUS,
+                            sample_rate_hz=24000, **SHORT)
+    msgs = await _chunks(tiny_server, request)
     audio = [m.audio for m in msgs if m.HasField("audio")]
     assert msgs[-1].HasField("summary") and audio[0].audio.startswith(b"OggS")
+    # the same request and seed, the same bytes: the Ogg stream's serial number is the seed's
+    # (FFmpeg's muxer picks a random one unless asked)
+    again = await _chunks(tiny_server, request)
+    assert b"".join(m.audio.audio for m in again if m.HasField("audio")) == b"".join(a.audio for a in audio)
+    assert int.from_bytes(audio[0].audio[14:18], "little") == SHORT["seed"]
     assert audio[0].num_samples > 0 and len(audio[0].audio) > 0  # the header with the first audio
     assert sum(a.num_samples for a in audio) == 10 * 1920
     with av.open(io.BytesIO(b"".join(a.audio for a in audio))) as container:

@@ -38,9 +38,11 @@ FORMATS = {f.name: f for f in (
     AudioFormat("mp3", "audio/mpeg", "mp3", "libmp3lame", MP3_RATES,
                 muxer_options=(("id3v2_version", "0"), ("write_xing", "0"))),
     # one Ogg page per 20 ms Opus packet (the default page holds a second of audio); Opus
-    # decoders play at 48 kHz whatever rate went in
+    # decoders play at 48 kHz whatever rate went in. Bit-exact: the Ogg stream's serial number is
+    # the encoder's `serial` (the stream's seed), not a random one, and the tags carry no
+    # library version, so the same request and seed give the same bytes as PCM does
     AudioFormat("opus", "audio/ogg; codecs=opus", "ogg", "libopus", OPUS_RATES, 48000,
-                muxer_options=(("page_duration", "20000"),)),
+                muxer_options=(("page_duration", "20000"), ("fflags", "+bitexact"))),
     AudioFormat("flac", "audio/flac", "flac", "flac", block_s=0.02, is_s16=True),
     AudioFormat("aac", "audio/aac", "adts", "aac", AAC_RATES),
     AudioFormat("mulaw", "audio/basic", "mulaw", "pcm_mulaw", default_rate=8000, is_s16=True),
@@ -72,10 +74,12 @@ class _Sink:
 class AudioEncoder:
     """Streams one utterance in `fmt` at `sample_rate`. With `whole=True` the output goes to a
     seekable buffer instead and `finish()` returns the complete file (WAV and FLAC headers then
-    carry the real length). Thread-safe: a call may run in a worker thread while the stream's
-    handler, cancelled, closes the encoder (close waits for it)."""
+    carry the real length). `serial`: an Ogg stream's serial number (its low 31 bits; callers pass
+    the stream's seed, so that a repeated request gives the same bytes and different ones
+    different serials, as chained Ogg streams need). Thread-safe: a call may run in a worker
+    thread while the stream's handler, cancelled, closes the encoder (close waits for it)."""
 
-    def __init__(self, fmt: AudioFormat, sample_rate: int, whole: bool = False):
+    def __init__(self, fmt: AudioFormat, sample_rate: int, whole: bool = False, serial: int = 0):
         self.format, self.sample_rate, self.whole = fmt, sample_rate, whole
         self._lock = threading.Lock()
         self._closed = False
@@ -86,6 +90,8 @@ class AudioEncoder:
 
         self._sink = io.BytesIO() if whole else _Sink()
         options = dict(fmt.muxer_options)
+        if fmt.container == "ogg":
+            options["serial_offset"] = str(serial & 0x7FFFFFFF)  # FFmpeg's option is a C int
         if not whole:
             options["flush_packets"] = "1"  # hand every packet to the sink at once
         self._out = av.open(self._sink, "w", format=fmt.container, options=options)

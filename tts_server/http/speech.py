@@ -104,7 +104,8 @@ class _Stream:
         first = await anext(events)
         if isinstance(first, StreamEnd) and first.finish_reason is FinishReason.ERROR:
             raise from_exception(first.error)
-        encoder = AudioEncoder(self.speech.format, self.rate, whole=not self.speech.stream)
+        encoder = AudioEncoder(self.speech.format, self.rate, whole=not self.speech.stream,
+                               serial=self.speech.request.sampling.seed)
         try:
             if not self.speech.stream:
                 return await self._whole(encoder, first, events)

@@ -235,10 +235,11 @@ def encoding_of(msg: tts_pb2.SynthesizeRequest) -> int:
     return msg.encoding or tts_pb2.AUDIO_ENCODING_PCM_S16LE
 
 
-def encoder_for(encoding: int, rate: int) -> AudioEncoder | None:
-    """The stream encoder of a G.711 or Opus request (None: PCM, converted per chunk)."""
+def encoder_for(encoding: int, rate: int, seed: int = 0) -> AudioEncoder | None:
+    """The stream encoder of a G.711 or Opus request (None: PCM, converted per chunk); `seed`:
+    the stream's (an Ogg stream's serial number comes from it)."""
     fmt = ENCODED.get(encoding)
-    return AudioEncoder(fmt, rate) if fmt is not None else None
+    return AudioEncoder(fmt, rate, serial=seed) if fmt is not None else None
 
 
 def chunk_message(chunk: AudioChunk, rate: int, encoding: int,

@@ -119,7 +119,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                              f"client read no audio for {stall:g} s; stream ended "
                              f"({handle.backlog_s():.1f} s of audio unsent)") from None
 
-        encoder = convert.encoder_for(encoding, rate)  # G.711 / Opus; None: PCM per chunk
+        encoder = convert.encoder_for(encoding, rate, req.sampling.seed)  # G.711 / Opus; None: PCM
 
         async def encode(fn, *args):
             # Opus costs ~0.4 ms per 80 ms frame: off the event loop; G.711 is a table lookup
