@@ -1,0 +1,58 @@
+// For scripts/gpu_dot_bits.py: the fp16 products of the batched engine's Triton GEMMs
+// (tk_gemm.linear_parts with fp16 matrices: x rounded to fp16, one dot per K step, K cut into
+// pieces) recomputed by a plain mma.sync chain, to see whether a hand-written CUDA kernel can give
+// the Triton graphs' bits. parts[s][m][n] = sum over k in piece s of x[m][k] * w[n][k], as one fp32
+// mma.sync.m16n8k16 chain over the piece's 16-column steps in order, from zero.
+// A warp per (16 weight rows, 8 input rows, piece); slow on purpose (scalar loads): only the bits
+// matter here.
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace {
+
+__device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
+  return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
+}
+
+__global__ void parts_fp16(const __half* __restrict__ x, const __half* __restrict__ w, float* __restrict__ parts,
+                           int M, int N, int K, int kper) {
+  const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8, s = blockIdx.z;
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int k_lo = s * kper, k_hi = min(K, k_lo + kper);
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  const __half zero = __float2half(0.f);
+  auto W = [&](int n, int k) { return n < N && k < k_hi ? w[(size_t)n * K + k] : zero; };
+  auto X = [&](int m, int k) { return m < M && k < k_hi ? x[(size_t)m * K + k] : zero; };
+  for (int k = k_lo; k < k_hi; k += 16) {
+    // A = w rows n0.. (16 x 16, row-major), B = x rows m0.. as columns (16 x 8), D = [n][m]
+    const uint32_t a0 = pack(W(n0 + g, k + 2 * t), W(n0 + g, k + 2 * t + 1));
+    const uint32_t a1 = pack(W(n0 + g + 8, k + 2 * t), W(n0 + g + 8, k + 2 * t + 1));
+    const uint32_t a2 = pack(W(n0 + g, k + 2 * t + 8), W(n0 + g, k + 2 * t + 9));
+    const uint32_t a3 = pack(W(n0 + g + 8, k + 2 * t + 8), W(n0 + g + 8, k + 2 * t + 9));
+    const uint32_t b0 = pack(X(m0 + g, k + 2 * t), X(m0 + g, k + 2 * t + 1));
+    const uint32_t b1 = pack(X(m0 + g, k + 2 * t + 8), X(m0 + g, k + 2 * t + 9));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  // d0, d1: row n0 + g, columns (inputs) m0 + 2t, 2t + 1; d2, d3: row n0 + g + 8
+  const int n = n0 + g, m = m0 + 2 * t;
+  float* p = parts + (size_t)s * M * N;
+  if (m < M && n < N) p[(size_t)m * N + n] = d[0];
+  if (m + 1 < M && n < N) p[(size_t)(m + 1) * N + n] = d[1];
+  if (m < M && n + 8 < N) p[(size_t)m * N + n + 8] = d[2];
+  if (m + 1 < M && n + 8 < N) p[(size_t)(m + 1) * N + n + 8] = d[3];
+}
+
+}  // namespace
+
+extern "C" int dot_bits_parts_fp16(const void* x, const void* w, void* parts, int M, int N, int K, int kper,
+                                   void* stream) {
+  const int S = (K + kper - 1) / kper;
+  dim3 grid((N + 15) / 16, (M + 7) / 8, S);
+  parts_fp16<<<grid, 32, 0, (cudaStream_t)stream>>>((const __half*)x, (const __half*)w, (float*)parts, M, N, K,
+                                                    kper);
+  return (int)cudaGetLastError();
+}

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Can a hand-written CUDA kernel give the batched engine's Triton GEMM bits? (Issue 16: a
+persistent small-batch frame kernel could serve B <= 16 beside the Triton graphs only if a
+stream's values do not change when it moves between them; the products are the first thing that
+must match.)
+
+The serving products (fp16 matrices, x rounded to fp16, K in pieces: `tk_gemm.linear_parts`) at
+the 0.6B shapes and several row counts (so several Triton tiles: mma.sync and, where Triton picks
+it, wgmma) against `scripts/dot_bits.cu`: one fp32 `mma.sync.m16n8k16` chain per piece over its
+16-column steps in order. Prints, per (shape, M), the Triton tile, whether its PTX has wgmma, and
+how many of the piece values are bitwise equal; writes $OUT/dot_bits.json.
+
+  PYTHONPATH=. python3 scripts/gpu_dot_bits.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tts_server.engines.batched import tk_gemm  # noqa: E402
+
+SHAPES = (("q|k|v", 4096, 1024), ("o_proj", 1024, 2048), ("down", 1024, 3072), ("codec head", 3072, 1024),
+          ("cp head", 2048, 1024))
+ROWS = (1, 4, 16, 17, 33, 64, 65, 128, 256)
+
+
+def build() -> ctypes.CDLL:
+    lib = Path(tempfile.mkdtemp()) / "libdot_bits.so"
+    subprocess.run(["nvcc", "-arch=sm_90", "-O2", "-shared", "-Xcompiler", "-fPIC", "-o", str(lib),
+                    str(ROOT / "scripts" / "dot_bits.cu")], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.dot_bits_parts_fp16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    return so
+
+
+def compiled_kernels() -> dict:
+    """Every compiled specialisation of tk_gemm's GEMM kernel: key -> (num_warps, has wgmma)."""
+    out = {}
+    for entry in tk_gemm._gemm_kernel.device_caches.values():
+        for key, k in entry[0].items():
+            ptx = k.asm.get("ptx", "")
+            out[str(key)] = (k.metadata.num_warps, "wgmma" in ptx, "mma.sync" in ptx)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    so = build()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    results = []
+    for name, n, k in SHAPES:
+        # bf16 weights (the checkpoint's) converted to fp16 as params.py does; inputs ~ a normed row
+        w = (torch.randn(n, k, device=dev, generator=gen) * 0.03).to(torch.bfloat16).to(torch.float16)
+        for m in ROWS:
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.float16)
+            before = compiled_kernels()
+            tri = tk_gemm.linear_parts(x, w)  # [S, m, n]
+            torch.cuda.synchronize()
+            new = {key: v for key, v in compiled_kernels().items() if key not in before}
+            bm, bn, bk, warps, stages, chunk, _ = tk_gemm.config("linear", n, k, m, fp16=True, x16=True)
+            split, kper = tk_gemm._pieces(False, k, chunk, bk)
+            ref = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+            err = so.dot_bits_parts_fp16(x.data_ptr(), w.data_ptr(), ref.data_ptr(), m, n, k, kper,
+                                         ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            torch.cuda.synchronize()
+            assert err == 0, f"CUDA error {err}"
+            exact = (x.double() @ w.double().T)
+            same = int((tri.view(torch.int32) == ref.view(torch.int32)).sum())
+            rec = {"shape": name, "n": n, "k": k, "m": m, "tile": [bm, bn, bk, warps, stages], "pieces": split,
+                   "piece_cols": kper, "values": tri.numel(), "bitwise_equal": same,
+                   "max_abs_diff": float((tri - ref).abs().max()),
+                   "triton_vs_fp64_max": float((tri.double().sum(0) - exact).abs().max()),
+                   "cuda_vs_fp64_max": float((ref.double().sum(0) - exact).abs().max()),
+                   "new_kernels": list(new.values())}
+            results.append(rec)
+            print(f"{name:10s} m={m:3d} tile={rec['tile']} pieces={split}x{kper} wgmma/mma={list(new.values())} "
+                  f"equal {same}/{tri.numel()} maxdiff {rec['max_abs_diff']:.3g}", flush=True)
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__}
+    Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+    print(json.dumps(env))
+
+
+if __name__ == "__main__":
+    main()
