@@ -46,7 +46,69 @@ __global__ void parts_fp16(const __half* __restrict__ x, const __half* __restric
   if (m + 1 < M && n + 8 < N) p[(size_t)(m + 1) * N + n + 8] = d[3];
 }
 
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float sqrt_approx_ftz(float a) {
+  float r;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+
+// tk_glue._add_rms_kernel (D = 1024, fp16 out) written from its sm_90 PTX under Triton 3.6: a block
+// of 128 threads per row, thread t holding elements 8t..8t+7; y = ((p0 + p1) + p2) + ..., s = y + x;
+// the thread's sum of squares e1*e1, then fma e0, e2, ..., e7; warp butterfly xor 16..1; the 4 warp
+// sums by threads 0..3, butterfly xor 2, 1; mean by div.full, + eps, sqrt.approx.ftz, 1 / it by
+// div.full; out = (s * r) * w rounded to fp16. Every operation an intrinsic: nothing contracted.
+__global__ void add_rms_twin(const float* __restrict__ x, const float* __restrict__ parts, const float* __restrict__ w,
+                             float* __restrict__ sum, __half* __restrict__ out, float eps, int M, int P) {
+  constexpr int D = 1024;
+  __shared__ float red[4];
+  const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  float e[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const size_t off = (size_t)m * D + 8 * t + i;
+    float y = parts[off];
+    for (int p = 1; p < P; ++p) y = __fadd_rn(y, parts[(size_t)p * M * D + off]);
+    e[i] = __fadd_rn(y, x[off]);
+    sum[off] = e[i];
+  }
+  float ss = __fmul_rn(e[1], e[1]);
+  ss = __fmaf_rn(e[0], e[0], ss);
+#pragma unroll
+  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < 4 ? red[lane] : 0.f;
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    __syncwarp();
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float r = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, div_full(red[0], (float)D))));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = 8 * t + i;
+    out[(size_t)m * D + d] = __float2half_rn(__fmul_rn(__fmul_rn(e[i], r), w[d]));
+  }
+}
+
 }  // namespace
+
+extern "C" int dot_bits_add_rms(const void* x, const void* parts, const void* w, void* sum, void* out, float eps,
+                                int M, int P, void* stream) {
+  add_rms_twin<<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)parts, (const float*)w,
+                                                    (float*)sum, (__half*)out, eps, M, P);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int dot_bits_parts_fp16(const void* x, const void* w, void* parts, int M, int N, int K, int kper,
                                    void* stream) {

@@ -8,7 +8,10 @@ The serving products (fp16 matrices, x rounded to fp16, K in pieces: `tk_gemm.li
 the 0.6B shapes and several row counts (so several Triton tiles: mma.sync and, where Triton picks
 it, wgmma) against `scripts/dot_bits.cu`: one fp32 `mma.sync.m16n8k16` chain per piece over its
 16-column steps in order. Prints, per (shape, M), the Triton tile, whether its PTX has wgmma, and
-how many of the piece values are bitwise equal; writes $OUT/dot_bits.json.
+how many of the piece values are bitwise equal. Then the residual add + RMSNorm of the frame
+(`tk_glue.add_rms`, fp16 out) against a CUDA twin written from its Triton 3.6 PTX (the same
+element ownership, reduction tree and approximate division / square root). Writes
+$OUT/dot_bits.json.
 
   PYTHONPATH=. python3 scripts/gpu_dot_bits.py --out $OUT
 """
@@ -41,7 +44,37 @@ def build() -> ctypes.CDLL:
                     str(ROOT / "scripts" / "dot_bits.cu")], check=True)
     so = ctypes.CDLL(str(lib))
     so.dot_bits_parts_fp16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    so.dot_bits_add_rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     return so
+
+
+def add_rms_section(so, dev, gen) -> list[dict]:
+    """tk_glue.add_rms (the residual add over a product's parts + RMSNorm, fp16 out: the frame's
+    norms before fp16 products) against its CUDA twin written from the Triton 3.6 PTX."""
+    from tts_server.engines.batched import tk_glue
+
+    out = []
+    d, eps = 1024, 1e-6
+    w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
+    for parts in (1, 4, 6):
+        for m in (1, 3, 17, 64, 256):
+            x = torch.randn(m, d, device=dev, generator=gen)
+            y = 0.3 * torch.randn(parts, m, d, device=dev, generator=gen)
+            s_tri, h_tri = tk_glue.add_rms(x, y, w, eps, torch.float16)
+            s_cu = torch.empty_like(x)
+            h_cu = torch.empty(m, d, dtype=torch.float16, device=dev)
+            err = so.dot_bits_add_rms(x.data_ptr(), y.data_ptr(), w.data_ptr(), s_cu.data_ptr(), h_cu.data_ptr(),
+                                      eps, m, parts, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            torch.cuda.synchronize()
+            assert err == 0, f"CUDA error {err}"
+            rec = {"op": "add_rms", "parts": parts, "m": m,
+                   "sum_equal": int((s_tri.view(torch.int32) == s_cu.view(torch.int32)).sum()),
+                   "out_equal": int((h_tri.view(torch.int16) == h_cu.view(torch.int16)).sum()), "values": m * d,
+                   "out_max_abs_diff": float((h_tri.float() - h_cu.float()).abs().max())}
+            out.append(rec)
+            print(f"add_rms parts={parts} m={m:3d} sum equal {rec['sum_equal']}/{m * d} out equal "
+                  f"{rec['out_equal']}/{m * d} maxdiff {rec['out_max_abs_diff']:.3g}", flush=True)
+    return out
 
 
 def compiled_kernels() -> dict:
@@ -89,6 +122,7 @@ def main() -> None:
             results.append(rec)
             print(f"{name:10s} m={m:3d} tile={rec['tile']} pieces={split}x{kper} wgmma/mma={list(new.values())} "
                   f"equal {same}/{tri.numel()} maxdiff {rec['max_abs_diff']:.3g}", flush=True)
+    results += add_rms_section(so, dev, gen)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
