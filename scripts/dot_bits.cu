@@ -101,7 +101,49 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
   }
 }
 
+// The latency of the products' accumulator chain: one warp runs `steps` dependent
+// mma.sync.m16n8k16 (fp16 in, fp32 accumulate, as one piece of a product) in CHAINS independent
+// chains interleaved (fully unrolled by 8 steps); out[0] = clock cycles, out[1] = a sum (kept live).
+template <int CHAINS>
+__global__ void mma_chain(long long* out, int steps) {
+  float d[CHAINS][4] = {};
+  uint32_t a = 0x3c003c00u, b = 0x3c003c00u;  // 1.0 halves
+  asm volatile("" : "+r"(a), "+r"(b));        // not constants the compiler could fold
+  __syncwarp();
+  const long long t0 = clock64();
+  for (int i = 0; i < steps; i += 8) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+#pragma unroll
+      for (int c = 0; c < CHAINS; ++c)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%5}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[c][0]), "+f"(d[c][1]), "+f"(d[c][2]), "+f"(d[c][3])
+            : "r"(a), "r"(b));
+    }
+  }
+  const long long t1 = clock64();
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c) sum += d[c][0];
+  if (threadIdx.x == 0) {
+    out[0] = t1 - t0;
+    out[1] = (long long)sum;
+  }
+}
+
 }  // namespace
+
+extern "C" int dot_bits_mma_chain(void* out, int steps, int chains, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  long long* o = (long long*)out;
+  if (chains == 1) mma_chain<1><<<1, 32, 0, st>>>(o, steps);
+  else if (chains == 2) mma_chain<2><<<1, 32, 0, st>>>(o, steps);
+  else if (chains == 4) mma_chain<4><<<1, 32, 0, st>>>(o, steps);
+  else mma_chain<8><<<1, 32, 0, st>>>(o, steps);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int dot_bits_add_rms(const void* x, const void* parts, const void* w, void* sum, void* out, float eps,
                                 int M, int P, void* stream) {

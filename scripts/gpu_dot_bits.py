@@ -10,8 +10,9 @@ it, wgmma) against `scripts/dot_bits.cu`: one fp32 `mma.sync.m16n8k16` chain per
 16-column steps in order. Prints, per (shape, M), the Triton tile, whether its PTX has wgmma, and
 how many of the piece values are bitwise equal. Then the residual add + RMSNorm of the frame
 (`tk_glue.add_rms`, fp16 out) against a CUDA twin written from its Triton 3.6 PTX (the same
-element ownership, reduction tree and approximate division / square root). Writes
-$OUT/dot_bits.json.
+element ownership, reduction tree and approximate division / square root). Then the clock cycles
+of the products' accumulator chain (dependent mma.sync steps), the floor under a piece of K
+columns in a kernel that keeps these bits. Writes $OUT/dot_bits.json.
 
   PYTHONPATH=. python3 scripts/gpu_dot_bits.py --out $OUT
 """
@@ -45,7 +46,29 @@ def build() -> ctypes.CDLL:
     so = ctypes.CDLL(str(lib))
     so.dot_bits_parts_fp16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     so.dot_bits_add_rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    so.dot_bits_mma_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return so
+
+
+def chain_section(so, dev) -> list[dict]:
+    """Clock cycles per step of a product's accumulator chain (dependent mma.sync, 1-4 chains
+    interleaved in one warp): the floor under a piece of K columns, K / 16 steps long."""
+    out = []
+    buf = torch.zeros(2, dtype=torch.int64, device=dev)
+    for chains in (1, 2, 4, 8):
+        for steps in (64, 256):
+            cycles = []
+            for _ in range(5):
+                assert so.dot_bits_mma_chain(buf.data_ptr(), steps, chains,
+                                             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+                torch.cuda.synchronize()
+                cycles.append(int(buf[0]))
+            best = min(cycles)
+            out.append({"op": "mma_chain", "chains": chains, "steps": steps, "cycles": best,
+                        "cycles_per_step": best / steps})
+            print(f"mma chain: {chains} chain(s) x {steps} steps: {best} cycles, {best / steps:.1f} per step",
+                  flush=True)
+    return out
 
 
 def add_rms_section(so, dev, gen) -> list[dict]:
@@ -123,6 +146,7 @@ def main() -> None:
             print(f"{name:10s} m={m:3d} tile={rec['tile']} pieces={split}x{kper} wgmma/mma={list(new.values())} "
                   f"equal {same}/{tri.numel()} maxdiff {rec['max_abs_diff']:.3g}", flush=True)
     results += add_rms_section(so, dev, gen)
+    results += chain_section(so, dev)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
