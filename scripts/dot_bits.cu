@@ -101,6 +101,86 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
   }
 }
 
+// tk_gemm._rms_norm_kernel (D = 1024, 4 warps) from its sm_90 PTX under Triton 3.6: as add_rms_twin
+// without the parts, the square root IEEE (sqrt.rn) where add_rms's is sqrt.approx.ftz, and the
+// mean's divisor the runtime D converted to float; out = (r * x) * w, fp16 (rounded) or fp32.
+// (Written from the PTX in session 37, not yet run on a GPU.)
+template <typename Out>
+__global__ void rms_norm_twin(const float* __restrict__ x, const float* __restrict__ w, Out* __restrict__ out,
+                              float eps, int D) {
+  __shared__ float red[4];
+  const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  float e[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = x[(size_t)m * 1024 + 8 * t + i];
+  float ss = __fmul_rn(e[1], e[1]);
+  ss = __fmaf_rn(e[0], e[0], ss);
+#pragma unroll
+  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < 4 ? red[lane] : 0.f;
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    __syncwarp();
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float r = div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, div_full(red[0], (float)D))));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = 8 * t + i;
+    const float y = __fmul_rn(__fmul_rn(r, e[i]), w[d]);
+    if constexpr (sizeof(Out) == 2) out[(size_t)m * 1024 + d] = __float2half_rn(y);
+    else out[(size_t)m * 1024 + d] = y;
+  }
+}
+
+// tk_gemm's SwiGLU product with fp16 matrices and fp16 out (the MLP's gate|up before an fp16 down
+// projection): the gate and up values as one mma.sync chain each over all of K (swiglu never
+// splits), then the epilogue of its sm_90 PTX under Triton 3.6: e = ex2.approx((0 - g) * log2 e),
+// q = div.full(g, e + 1), h = u * q, out = h * scale rounded to fp16. A warp per (16 rows, 8 inputs).
+// (Written from the PTX in session 37, not yet run on a GPU.)
+__global__ void swiglu_twin(const __half* __restrict__ x, const __half* __restrict__ wg, const __half* __restrict__ wu,
+                            __half* __restrict__ out, int M, int N, int K, float scale) {
+  const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8;
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
+  const __half zero = __float2half(0.f);
+  auto X = [&](int m, int k) { return m < M ? x[(size_t)m * K + k] : zero; };
+  for (int k = 0; k < K; k += 16) {
+    const uint32_t b0 = pack(X(m0 + g, k + 2 * t), X(m0 + g, k + 2 * t + 1));
+    const uint32_t b1 = pack(X(m0 + g, k + 2 * t + 8), X(m0 + g, k + 2 * t + 9));
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const __half* w = which == 0 ? wg : wu;
+      float* d = which == 0 ? dg : du;
+      auto W = [&](int n, int kk) { return w[(size_t)n * K + kk]; };
+      const uint32_t a0 = pack(W(n0 + g, k + 2 * t), W(n0 + g, k + 2 * t + 1));
+      const uint32_t a1 = pack(W(n0 + g + 8, k + 2 * t), W(n0 + g + 8, k + 2 * t + 1));
+      const uint32_t a2 = pack(W(n0 + g, k + 2 * t + 8), W(n0 + g, k + 2 * t + 9));
+      const uint32_t a3 = pack(W(n0 + g + 8, k + 2 * t + 8), W(n0 + g + 8, k + 2 * t + 9));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+  const float log2e = __int_as_float(0x3FB8AA3B);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = m0 + 2 * t + (j & 1);
+    float e;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(__fsub_rn(0.f, dg[j]), log2e)));
+    const float h = __fmul_rn(du[j], div_full(dg[j], __fadd_rn(e, 1.0f)));
+    if (m < M && n < N) out[(size_t)m * N + n] = __float2half_rn(__fmul_rn(h, scale));
+  }
+}
+
 // The latency of the products' accumulator chain: one warp runs `steps` dependent
 // mma.sync.m16n8k16 (fp16 in, fp32 accumulate, as one piece of a product) in CHAINS independent
 // chains interleaved (fully unrolled by 8 steps); out[0] = clock cycles, out[1] = a sum (kept live).
@@ -142,6 +222,23 @@ extern "C" int dot_bits_mma_chain(void* out, int steps, int chains, void* stream
   else if (chains == 2) mma_chain<2><<<1, 32, 0, st>>>(o, steps);
   else if (chains == 4) mma_chain<4><<<1, 32, 0, st>>>(o, steps);
   else mma_chain<8><<<1, 32, 0, st>>>(o, steps);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int dot_bits_rms_norm(const void* x, const void* w, void* out, int fp16_out, float eps, int M, int D,
+                                 void* stream) {
+  if (fp16_out) rms_norm_twin<__half><<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)w,
+                                                                           (__half*)out, eps, D);
+  else rms_norm_twin<float><<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)w, (float*)out,
+                                                                  eps, D);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int dot_bits_swiglu(const void* x, const void* wg, const void* wu, void* out, int M, int N, int K,
+                               float scale, void* stream) {
+  dim3 grid((N + 15) / 16, (M + 7) / 8);
+  swiglu_twin<<<grid, 32, 0, (cudaStream_t)stream>>>((const __half*)x, (const __half*)wg, (const __half*)wu,
+                                                     (__half*)out, M, N, K, scale);
   return (int)cudaGetLastError();
 }
 

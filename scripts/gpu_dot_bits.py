@@ -10,9 +10,11 @@ it, wgmma) against `scripts/dot_bits.cu`: one fp32 `mma.sync.m16n8k16` chain per
 16-column steps in order. Prints, per (shape, M), the Triton tile, whether its PTX has wgmma, and
 how many of the piece values are bitwise equal. Then the residual add + RMSNorm of the frame
 (`tk_glue.add_rms`, fp16 out) against a CUDA twin written from its Triton 3.6 PTX (the same
-element ownership, reduction tree and approximate division / square root). Then the clock cycles
-of the products' accumulator chain (dependent mma.sync steps), the floor under a piece of K
-columns in a kernel that keeps these bits. Writes $OUT/dot_bits.json.
+element ownership, reduction tree and approximate division / square root), and so the input
+RMSNorm (`tk_gemm.rms_norm`) and the SwiGLU product (`tk_gemm.swiglu`, its epilogue's ex2.approx
+and div.full; these two twins were written in session 37 and had not run on a GPU then). Then the
+clock cycles of the products' accumulator chain (dependent mma.sync steps), the floor under a
+piece of K columns in a kernel that keeps these bits. Writes $OUT/dot_bits.json.
 
   PYTHONPATH=. python3 scripts/gpu_dot_bits.py --out $OUT
 """
@@ -47,7 +49,65 @@ def build() -> ctypes.CDLL:
     so.dot_bits_parts_fp16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     so.dot_bits_add_rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     so.dot_bits_mma_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    so.dot_bits_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                                             ctypes.c_void_p]
+    so.dot_bits_swiglu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_void_p]
     return so
+
+
+def _stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def rms_norm_section(so, dev, gen) -> list[dict]:
+    """tk_gemm.rms_norm (a pass's input norm; fp16 out before fp16 products, fp32 out) against its
+    twin written from the Triton 3.6 PTX (sqrt.rn where add_rms has sqrt.approx.ftz)."""
+    from tts_server.engines.batched import tk_gemm
+
+    out = []
+    d, eps = 1024, 1e-6
+    w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
+    for dtype in (torch.float16, torch.float32):
+        for m in (1, 3, 17, 64, 256):
+            x = 3.0 * torch.randn(m, d, device=dev, generator=gen)
+            tri = tk_gemm.rms_norm(x, w, eps, dtype)
+            cu = torch.empty_like(tri)
+            assert so.dot_bits_rms_norm(x.data_ptr(), w.data_ptr(), cu.data_ptr(), int(dtype == torch.float16), eps,
+                                        m, d, _stream()) == 0
+            torch.cuda.synchronize()
+            view = torch.int16 if dtype == torch.float16 else torch.int32
+            rec = {"op": "rms_norm", "dtype": str(dtype), "m": m, "values": m * d,
+                   "out_equal": int((tri.view(view) == cu.view(view)).sum()),
+                   "out_max_abs_diff": float((tri.float() - cu.float()).abs().max())}
+            out.append(rec)
+            print(f"rms_norm {dtype} m={m:3d} out equal {rec['out_equal']}/{m * d} maxdiff "
+                  f"{rec['out_max_abs_diff']:.3g}", flush=True)
+    return out
+
+
+def swiglu_section(so, dev, gen) -> list[dict]:
+    """tk_gemm.swiglu with fp16 matrices into fp16 times 2^-6 (the code predictor's gate|up before
+    its fp16 down projection, ops.MLP_SHIFT) against the twin: two mma.sync chains and the
+    epilogue of the Triton 3.6 PTX (ex2.approx, div.full)."""
+    from tts_server.engines.batched import ops, tk_gemm
+
+    out = []
+    n, k, shift = 3072, 1024, ops.MLP_SHIFT
+    wg = (torch.randn(n, k, device=dev, generator=gen) * 0.03).to(torch.bfloat16).to(torch.float16)
+    wu = (torch.randn(n, k, device=dev, generator=gen) * 0.03).to(torch.bfloat16).to(torch.float16)
+    for m in (1, 4, 16, 17, 64, 256):
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.float16)
+        tri = tk_gemm.swiglu(x, wg, wu, torch.float16, shift)
+        cu = torch.empty_like(tri)
+        assert so.dot_bits_swiglu(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), cu.data_ptr(), m, n, k,
+                                  2.0 ** -shift, _stream()) == 0
+        torch.cuda.synchronize()
+        rec = {"op": "swiglu", "m": m, "values": m * n, "out_equal": int((tri.view(torch.int16) == cu.view(torch.int16)).sum()),
+               "out_max_abs_diff": float((tri.float() - cu.float()).abs().max())}
+        out.append(rec)
+        print(f"swiglu m={m:3d} out equal {rec['out_equal']}/{m * n} maxdiff {rec['out_max_abs_diff']:.3g}",
+              flush=True)
+    return out
 
 
 def chain_section(so, dev) -> list[dict]:
@@ -146,6 +206,8 @@ def main() -> None:
             print(f"{name:10s} m={m:3d} tile={rec['tile']} pieces={split}x{kper} wgmma/mma={list(new.values())} "
                   f"equal {same}/{tri.numel()} maxdiff {rec['max_abs_diff']:.3g}", flush=True)
     results += add_rms_section(so, dev, gen)
+    results += rms_norm_section(so, dev, gen)
+    results += swiglu_section(so, dev, gen)
     results += chain_section(so, dev)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
