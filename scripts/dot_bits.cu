@@ -58,20 +58,33 @@ __device__ __forceinline__ float sqrt_approx_ftz(float a) {
   return r;
 }
 
-// tk_glue._add_rms_kernel (D = 1024, fp16 out) written from its sm_90 PTX under Triton 3.6: a block
-// of 128 threads per row, thread t holding elements 8t..8t+7; y = ((p0 + p1) + p2) + ..., s = y + x;
+// Which of a 1,024-wide row's elements thread t (of 128) holds as its i-th value in the norms below:
+// with an fp16 out Triton 3.6 lays the row out as 8 consecutive elements a thread (8t..8t+7), with
+// an fp32 out as two groups of 4 (4t..4t+3, then 512+4t..512+4t+3), and the sum of squares runs in
+// that register order.
+template <bool F16>
+__device__ __forceinline__ int owned(int t, int i) {
+  return F16 ? 8 * t + i : (i < 4 ? 4 * t + i : 512 + 4 * t + (i - 4));
+}
+
+// tk_glue._add_rms_kernel (D = 1024) written from its sm_90 PTX under Triton 3.6: a block of 128
+// threads per row, thread t holding elements owned<F16>(t, 0..7) (fp16 out: 8t..8t+7, checked on an
+// H200 in session 37; fp32 out: written then, not yet run); y = ((p0 + p1) + p2) + ..., s = y + x;
 // the thread's sum of squares e1*e1, then fma e0, e2, ..., e7; warp butterfly xor 16..1; the 4 warp
 // sums by threads 0..3, butterfly xor 2, 1; mean by div.full, + eps, sqrt.approx.ftz, 1 / it by
-// div.full; out = (s * r) * w rounded to fp16. Every operation an intrinsic: nothing contracted.
+// div.full; out = (s * r) * w (rounded to fp16 for an fp16 out). Every operation an intrinsic:
+// nothing contracted.
+template <typename Out>
 __global__ void add_rms_twin(const float* __restrict__ x, const float* __restrict__ parts, const float* __restrict__ w,
-                             float* __restrict__ sum, __half* __restrict__ out, float eps, int M, int P) {
+                             float* __restrict__ sum, Out* __restrict__ out, float eps, int M, int P) {
+  constexpr bool F16 = sizeof(Out) == 2;
   constexpr int D = 1024;
   __shared__ float red[4];
   const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
   float e[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const size_t off = (size_t)m * D + 8 * t + i;
+    const size_t off = (size_t)m * D + owned<F16>(t, i);
     float y = parts[off];
     for (int p = 1; p < P; ++p) y = __fadd_rn(y, parts[(size_t)p * M * D + off]);
     e[i] = __fadd_rn(y, x[off]);
@@ -96,23 +109,27 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
   const float r = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, div_full(red[0], (float)D))));
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int d = 8 * t + i;
-    out[(size_t)m * D + d] = __float2half_rn(__fmul_rn(__fmul_rn(e[i], r), w[d]));
+    const int d = owned<F16>(t, i);
+    const float y = __fmul_rn(__fmul_rn(e[i], r), w[d]);
+    if constexpr (F16) out[(size_t)m * D + d] = __float2half_rn(y);
+    else out[(size_t)m * D + d] = y;
   }
 }
 
 // tk_gemm._rms_norm_kernel (D = 1024, 4 warps) from its sm_90 PTX under Triton 3.6: as add_rms_twin
 // without the parts, the square root IEEE (sqrt.rn) where add_rms's is sqrt.approx.ftz, and the
-// mean's divisor the runtime D converted to float; out = (r * x) * w, fp16 (rounded) or fp32.
+// mean's divisor the runtime D converted to float; out = (r * x) * w, fp16 (rounded) or fp32
+// (the elements owned<F16>).
 // (Written from the PTX in session 37, not yet run on a GPU.)
 template <typename Out>
 __global__ void rms_norm_twin(const float* __restrict__ x, const float* __restrict__ w, Out* __restrict__ out,
                               float eps, int D) {
+  constexpr bool F16 = sizeof(Out) == 2;
   __shared__ float red[4];
   const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
   float e[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) e[i] = x[(size_t)m * 1024 + 8 * t + i];
+  for (int i = 0; i < 8; ++i) e[i] = x[(size_t)m * 1024 + owned<F16>(t, i)];
   float ss = __fmul_rn(e[1], e[1]);
   ss = __fmaf_rn(e[0], e[0], ss);
 #pragma unroll
@@ -132,9 +149,9 @@ __global__ void rms_norm_twin(const float* __restrict__ x, const float* __restri
   const float r = div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, div_full(red[0], (float)D))));
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int d = 8 * t + i;
+    const int d = owned<F16>(t, i);
     const float y = __fmul_rn(__fmul_rn(r, e[i]), w[d]);
-    if constexpr (sizeof(Out) == 2) out[(size_t)m * 1024 + d] = __float2half_rn(y);
+    if constexpr (F16) out[(size_t)m * 1024 + d] = __float2half_rn(y);
     else out[(size_t)m * 1024 + d] = y;
   }
 }
@@ -242,10 +259,14 @@ extern "C" int dot_bits_swiglu(const void* x, const void* wg, const void* wu, vo
   return (int)cudaGetLastError();
 }
 
-extern "C" int dot_bits_add_rms(const void* x, const void* parts, const void* w, void* sum, void* out, float eps,
-                                int M, int P, void* stream) {
-  add_rms_twin<<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)parts, (const float*)w,
-                                                    (float*)sum, (__half*)out, eps, M, P);
+extern "C" int dot_bits_add_rms(const void* x, const void* parts, const void* w, void* sum, void* out, int fp16_out,
+                                float eps, int M, int P, void* stream) {
+  if (fp16_out)
+    add_rms_twin<__half><<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)parts, (const float*)w,
+                                                              (float*)sum, (__half*)out, eps, M, P);
+  else
+    add_rms_twin<float><<<M, 128, 0, (cudaStream_t)stream>>>((const float*)x, (const float*)parts, (const float*)w,
+                                                             (float*)sum, (float*)out, eps, M, P);
   return (int)cudaGetLastError();
 }
 

@@ -9,10 +9,11 @@ the 0.6B shapes and several row counts (so several Triton tiles: mma.sync and, w
 it, wgmma) against `scripts/dot_bits.cu`: one fp32 `mma.sync.m16n8k16` chain per piece over its
 16-column steps in order. Prints, per (shape, M), the Triton tile, whether its PTX has wgmma, and
 how many of the piece values are bitwise equal. Then the residual add + RMSNorm of the frame
-(`tk_glue.add_rms`, fp16 out) against a CUDA twin written from its Triton 3.6 PTX (the same
-element ownership, reduction tree and approximate division / square root), and so the input
-RMSNorm (`tk_gemm.rms_norm`) and the SwiGLU product (`tk_gemm.swiglu`, its epilogue's ex2.approx
-and div.full; these two twins were written in session 37 and had not run on a GPU then). Then the
+(`tk_glue.add_rms`) against a CUDA twin written from its Triton 3.6 PTX (the same element
+ownership, reduction tree and approximate division / square root), and so the input RMSNorm
+(`tk_gemm.rms_norm`) and the SwiGLU product (`tk_gemm.swiglu`, its epilogue's ex2.approx and
+div.full). Session 37 checked add_rms with an fp16 out on an H200; the fp32-out norms (another
+element ownership) and the SwiGLU twin were written then and had not run on a GPU. Then the
 clock cycles of the products' accumulator chain (dependent mma.sync steps), the floor under a
 piece of K columns in a kernel that keeps these bits. Writes $OUT/dot_bits.json.
 
@@ -47,7 +48,8 @@ def build() -> ctypes.CDLL:
                     str(ROOT / "scripts" / "dot_bits.cu")], check=True)
     so = ctypes.CDLL(str(lib))
     so.dot_bits_parts_fp16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-    so.dot_bits_add_rms.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    so.dot_bits_add_rms.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_int] * 2
+                                    + [ctypes.c_void_p])
     so.dot_bits_mma_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     so.dot_bits_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                                              ctypes.c_void_p]
@@ -132,31 +134,34 @@ def chain_section(so, dev) -> list[dict]:
 
 
 def add_rms_section(so, dev, gen) -> list[dict]:
-    """tk_glue.add_rms (the residual add over a product's parts + RMSNorm, fp16 out: the frame's
-    norms before fp16 products) against its CUDA twin written from the Triton 3.6 PTX."""
+    """tk_glue.add_rms (the residual add over a product's parts + RMSNorm; fp16 out: the frame's
+    norms before fp16 products; fp32 out: a stack's final norm) against its CUDA twin written from
+    the Triton 3.6 PTX."""
     from tts_server.engines.batched import tk_glue
 
     out = []
     d, eps = 1024, 1e-6
     w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
-    for parts in (1, 4, 6):
-        for m in (1, 3, 17, 64, 256):
-            x = torch.randn(m, d, device=dev, generator=gen)
-            y = 0.3 * torch.randn(parts, m, d, device=dev, generator=gen)
-            s_tri, h_tri = tk_glue.add_rms(x, y, w, eps, torch.float16)
-            s_cu = torch.empty_like(x)
-            h_cu = torch.empty(m, d, dtype=torch.float16, device=dev)
-            err = so.dot_bits_add_rms(x.data_ptr(), y.data_ptr(), w.data_ptr(), s_cu.data_ptr(), h_cu.data_ptr(),
-                                      eps, m, parts, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-            torch.cuda.synchronize()
-            assert err == 0, f"CUDA error {err}"
-            rec = {"op": "add_rms", "parts": parts, "m": m,
-                   "sum_equal": int((s_tri.view(torch.int32) == s_cu.view(torch.int32)).sum()),
-                   "out_equal": int((h_tri.view(torch.int16) == h_cu.view(torch.int16)).sum()), "values": m * d,
-                   "out_max_abs_diff": float((h_tri.float() - h_cu.float()).abs().max())}
-            out.append(rec)
-            print(f"add_rms parts={parts} m={m:3d} sum equal {rec['sum_equal']}/{m * d} out equal "
-                  f"{rec['out_equal']}/{m * d} maxdiff {rec['out_max_abs_diff']:.3g}", flush=True)
+    for dtype in (torch.float16, torch.float32):
+        view = torch.int16 if dtype == torch.float16 else torch.int32
+        for parts in (1, 4, 6):
+            for m in (1, 3, 17, 64, 256):
+                x = torch.randn(m, d, device=dev, generator=gen)
+                y = 0.3 * torch.randn(parts, m, d, device=dev, generator=gen)
+                s_tri, h_tri = tk_glue.add_rms(x, y, w, eps, dtype)
+                s_cu = torch.empty_like(x)
+                h_cu = torch.empty(m, d, dtype=dtype, device=dev)
+                err = so.dot_bits_add_rms(x.data_ptr(), y.data_ptr(), w.data_ptr(), s_cu.data_ptr(), h_cu.data_ptr(),
+                                          int(dtype == torch.float16), eps, m, parts, _stream())
+                torch.cuda.synchronize()
+                assert err == 0, f"CUDA error {err}"
+                rec = {"op": "add_rms", "dtype": str(dtype), "parts": parts, "m": m,
+                       "sum_equal": int((s_tri.view(torch.int32) == s_cu.view(torch.int32)).sum()),
+                       "out_equal": int((h_tri.view(view) == h_cu.view(view)).sum()), "values": m * d,
+                       "out_max_abs_diff": float((h_tri.float() - h_cu.float()).abs().max())}
+                out.append(rec)
+                print(f"add_rms {dtype} parts={parts} m={m:3d} sum equal {rec['sum_equal']}/{m * d} out equal "
+                      f"{rec['out_equal']}/{m * d} maxdiff {rec['out_max_abs_diff']:.3g}", flush=True)
     return out
 
 
