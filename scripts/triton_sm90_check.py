@@ -7,7 +7,12 @@ compiled to a cubin instead of run (the values are garbage, integer tensors zero
 dtypes, constexprs and integer specialisations are the launch's own). A device call is
 too dear to find a kernel that does not compile; `make check-kernels` runs this.
 
-    .venv/bin/python scripts/triton_sm90_check.py [--quick]
+    .venv/bin/python scripts/triton_sm90_check.py [--quick] [--dump DIR]
+
+`--dump DIR` also writes each distinct compiled specialisation's PTX and TTGIR, with the launch's
+constexprs and argument shapes (`<kernel>-<hash>.ptx / .ttgir / .sig`): what the CUDA twins of
+`scripts/dot_bits.cu` are written from. The installed Triton is what compiles; the device's (3.6.0
+in sessions 30-37) is the one that matters there.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class _Sm90Driver:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    ap.add_argument("--dump", type=Path, help="write each distinct specialisation's PTX / TTGIR here")
     args = ap.parse_args()
     driver.set_active(_Sm90Driver())
     # every kernel module imported while TRITON_INTERPRET is unset (so JITFunctions) ...
@@ -66,6 +72,8 @@ def main() -> int:
             failures.append((name, f"{type(e).__name__}: {e}"[:2000]))
             return None
         compiled[name] = compiled.get(name, 0) + 1
+        if args.dump is not None:
+            _dump(args.dump, name, kernel, a, kw)
         for t in list(a) + list(kw.values()):  # integer outputs (codes, indices, flags) as zeros,
             if isinstance(t, torch.Tensor) and not t.is_floating_point():  # valid for host code that reads them
                 try:
@@ -103,6 +111,22 @@ def main() -> int:
     for (name, err), n in seen.items():
         print(f"FAILED {name} ({n} launches): {err}")
     return 1 if failures else 0
+
+
+def _dump(folder: Path, name: str, kernel, args, kwargs) -> None:
+    """The specialisation's PTX and TTGIR, and what it was launched with, once per distinct PTX."""
+    import hashlib
+
+    ptx = kernel.asm["ptx"]
+    stem = folder / f"{name}-{hashlib.md5(ptx.encode()).hexdigest()[:8]}"
+    if stem.with_suffix(".ptx").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".ptx").write_text(ptx)
+    stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
+    shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else t for t in args]
+    consts = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    stem.with_suffix(".sig").write_text(f"{consts!r}\n{shapes!r}\n")
 
 
 def _gemms(tk_gemm) -> None:
