@@ -118,6 +118,8 @@ async def test_seed_makes_output_reproducible(tiny_server):
     (dict(text="hi", top_p=1.5), "sampling.top_p"),
     (dict(text="hi", top_p=0.0), "sampling.top_p"),
     (dict(text="hi", repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(text="hi", seed=2**63), "sampling.seed"),  # 63-bit seeds: no silent alias of seed 0
+    (dict(text="hi", seed=2**64 - 1), "sampling.seed"),
     (dict(text="hi", max_duration_s=-1.0), "max_duration_s"),
     (dict(text="hi", max_duration_s=1e6), "max_duration_s"),
     (dict(text="hi", reference_audio=b"RIFF not really audio"), "reference"),

@@ -146,10 +146,11 @@ def _sampling(msg: tts_pb2.SamplingParams, has: bool) -> SamplingConfig:
     if not (math.isfinite(rep) and 0.0 < rep <= 10.0):
         raise InvalidRequest("sampling.repetition_penalty", f"must be in (0, 10], got {rep}")
     seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
+    if seed >= 2**63:  # the engines' seeds are 63-bit: a larger one would alias a smaller one's audio
+        raise InvalidRequest("sampling.seed", f"must be in [0, 2^63), got {seed}")
     return SamplingConfig(do_sample=not msg.greedy, temperature=temperature, top_k=top_k,
                           top_p=top_p, repetition_penalty=rep, subtalker_do_sample=not msg.greedy,
-                          subtalker_temperature=st, subtalker_top_k=sk, subtalker_top_p=sp,
-                          seed=seed & (2**63 - 1))
+                          subtalker_temperature=st, subtalker_top_k=sk, subtalker_top_p=sp, seed=seed)
 
 
 def _reference(msg: tts_pb2.VoiceCloneReference) -> ReferenceAudio:
