@@ -81,11 +81,14 @@ EQUAL_TEXTS = ["Hello there, it's a streaming test.", "你好，世界。今天�
                "Emoji 👨‍👩‍👧 and 🇩🇪 flags 👍🏽!"]
 
 
-@pytest.mark.parametrize("text", EQUAL_TEXTS, ids=["english", "cjk", "emoji"])
-async def test_pieces_equal_one_shot_synthesize(base_server, reference_wav, text):
-    """Base model (both calls use the streaming-text prompt): the greedy audio of a context fed in
-    5 random splits (inside words and multi-byte characters) is byte-identical to Synthesize's."""
-    common = dict(greedy=True, seed=1, max_duration_s=2.0, reference_audio=reference_wav)
+@pytest.mark.parametrize("text,greedy", [(t, True) for t in EQUAL_TEXTS] + [(EQUAL_TEXTS[0], False)],
+                         ids=["english", "cjk", "emoji", "english-sampled"])
+async def test_pieces_equal_one_shot_synthesize(base_server, reference_wav, text, greedy):
+    """Base model (both calls use the streaming-text prompt): the audio of a context fed in 5
+    random splits (inside words and multi-byte characters) is byte-identical to Synthesize's, greedy
+    or sampled with the same seed (each frame's draws depend on the seed and the frame, not on
+    when the text came)."""
+    common = dict(greedy=greedy, seed=1, max_duration_s=2.0, reference_audio=reference_wav)
     async with TTSClient(base_server) as client:
         whole = await client.synthesize(build_request(text, **common), timeout=120)
     assert whole.samples.size > 0
@@ -96,12 +99,13 @@ async def test_pieces_equal_one_shot_synthesize(base_server, reference_wav, text
         np.testing.assert_array_equal(got.audio, whole.samples, err_msg=f"{k} pieces")
 
 
-@pytest.mark.parametrize("where", ["mid-sentence", "after-the-first-word"])
-async def test_a_pause_neither_ends_nor_changes_the_audio(tiny_server, where):
+@pytest.mark.parametrize("where,greedy", [("mid-sentence", True), ("after-the-first-word", True),
+                                          ("mid-sentence", False)])
+async def test_a_pause_neither_ends_nor_changes_the_audio(tiny_server, where, greedy):
     """A 2 s pause mid-sentence; or a pause right after the first word, so that the context is
-    admitted with one token and must wait before its first frame."""
+    admitted with one token and must wait before its first frame. Greedy, and sampled with a seed."""
     text = "A pause in the middle of this sentence must not end the stream early."
-    cfg = dict(max_duration_s=3.0, **GREEDY)
+    cfg = dict(max_duration_s=3.0, **(GREEDY | dict(greedy=greedy)))
     want = await _speak(tiny_server, [text], **cfg)
     if where == "mid-sentence":
         pieces, pause = _splits(text, random.Random(5), 6), {3: 2.0}
