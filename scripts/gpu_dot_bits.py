@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,126 @@ def add_rms_section(so, dev, gen) -> list[dict]:
     return out
 
 
+def _as_func(jitfn, args: list, kwargs: dict, grid: tuple, name: str, workdir: Path):
+    """The Triton kernel specialisation that `jitfn[grid](*args, **kwargs)` runs, turned into a
+    device function by scripts/ptx_func.py and called by a generated __global__ wrapper with the
+    same arguments: -> run(args) that launches the wrapper over `grid` (threads and shared memory
+    as the Triton kernel's)."""
+    import struct
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import ptx_func
+
+    k = jitfn.warmup(*args, grid=grid, **kwargs)
+    text, _, threads = ptx_func.convert(k.asm["ptx"], name)
+    consts = getattr(k.src, "constants", {}) or {}
+    kinds = [ty for i, (_, ty) in enumerate(k.src.signature.items()) if ty != "constexpr" and (i,) not in consts]
+    nparams = len(re.findall(rf"\.param \.b(?:32|64) {name}_p\d+", text))
+    extra = nparams - len(kinds)  # Triton's own trailing pointers (scratch buffers): passed null
+    ctypes_of = ["p" if ty.startswith("*") else ty for ty in kinds] + ["p"] * extra
+    cargs = ", ".join(f"{'const void*' if t == 'p' else 'unsigned'} a{i}" for i, t in enumerate(ctypes_of))
+    names = ", ".join(f"a{i}" for i in range(len(ctypes_of)))
+    src = f"""
+extern "C" __device__ void {name}({", ".join("const void*" if t == "p" else "unsigned" for t in ctypes_of)},
+    unsigned, unsigned, unsigned, unsigned, unsigned, unsigned);
+__global__ void {name}_k({cargs}) {{
+  extern __shared__ __align__(16) unsigned char smem[];
+  {name}({names}, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, (unsigned)__cvta_generic_to_shared(smem), 1u);
+}}
+extern "C" int {name}_launch({cargs}, unsigned gx, unsigned gy, unsigned gz, unsigned shmem, void* stream) {{
+  if (shmem > 48 * 1024) cudaFuncSetAttribute({name}_k, cudaFuncAttributeMaxDynamicSharedMemorySize, shmem);
+  {name}_k<<<dim3(gx, gy, gz), {threads}, shmem, (cudaStream_t)stream>>>({names});
+  return (int)cudaGetLastError();
+}}
+"""
+    (workdir / f"{name}.ptx").write_text(text)
+    (workdir / f"{name}_k.cu").write_text(src)
+    gen = ["-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+    for f in (f"{name}.ptx", f"{name}_k.cu"):
+        subprocess.run(["nvcc", *gen, "-dc", "-o", str(workdir / (f + ".o")), str(workdir / f)], check=True)
+    so_path = workdir / f"lib{name}.so"
+    subprocess.run(["nvcc", *gen, "-shared", "-o", str(so_path), str(workdir / f"{name}.ptx.o"),
+                    str(workdir / f"{name}_k.cu.o")], check=True)
+    so = ctypes.CDLL(str(so_path))
+    fn = getattr(so, f"{name}_launch")
+    shmem = int(k.metadata.shared)
+
+    def run(call_args: list) -> None:
+        vals = [a for i, a in enumerate(call_args)
+                if k.src.signature[list(k.src.signature)[i]] != "constexpr" and (i,) not in consts]
+        c = []
+        for v, t in zip(vals, kinds):
+            if t.startswith("*"):
+                c.append(ctypes.c_void_p(v.data_ptr()))
+            elif t == "fp32":
+                c.append(ctypes.c_uint(struct.unpack("<I", struct.pack("<f", float(v)))[0]))
+            else:
+                c.append(ctypes.c_uint(int(v) & 0xFFFFFFFF))
+        c += [ctypes.c_void_p(0)] * extra
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        err = fn(*c, *(ctypes.c_uint(x) for x in g), ctypes.c_uint(shmem), _stream())
+        assert err == 0, f"CUDA error {err}"
+
+    return run, threads, shmem
+
+
+def triton_func_section(dev, gen) -> list[dict]:
+    """The frame's Triton row kernels run as device functions of a CUDA kernel (their own PTX,
+    turned into `.func`s by scripts/ptx_func.py): the same bits as the Triton launches? add_rms
+    and rms_norm (fp16 and fp32 out), the code predictor's attention (cp_attend at position 5)."""
+    from tts_server.engines.batched import pdl, tk_gemm, tk_glue
+
+    workdir = Path(tempfile.mkdtemp())
+    out = []
+
+    def check(label, jitfn, make_args, kwargs, grid, outputs):
+        a = make_args()  # the Triton launch's arguments (fresh outputs)
+        b = make_args()
+        jitfn[grid](*a, **kwargs)
+        run, threads, shmem = _as_func(jitfn, a, kwargs, grid, "tri_" + label.replace(" ", "_").replace("-", "_"),
+                                       workdir)
+        run(b)
+        torch.cuda.synchronize()
+        eq, n = 0, 0
+        for i in outputs:
+            x, y = a[i], b[i]
+            view = {2: torch.int16, 4: torch.int32}[x.element_size()]
+            eq += int((x.view(view) == y.view(view)).sum())
+            n += x.numel()
+        rec = {"op": "triton_func", "kernel": label, "values": n, "equal": eq, "threads": threads, "smem": shmem}
+        out.append(rec)
+        print(f"triton as a device function: {label}: equal {eq}/{n} ({threads} threads, {shmem} B smem)", flush=True)
+
+    d, eps, m = 1024, 1e-6, 17
+    w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
+    x0 = torch.randn(m, d, device=dev, generator=gen)
+    y0 = 0.3 * torch.randn(4, m, d, device=dev, generator=gen)
+    for dtype in (torch.float16, torch.float32):
+        tag = "f16" if dtype == torch.float16 else "f32"
+        check(f"add_rms p4 {tag}", tk_glue._add_rms_kernel,
+              lambda dtype=dtype: [x0, y0, w, torch.empty_like(x0), torch.empty(m, d, dtype=dtype, device=dev), eps,
+                                   m * d],
+              dict(D=d, DP2=1024, PARTS=4, **pdl.kw()), (m,), (3, 4))
+        check(f"rms_norm {tag}", tk_gemm._rms_norm_kernel,
+              lambda dtype=dtype: [x0, w, torch.empty(m, d, dtype=dtype, device=dev), d, eps, d, d],
+              dict(BLOCK_D=1024, num_warps=4, **pdl.kw()), (m,), (2,))
+    # cp_attend at position 5: 16 q heads, 8 kv heads of 128, blocks of 16 positions (fp32 pools)
+    nh, nkv, hd, bs, pos = 16, 8, 128, 16, 5
+    qkv = torch.randn(m, (nh + 2 * nkv) * hd, device=dev, generator=gen)
+    qn = (1.0 + 0.1 * torch.randn(hd, device=dev, generator=gen)).float()
+    kn = (1.0 + 0.1 * torch.randn(hd, device=dev, generator=gen)).float()
+    ang = torch.arange(hd // 2, device=dev, dtype=torch.float32) * 0.05 * pos
+    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+    pool_k = torch.randn(m, nkv, bs, hd, device=dev, generator=gen)
+    pool_v = torch.randn(m, nkv, bs, hd, device=dev, generator=gen)
+    check("cp_attend f16", tk_glue._cp_attend_kernel,
+          lambda: [qkv, qn, kn, cos, sin, torch.empty(m, nh, hd, dtype=torch.float16, device=dev), pool_k.clone(),
+                   pool_v.clone(), pos, eps, 1.0 / hd ** 0.5],
+          dict(NH=nh, NKV=nkv, BS=bs, HALF=hd // 2, num_warps=tk_glue.CP_ATTEND_WARPS, **pdl.kw()), (m, nkv),
+          (5, 6, 7))
+    return out
+
+
 def compiled_kernels() -> dict:
     """Every compiled specialisation of tk_gemm's GEMM kernel: key -> (num_warps, has wgmma)."""
     out = {}
@@ -214,6 +335,7 @@ def main() -> None:
     results += rms_norm_section(so, dev, gen)
     results += swiglu_section(so, dev, gen)
     results += chain_section(so, dev)
+    results += triton_func_section(dev, gen)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
