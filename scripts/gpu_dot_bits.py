@@ -232,7 +232,8 @@ extern "C" int {name}_launch({cargs}, unsigned gx, unsigned gy, unsigned gz, uns
 def triton_func_section(dev, gen) -> list[dict]:
     """The frame's Triton row kernels run as device functions of a CUDA kernel (their own PTX,
     turned into `.func`s by scripts/ptx_func.py): the same bits as the Triton launches? add_rms
-    and rms_norm (fp16 and fp32 out), the code predictor's attention (cp_attend at position 5)."""
+    and rms_norm (fp16 and fp32 out), the code predictor's attention (cp_attend at position 5)
+    and its draw (tk_sample's kernel with the next pass's embedding)."""
     from tts_server.engines.batched import pdl, tk_gemm, tk_glue
 
     workdir = Path(tempfile.mkdtemp())
@@ -283,6 +284,24 @@ def triton_func_section(dev, gen) -> list[dict]:
                    pool_v.clone(), pos, eps, 1.0 / hd ** 0.5],
           dict(NH=nh, NKV=nkv, BS=bs, HALF=hd // 2, num_warps=tk_glue.CP_ATTEND_WARPS, **pdl.kw()), (m, nkv),
           (5, 6, 7))
+    # a code-predictor draw as the frame makes it (tk_sample.sample_tokens): the head's two partial
+    # products, top-k 50, top-p 0.8, the counter-based noise, the next pass's embedding row, the
+    # code into the step's output
+    from tts_server.engines.batched import tk_sample
+
+    v, h = 2048, 1024
+    parts = 3.0 * torch.randn(2, m, v, device=dev, generator=gen)
+    table = torch.randn(v, h, device=dev, generator=gen).to(torch.bfloat16)
+    ints = lambda val: torch.full((m,), val, dtype=torch.int32, device=dev)  # noqa: E731
+    flts = lambda val: torch.full((m,), val, dtype=torch.float32, device=dev)  # noqa: E731
+    seeds = torch.randint(0, 2**62, (m,), device=dev, generator=gen)
+    ctrs = torch.arange(m, device=dev, dtype=torch.int64) * 7
+    check("sample cp", tk_sample._sample_kernel,
+          lambda: [parts, ints(1), flts(0.9), ints(50), flts(0.8), seeds, ctrs, ints(0), ints(0).to(torch.uint8),
+                   table, torch.empty(m, h, device=dev), torch.zeros(m, 17, dtype=torch.int32, device=dev), v,
+                   parts.stride(1), parts.stride(0), 17, 3, 16, 2],
+          dict(STREAM=3, BLOCK_V=v, PARTS=2, H=h, HP2=h, EMBED=True, INTO=True, INTERPRET=False, num_warps=8,
+               **pdl.kw()), (m,), (7, 8, 10, 11))
     return out
 
 
