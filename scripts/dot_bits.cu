@@ -67,6 +67,43 @@ __device__ __forceinline__ int owned(int t, int i) {
   return F16 ? 8 * t + i : (i < 4 ? 4 * t + i : 512 + 4 * t + (i - 4));
 }
 
+// The mean square of a 1,024-wide row held 8 values a thread by 128 threads, as Triton 3.6's norms
+// compute it: the thread's e1 * e1, then fma e0, e2 .. e7 (register order); warp butterflies xor
+// 16 .. 1; the 4 warp sums by threads 0..3, butterflies xor 2, 1; / D by div.full. red: 4 floats
+// of shared memory.
+__device__ __forceinline__ float mean_square(const float (&e)[8], float* red, int D) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float ss = __fmul_rn(e[1], e[1]);
+  ss = __fmaf_rn(e[0], e[0], ss);
+#pragma unroll
+  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < 4 ? red[lane] : 0.f;
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    __syncwarp();
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  return div_full(red[0], (float)D);
+}
+
+// out[m][d] = (e * r) * w[d] over the thread's elements (rounded to fp16 for an fp16 out).
+template <bool F16, typename Out>
+__device__ __forceinline__ void store_norm(Out* out, const float* w, const float (&e)[8], float r, int m) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = owned<F16>(threadIdx.x, i);
+    const float y = __fmul_rn(__fmul_rn(e[i], r), w[d]);
+    if constexpr (F16) out[(size_t)m * 1024 + d] = __float2half_rn(y);
+    else out[(size_t)m * 1024 + d] = y;
+  }
+}
+
 // tk_glue._add_rms_kernel (D = 1024) written from its sm_90 PTX under Triton 3.6: a block of 128
 // threads per row, thread t holding elements owned<F16>(t, 0..7) (fp16 out: 8t..8t+7, checked on an
 // H200 in session 37; fp32 out: written then, not yet run); y = ((p0 + p1) + p2) + ..., s = y + x;
@@ -80,7 +117,7 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
   constexpr bool F16 = sizeof(Out) == 2;
   constexpr int D = 1024;
   __shared__ float red[4];
-  const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int m = blockIdx.x, t = threadIdx.x;
   float e[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -90,30 +127,7 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
     e[i] = __fadd_rn(y, x[off]);
     sum[off] = e[i];
   }
-  float ss = __fmul_rn(e[1], e[1]);
-  ss = __fmaf_rn(e[0], e[0], ss);
-#pragma unroll
-  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < 4 ? red[lane] : 0.f;
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    __syncwarp();
-    if (lane == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float r = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, div_full(red[0], (float)D))));
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int d = owned<F16>(t, i);
-    const float y = __fmul_rn(__fmul_rn(e[i], r), w[d]);
-    if constexpr (F16) out[(size_t)m * D + d] = __float2half_rn(y);
-    else out[(size_t)m * D + d] = y;
-  }
+  store_norm<F16>(out, w, e, div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, mean_square(e, red, D)))), m);
 }
 
 // tk_gemm._rms_norm_kernel (D = 1024, 4 warps) from its sm_90 PTX under Triton 3.6: as add_rms_twin
@@ -126,34 +140,11 @@ __global__ void rms_norm_twin(const float* __restrict__ x, const float* __restri
                               float eps, int D) {
   constexpr bool F16 = sizeof(Out) == 2;
   __shared__ float red[4];
-  const int m = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int m = blockIdx.x, t = threadIdx.x;
   float e[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = x[(size_t)m * 1024 + owned<F16>(t, i)];
-  float ss = __fmul_rn(e[1], e[1]);
-  ss = __fmaf_rn(e[0], e[0], ss);
-#pragma unroll
-  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < 4 ? red[lane] : 0.f;
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    __syncwarp();
-    if (lane == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float r = div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, div_full(red[0], (float)D))));
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int d = owned<F16>(t, i);
-    const float y = __fmul_rn(__fmul_rn(r, e[i]), w[d]);
-    if constexpr (F16) out[(size_t)m * 1024 + d] = __float2half_rn(y);
-    else out[(size_t)m * 1024 + d] = y;
-  }
+  store_norm<F16>(out, w, e, div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, mean_square(e, red, D)))), m);
 }
 
 // tk_gemm's SwiGLU product with fp16 matrices and fp16 out (the MLP's gate|up before an fp16 down
