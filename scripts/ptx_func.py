@@ -44,7 +44,7 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
     in_params = False
     for line in body.splitlines():
         s = line.strip()
-        if s.startswith((".loc", ".file", "//")) or s.startswith(".extern .shared"):
+        if re.match(r"\.(loc|file)\s", s) or s.startswith("//") or s.startswith(".extern .shared"):
             continue
         if s.startswith((".reqntid", ".maxntid", ".maxnreg", ".minnctapersm")):
             continue
@@ -62,6 +62,8 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
                 body_rename = (pm.group(2), f"{name}_p{len(params) - 1}")
                 out.append(("RENAME", body_rename))
                 continue
+            if s != ")":
+                raise ValueError(f"a kernel parameter this does not know: {s}")
             if s == ")":
                 for e in EXTRA:
                     params.append(f"\t.param .b32 {name}_{e}")
