@@ -120,30 +120,58 @@ __device__ __forceinline__ void mma(float* d, uint32_t a0, uint32_t a1, uint32_t
 
 // One 16-row weight tile (rows at `tile` in shared memory, row stride rs bytes, rows 0-7 and 8-15
 // possibly in different units: r8 is row 8's address) times the inputs' columns [k0, k0 + piece):
-// d[t] for input tile t (rows 8t..8t+7), one chain each, k order.
-__device__ __forceinline__ void chain(uint32_t r0, uint32_t r8, int rs, const __half* x, int K, int M, int k0,
-                                      int piece, float (*d)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // ldmatrix x4: lanes 0-7 rows 0-7 at k, 8-15 rows 8-15 at k, 16-23 rows 0-7 at k + 8, 24-31 rows 8-15 at k + 8
-  const int lr = lane & 7;
-  const uint32_t base = ((lane >> 3) & 1 ? r8 : r0) + lr * rs + ((lane >> 4) ? 16u : 0u);
-  const __half* xa = x + (size_t)g * K + k0 + 2 * t;       // input row g (tile 0)
-  const __half* xb = x + (size_t)(g + 8) * K + k0 + 2 * t;  // input row g + 8 (tile 1)
-  const bool ra = g < M, rb = g + 8 < M, two = M > 8;
-#pragma unroll 4
-  for (int k = 0; k < piece; k += 16) {
-    uint32_t a0, a1, a2, a3;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(base + 2 * k));
-    const uint32_t b0 = ra ? *reinterpret_cast<const uint32_t*>(xa + k) : 0u;
-    const uint32_t b1 = ra ? *reinterpret_cast<const uint32_t*>(xa + k + 8) : 0u;
-    mma(d[0], a0, a1, a2, a3, b0, b1);
-    if (two) {
-      const uint32_t c0 = rb ? *reinterpret_cast<const uint32_t*>(xb + k) : 0u;
-      const uint32_t c1 = rb ? *reinterpret_cast<const uint32_t*>(xb + k + 8) : 0u;
-      mma(d[1], a0, a1, a2, a3, c0, c1);
+// d[t] for input tile t (rows 8t..8t+7), one chain each, k order. The inputs' fragments come from
+// global memory (L2) a group of GRP steps ahead of the chain that uses them, so that the chain
+// waits for the tensor core, not for L2.
+constexpr int GRP = 8;
+
+template <bool TWO>
+__device__ __forceinline__ void load_group(uint32_t (&b)[GRP][2][2], const __half* xa, const __half* xb, bool ra,
+                                           bool rb, int k) {
+#pragma unroll
+  for (int i = 0; i < GRP; ++i) {
+    const int kk = k + 16 * i;
+    b[i][0][0] = ra ? *reinterpret_cast<const uint32_t*>(xa + kk) : 0u;
+    b[i][0][1] = ra ? *reinterpret_cast<const uint32_t*>(xa + kk + 8) : 0u;
+    if (TWO) {
+      b[i][1][0] = rb ? *reinterpret_cast<const uint32_t*>(xb + kk) : 0u;
+      b[i][1][1] = rb ? *reinterpret_cast<const uint32_t*>(xb + kk + 8) : 0u;
     }
   }
+}
+
+template <bool TWO>
+__device__ __forceinline__ void chain_t(uint32_t r0, uint32_t r8, int rs, const __half* x, int K, int M, int k0,
+                                        int piece, float (*d)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // ldmatrix x4: lanes 0-7 rows 0-7 at k, 8-15 rows 8-15 at k, 16-23 rows 0-7 at k + 8, 24-31 rows 8-15 at k + 8
+  const uint32_t base = ((lane >> 3) & 1 ? r8 : r0) + (lane & 7) * rs + ((lane >> 4) ? 16u : 0u);
+  const __half* xa = x + (size_t)g * K + k0 + 2 * t;       // input row g (tile 0)
+  const __half* xb = x + (size_t)(g + 8) * K + k0 + 2 * t;  // input row g + 8 (tile 1)
+  const bool ra = g < M, rb = g + 8 < M;
+  uint32_t cur[GRP][2][2], nxt[GRP][2][2];
+  load_group<TWO>(cur, xa, xb, ra, rb, 0);
+  for (int k = 0; k < piece; k += 16 * GRP) {
+    if (k + 16 * GRP < piece) load_group<TWO>(nxt, xa, xb, ra, rb, k + 16 * GRP);
+#pragma unroll
+    for (int i = 0; i < GRP; ++i) {
+      uint32_t a0, a1, a2, a3;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(base + 2 * (k + 16 * i)));
+      mma(d[0], a0, a1, a2, a3, cur[i][0][0], cur[i][0][1]);
+      if (TWO) mma(d[1], a0, a1, a2, a3, cur[i][1][0], cur[i][1][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < GRP; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) cur[i][j][0] = nxt[i][j][0], cur[i][j][1] = nxt[i][j][1];
+  }
+}
+
+__device__ __forceinline__ void chain(uint32_t r0, uint32_t r8, int rs, const __half* x, int K, int M, int k0,
+                                      int piece, float (*d)[4]) {
+  if (M > 8) chain_t<true>(r0, r8, rs, x, K, M, k0, piece, d);
+  else chain_t<false>(r0, r8, rs, x, K, M, k0, piece, d);
 }
 
 __global__ void __launch_bounds__(THREADS, 1) products(const __grid_constant__ Params P) {
@@ -221,7 +249,9 @@ __global__ void __launch_bounds__(THREADS, 1) products(const __grid_constant__ P
         for (int i = 0; i < upt; ++i)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + (seq + i) % NUNITS)) : "memory");
       const int g = lane >> 2, t = lane & 3;
-      for (int it = 0; it < (P.M > 8 ? 2 : 1); ++it)
+#pragma unroll
+      for (int it = 0; it < 2; ++it)
+#pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           const int n = 16 * tile + g + (jj >= 2 ? 8 : 0), m = 8 * it + 2 * t + (jj & 1);
           if (m >= P.M) continue;
