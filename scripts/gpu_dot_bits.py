@@ -15,7 +15,11 @@ ownership, reduction tree and approximate division / square root), and so the in
 div.full). Session 37 checked add_rms with an fp16 out on an H200; the fp32-out norms (another
 element ownership) and the SwiGLU twin were written then and had not run on a GPU. Then the
 clock cycles of the products' accumulator chain (dependent mma.sync steps), the floor under a
-piece of K columns in a kernel that keeps these bits. Writes $OUT/dot_bits.json.
+piece of K columns in a kernel that keeps these bits. Then the frame's Triton kernels run as
+device functions from their own PTX (`scripts/ptx_func.py`): add_rms, rms_norm, cp_attend and the
+code predictor's draw against their launches, and the talker step's ops (paged attention, q/k
+norm + RoPE + KV store, logit processing, draw) replayed launch by launch on the same buffers.
+A section that fails is recorded and the rest run. Writes $OUT/dot_bits.json (after each section).
 
   PYTHONPATH=. python3 scripts/gpu_dot_bits.py --out $OUT
 """
@@ -105,7 +109,8 @@ def swiglu_section(so, dev, gen) -> list[dict]:
         assert so.dot_bits_swiglu(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), cu.data_ptr(), m, n, k,
                                   2.0 ** -shift, _stream()) == 0
         torch.cuda.synchronize()
-        rec = {"op": "swiglu", "m": m, "values": m * n, "out_equal": int((tri.view(torch.int16) == cu.view(torch.int16)).sum()),
+        rec = {"op": "swiglu", "m": m, "values": m * n,
+               "out_equal": int((tri.view(torch.int16) == cu.view(torch.int16)).sum()),
                "out_max_abs_diff": float((tri.float() - cu.float()).abs().max())}
         out.append(rec)
         print(f"swiglu m={m:3d} out equal {rec['out_equal']}/{m * n} maxdiff {rec['out_max_abs_diff']:.3g}",
@@ -305,6 +310,108 @@ def triton_func_section(dev, gen) -> list[dict]:
     return out
 
 
+def _record_launches(fn) -> list:
+    """The Triton launches that fn() makes: (JITFunction, args, kwargs, grid) each, in order."""
+    from triton.runtime.jit import JITFunction
+
+    recs, real = [], JITFunction.run
+
+    def run(self, *a, grid, warmup, **kw):
+        if not warmup:
+            recs.append((self, a, dict(kw), grid))
+        return real(self, *a, grid=grid, warmup=warmup, **kw)
+
+    JITFunction.run = run
+    try:
+        fn()
+    finally:
+        JITFunction.run = real
+    torch.cuda.synchronize()
+    return recs
+
+
+def replay_section(dev, gen) -> list[dict]:
+    """Whole ops of the talker step run as their Triton launches, then again with every launch made
+    a device function of a CUDA kernel (scripts/ptx_func.py) on the same buffers, the tensors the
+    launches changed put back first: the paged decode attention (bf16 pools, split on tensor cores,
+    then the combine), the talker's q/k norm + RoPE + KV store, its logit processing (in place) and
+    its draw. Every tensor must end bitwise as the Triton launches left it."""
+    from tts_server.engines.batched import tk_attention, tk_glue, tk_sample
+
+    workdir = Path(tempfile.mkdtemp())
+    out = []
+
+    def check(label, fn, mine):
+        """mine: every tensor this script made that fn's launches read or write (in place ones are
+        put back before the replay); the buffers the op allocates itself are filled with 0xFF bytes
+        instead, so that the replay must write them."""
+        before = [t.clone() for t in mine]
+        recs = _record_launches(fn)
+        own = {t.data_ptr() for t in mine}
+        seen_ptrs, tensors = set(), []
+        for _, a, _, _ in recs:
+            for t in a:
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen_ptrs:
+                    seen_ptrs.add(t.data_ptr())
+                    tensors.append(t)
+        after = [t.clone() for t in tensors]
+        changed = 0
+        for t, x in zip(mine, before):
+            if not torch.equal(t.view(torch.uint8), x.view(torch.uint8)):
+                t.copy_(x)
+                changed += 1
+        for t in tensors:
+            if t.data_ptr() not in own:
+                t.view(torch.uint8).fill_(0xFF)
+        kernels = []
+        for n, (jitfn, a, kw, grid) in enumerate(recs):
+            run, _, _ = _as_func(jitfn, list(a), kw, grid, f"tri_{label.replace(' ', '_')}_{n}", workdir)
+            run(list(a))
+            kernels.append(jitfn.fn.__name__)
+        torch.cuda.synchronize()
+        eq = sum(int((t.view(torch.uint8) == y.view(torch.uint8)).sum()) for t, y in zip(tensors, after))
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        rec = {"op": "triton_replay", "what": label, "kernels": kernels, "tensors": len(tensors),
+               "own_changed": changed, "bytes_equal": eq, "bytes": n}
+        out.append(rec)
+        print(f"replayed as device functions: {label} ({', '.join(kernels)}; {len(tensors)} tensors, {changed} of "
+              f"ours written in place): bytes equal {eq}/{n}", flush=True)
+
+    b, nh, nkv, hd, block, max_blocks = 17, 16, 8, 128, 64, 16
+    lens = torch.randint(100, max_blocks * block, (b,), device=dev, generator=gen).to(torch.int32)
+    table = torch.randperm(b * max_blocks, device=dev, generator=gen).to(torch.int32).view(b, max_blocks)
+    kp = torch.randn(b * max_blocks, nkv, block, hd, device=dev, generator=gen).to(torch.bfloat16)
+    vp = torch.randn(b * max_blocks, nkv, block, hd, device=dev, generator=gen).to(torch.bfloat16)
+    q = torch.randn(b, nh, hd, device=dev, generator=gen)
+    check("paged attention", lambda: tk_attention.paged_attention(q, kp, vp, table, lens, hd ** -0.5, torch.float16),
+          [q, kp, vp, table, lens])
+    qkv = torch.randn(b, (nh + 2 * nkv) * hd, device=dev, generator=gen)
+    qn = (1.0 + 0.1 * torch.randn(hd, device=dev, generator=gen)).float()
+    kn = (1.0 + 0.1 * torch.randn(hd, device=dev, generator=gen)).float()
+    ang = torch.arange(hd // 2, device=dev, dtype=torch.float32)[None, :] * 0.01 * (lens[:, None].float())
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([ang.sin(), ang.sin()], 1)
+    blk = table[torch.arange(b, device=dev), (lens // block).long()].contiguous()
+    off = (lens % block).contiguous()
+    check("qk rope store", lambda: tk_glue.qk_rope_store(qkv, qn, kn, cos, sin, kp, vp, blk, off, nh, nkv, 1e-6),
+          [qkv, qn, kn, cos, sin, kp, vp, blk, off])
+    v = 3072
+    logits = 3.0 * torch.randn(b, v, device=dev, generator=gen)
+    seen = (torch.rand(b, v, device=dev, generator=gen) < 0.02).to(torch.uint8)
+    pen = torch.full((b,), 1.05, device=dev)
+    nsamp = torch.randint(0, 40, (b,), device=dev, generator=gen).to(torch.int32)
+    check("talker logits", lambda: tk_sample.talker_process_(logits, seen, pen, nsamp, 2150, 2048, 2),
+          [logits, seen, pen, nsamp])
+    ds, topk = torch.full((b,), 1, dtype=torch.int32, device=dev), torch.full((b,), 50, dtype=torch.int32, device=dev)
+    temp, topp = torch.full((b,), 0.9, device=dev), torch.full((b,), 1.0, device=dev)
+    seeds = torch.randint(0, 2**62, (b,), device=dev, generator=gen)
+    ctr = torch.arange(b, device=dev, dtype=torch.int64) * 3
+    box = torch.zeros(b, 17, dtype=torch.int32, device=dev)
+    check("talker draw", lambda: tk_sample.sample_tokens(logits, ds, temp, topk, topp, seeds, ctr, 0,
+                                                         into=(box, 0, 16, 1)),
+          [logits, ds, temp, topk, topp, seeds, ctr, box])
+    return out
+
+
 def compiled_kernels() -> dict:
     """Every compiled specialisation of tk_gemm's GEMM kernel: key -> (num_warps, has wgmma)."""
     out = {}
@@ -350,14 +457,20 @@ def main() -> None:
             results.append(rec)
             print(f"{name:10s} m={m:3d} tile={rec['tile']} pieces={split}x{kper} wgmma/mma={list(new.values())} "
                   f"equal {same}/{tri.numel()} maxdiff {rec['max_abs_diff']:.3g}", flush=True)
-    results += add_rms_section(so, dev, gen)
-    results += rms_norm_section(so, dev, gen)
-    results += swiglu_section(so, dev, gen)
-    results += chain_section(so, dev)
-    results += triton_func_section(dev, gen)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
-    Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+    sections = (("add_rms", lambda: add_rms_section(so, dev, gen)),
+                ("rms_norm", lambda: rms_norm_section(so, dev, gen)),
+                ("swiglu", lambda: swiglu_section(so, dev, gen)), ("chain", lambda: chain_section(so, dev)),
+                ("triton_func", lambda: triton_func_section(dev, gen)), ("replay", lambda: replay_section(dev, gen)))
+    for name, section in sections:  # one section's failure is recorded, and the rest still run
+        try:
+            results += section()
+        except Exception as e:  # noqa: BLE001 - reported in the JSON and on stdout
+            results.append({"op": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"section {name} failed: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.synchronize()
+        Path(a.out, "dot_bits.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(json.dumps(env))
 
 
