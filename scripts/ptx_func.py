@@ -29,10 +29,8 @@ EXTRA = ("pid_x", "pid_y", "pid_z", "tid", "smem", "bar")
 def convert(ptx: str, name: str) -> tuple[str, str, int]:
     """-> (the device function's PTX, its CUDA declaration, threads per program)."""
     body = ptx.split("\t.section\t.debug", 1)[0].split(".section\t.debug", 1)[0]
-    m = re.search(r"\.visible \.entry (\w+)\(", body)
-    if m is None:
+    if re.search(r"\.visible \.entry \w+\(", body) is None:
         raise ValueError("no .entry in this PTX")
-    old = m.group(1)
     threads = int(re.search(r"\.reqntid (\d+)", body).group(1))
     # PDL's waits and triggers order launches; inside a persistent kernel the caller orders phases
     body = "\n".join(ln for ln in body.splitlines() if "griddepcontrol" not in ln)
@@ -40,8 +38,8 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
         if bad in body:
             line = next(ln for ln in body.splitlines() if bad in ln)
             raise ValueError(f"{bad} cannot be replaced in a device function: {line.strip()}")
-    out, params, decl = [], [], []
-    in_params = False
+    out, params, decl, renames = [], [], [], []  # renames: (the kernel's parameter name, the function's)
+    in_params = inserted = False
     for line in body.splitlines():
         s = line.strip()
         if re.match(r"\.(loc|file)\s", s) or s.startswith("//") or s.startswith(".extern .shared"):
@@ -53,30 +51,23 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
             in_params = True
             continue
         if in_params:
-            pm = re.match(r"\.param \.(\w+)(?: \.ptr \.global \.align \d+)? (\w+)(,?)$", s)
+            pm = re.match(r"\.param \.(\w+)(?: \.ptr \.global \.align \d+)? (\w+),?$", s)
             if pm:
                 kind = "b64" if pm.group(1) in ("u64", "s64", "b64") else "b32"
+                renames.append((pm.group(2), f"{name}_p{len(params)}"))
                 params.append(f"\t.param .{kind} {name}_p{len(params)}")
                 decl.append("const void*" if kind == "b64" else "unsigned")
-                # the body reads the old parameter names
-                body_rename = (pm.group(2), f"{name}_p{len(params) - 1}")
-                out.append(("RENAME", body_rename))
                 continue
             if s != ")":
                 raise ValueError(f"a kernel parameter this does not know: {s}")
-            if s == ")":
-                for e in EXTRA:
-                    params.append(f"\t.param .b32 {name}_{e}")
-                out.append(",\n".join(params))
-                out.append(")")
-                in_params = False
-                continue
-        if s == "{" and not in_params and "inserted" not in out:
-            out.append(line)
-            out.append("\t.reg .b32 \t%fx<6>;")
-            for i, e in enumerate(EXTRA):
-                out.append(f"\tld.param.b32 \t%fx{i}, [{name}_{e}];")
-            out.append("inserted")
+            params += [f"\t.param .b32 {name}_{e}" for e in EXTRA]
+            out += [",\n".join(params), ")"]
+            in_params = False
+            continue
+        if s == "{" and not inserted:  # the body's first line: the launch state from the parameters
+            out += [line, "\t.reg .b32 \t%fx<6>;"]
+            out += [f"\tld.param.b32 \t%fx{i}, [{name}_{e}];" for i, e in enumerate(EXTRA)]
+            inserted = True
             continue
         line = (line.replace("%ctaid.x", "%fx0").replace("%ctaid.y", "%fx1").replace("%ctaid.z", "%fx2")
                 .replace("%tid.x", "%fx3").replace("global_smem", "%fx4"))
@@ -87,11 +78,9 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
         if re.search(r"\bbar(rier)?\.(sync|arrive|red)\b", line) and "%fx5" not in line:
             raise ValueError(f"a barrier this cannot rename: {s}")
         out.append(line)
-    renames = [o[1] for o in out if isinstance(o, tuple)]
-    text = "\n".join(o for o in out if isinstance(o, str) and o != "inserted")
-    for a, b in sorted(renames, key=lambda r: -len(r[0])):
+    text = "\n".join(out)
+    for a, b in sorted(renames, key=lambda r: -len(r[0])):  # the body reads the kernel's names
         text = re.sub(rf"\b{a}\b", b, text)
-    text = text.replace(f".entry {old}", f".func {name}")
     text = text.replace("_$_str", f"{name}_str")  # Triton's assert strings: one set per function
     args = ", ".join(decl + ["unsigned"] * len(EXTRA))
     return text + "\n", f'extern "C" __device__ void {name}({args});', threads
