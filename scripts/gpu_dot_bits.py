@@ -42,6 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from tts_server.engines.batched import tk_gemm  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import ptx_func  # noqa: E402
+
 SHAPES = (("q|k|v", 4096, 1024), ("o_proj", 1024, 2048), ("down", 1024, 3072), ("codec head", 3072, 1024),
           ("cp head", 2048, 1024))
 ROWS = (1, 4, 16, 17, 33, 64, 65, 128, 256)
@@ -66,11 +69,15 @@ def _stream():
     return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of a and b (same shape and dtype) are bitwise equal."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.view(view) == b.view(view)).sum())
+
+
 def rms_norm_section(so, dev, gen) -> list[dict]:
     """tk_gemm.rms_norm (a pass's input norm; fp16 out before fp16 products, fp32 out) against its
     twin written from the Triton 3.6 PTX (sqrt.rn where add_rms has sqrt.approx.ftz)."""
-    from tts_server.engines.batched import tk_gemm
-
     out = []
     d, eps = 1024, 1e-6
     w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
@@ -82,9 +89,7 @@ def rms_norm_section(so, dev, gen) -> list[dict]:
             assert so.dot_bits_rms_norm(x.data_ptr(), w.data_ptr(), cu.data_ptr(), int(dtype == torch.float16), eps,
                                         m, d, _stream()) == 0
             torch.cuda.synchronize()
-            view = torch.int16 if dtype == torch.float16 else torch.int32
-            rec = {"op": "rms_norm", "dtype": str(dtype), "m": m, "values": m * d,
-                   "out_equal": int((tri.view(view) == cu.view(view)).sum()),
+            rec = {"op": "rms_norm", "dtype": str(dtype), "m": m, "values": m * d, "out_equal": _same_bits(tri, cu),
                    "out_max_abs_diff": float((tri.float() - cu.float()).abs().max())}
             out.append(rec)
             print(f"rms_norm {dtype} m={m:3d} out equal {rec['out_equal']}/{m * d} maxdiff "
@@ -96,7 +101,7 @@ def swiglu_section(so, dev, gen) -> list[dict]:
     """tk_gemm.swiglu with fp16 matrices into fp16 times 2^-6 (the code predictor's gate|up before
     its fp16 down projection, ops.MLP_SHIFT) against the twin: two mma.sync chains and the
     epilogue of the Triton 3.6 PTX (ex2.approx, div.full)."""
-    from tts_server.engines.batched import ops, tk_gemm
+    from tts_server.engines.batched import ops
 
     out = []
     n, k, shift = 3072, 1024, ops.MLP_SHIFT
@@ -109,8 +114,7 @@ def swiglu_section(so, dev, gen) -> list[dict]:
         assert so.dot_bits_swiglu(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), cu.data_ptr(), m, n, k,
                                   2.0 ** -shift, _stream()) == 0
         torch.cuda.synchronize()
-        rec = {"op": "swiglu", "m": m, "values": m * n,
-               "out_equal": int((tri.view(torch.int16) == cu.view(torch.int16)).sum()),
+        rec = {"op": "swiglu", "m": m, "values": m * n, "out_equal": _same_bits(tri, cu),
                "out_max_abs_diff": float((tri.float() - cu.float()).abs().max())}
         out.append(rec)
         print(f"swiglu m={m:3d} out equal {rec['out_equal']}/{m * n} maxdiff {rec['out_max_abs_diff']:.3g}",
@@ -127,8 +131,7 @@ def chain_section(so, dev) -> list[dict]:
         for steps in (64, 256):
             cycles = []
             for _ in range(5):
-                assert so.dot_bits_mma_chain(buf.data_ptr(), steps, chains,
-                                             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+                assert so.dot_bits_mma_chain(buf.data_ptr(), steps, chains, _stream()) == 0
                 torch.cuda.synchronize()
                 cycles.append(int(buf[0]))
             best = min(cycles)
@@ -149,7 +152,6 @@ def add_rms_section(so, dev, gen) -> list[dict]:
     d, eps = 1024, 1e-6
     w = (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
     for dtype in (torch.float16, torch.float32):
-        view = torch.int16 if dtype == torch.float16 else torch.int32
         for parts in (1, 4, 6):
             for m in (1, 3, 17, 64, 256):
                 x = torch.randn(m, d, device=dev, generator=gen)
@@ -162,8 +164,7 @@ def add_rms_section(so, dev, gen) -> list[dict]:
                 torch.cuda.synchronize()
                 assert err == 0, f"CUDA error {err}"
                 rec = {"op": "add_rms", "dtype": str(dtype), "parts": parts, "m": m,
-                       "sum_equal": int((s_tri.view(torch.int32) == s_cu.view(torch.int32)).sum()),
-                       "out_equal": int((h_tri.view(view) == h_cu.view(view)).sum()), "values": m * d,
+                       "sum_equal": _same_bits(s_tri, s_cu), "out_equal": _same_bits(h_tri, h_cu), "values": m * d,
                        "out_max_abs_diff": float((h_tri.float() - h_cu.float()).abs().max())}
                 out.append(rec)
                 print(f"add_rms {dtype} parts={parts} m={m:3d} sum equal {rec['sum_equal']}/{m * d} out equal "
@@ -178,13 +179,12 @@ def _as_func(jitfn, args: list, kwargs: dict, grid: tuple, name: str, workdir: P
     as the Triton kernel's)."""
     import struct
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ptx_func
-
     k = jitfn.warmup(*args, grid=grid, **kwargs)
     text, _, threads = ptx_func.convert(k.asm["ptx"], name)
     consts = getattr(k.src, "constants", {}) or {}
-    kinds = [ty for i, (_, ty) in enumerate(k.src.signature.items()) if ty != "constexpr" and (i,) not in consts]
+    # the launch's runtime arguments (not constexpr, not specialised into a constant): index, type
+    runtime = [(i, ty) for i, ty in enumerate(k.src.signature.values()) if ty != "constexpr" and (i,) not in consts]
+    kinds = [ty for _, ty in runtime]
     nparams = len(re.findall(rf"\.param \.b(?:32|64) {name}_p\d+", text))
     extra = nparams - len(kinds)  # Triton's own trailing pointers (scratch buffers): passed null
     ctypes_of = ["p" if ty.startswith("*") else ty for ty in kinds] + ["p"] * extra
@@ -216,10 +216,8 @@ extern "C" int {name}_launch({cargs}, unsigned gx, unsigned gy, unsigned gz, uns
     shmem = int(k.metadata.shared)
 
     def run(call_args: list) -> None:
-        vals = [a for i, a in enumerate(call_args)
-                if k.src.signature[list(k.src.signature)[i]] != "constexpr" and (i,) not in consts]
         c = []
-        for v, t in zip(vals, kinds):
+        for v, t in ((call_args[i], ty) for i, ty in runtime):
             if t.startswith("*"):
                 c.append(ctypes.c_void_p(v.data_ptr()))
             elif t == "fp32":
@@ -239,7 +237,7 @@ def triton_func_section(dev, gen) -> list[dict]:
     turned into `.func`s by scripts/ptx_func.py): the same bits as the Triton launches? add_rms
     and rms_norm (fp16 and fp32 out), the code predictor's attention (cp_attend at position 5)
     and its draw (tk_sample's kernel with the next pass's embedding)."""
-    from tts_server.engines.batched import pdl, tk_gemm, tk_glue
+    from tts_server.engines.batched import pdl, tk_glue
 
     workdir = Path(tempfile.mkdtemp())
     out = []
@@ -252,12 +250,8 @@ def triton_func_section(dev, gen) -> list[dict]:
                                        workdir)
         run(b)
         torch.cuda.synchronize()
-        eq, n = 0, 0
-        for i in outputs:
-            x, y = a[i], b[i]
-            view = {2: torch.int16, 4: torch.int32}[x.element_size()]
-            eq += int((x.view(view) == y.view(view)).sum())
-            n += x.numel()
+        eq = sum(_same_bits(a[i], b[i]) for i in outputs)
+        n = sum(a[i].numel() for i in outputs)
         rec = {"op": "triton_func", "kernel": label, "values": n, "equal": eq, "threads": threads, "smem": shmem}
         out.append(rec)
         print(f"triton as a device function: {label}: equal {eq}/{n} ({threads} threads, {shmem} B smem)", flush=True)
@@ -442,12 +436,11 @@ def main() -> None:
             bm, bn, bk, warps, stages, chunk, _ = tk_gemm.config("linear", n, k, m, fp16=True, x16=True)
             split, kper = tk_gemm._pieces(False, k, chunk, bk)
             ref = torch.empty((split, m, n), dtype=torch.float32, device=dev)
-            err = so.dot_bits_parts_fp16(x.data_ptr(), w.data_ptr(), ref.data_ptr(), m, n, k, kper,
-                                         ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            err = so.dot_bits_parts_fp16(x.data_ptr(), w.data_ptr(), ref.data_ptr(), m, n, k, kper, _stream())
             torch.cuda.synchronize()
             assert err == 0, f"CUDA error {err}"
             exact = (x.double() @ w.double().T)
-            same = int((tri.view(torch.int32) == ref.view(torch.int32)).sum())
+            same = _same_bits(tri, ref)
             rec = {"shape": name, "n": n, "k": k, "m": m, "tile": [bm, bn, bk, warps, stages], "pieces": split,
                    "piece_cols": kper, "values": tri.numel(), "bitwise_equal": same,
                    "max_abs_diff": float((tri - ref).abs().max()),
