@@ -271,8 +271,6 @@ __global__ void __launch_bounds__(THREADS, 1) products(const __grid_constant__ P
 
 }  // namespace
 
-extern "C" int products_engine_max() { return MAXP; }
-
 // products: np entries of (w, w2, x, out, N, K, piece, scale) laid out as the Product struct.
 extern "C" int products_engine_run(const void* products, int np, int M, unsigned* sync, int blocks,
                                    unsigned long long timeout_ns, void* stream) {
