@@ -336,9 +336,11 @@ def replay_section(dev, gen) -> list[dict]:
     out = []
 
     def check(label, fn, mine):
-        """mine: every tensor this script made that fn's launches read or write (in place ones are
-        put back before the replay); the buffers the op allocates itself are filled with 0xFF bytes
-        instead, so that the replay must write them."""
+        """mine: every tensor this script made that fn's launches read or write. The launches are
+        recorded, then run twice from the same start, as Triton launches and as device functions:
+        our tensors put back as they were, the buffers the op allocates itself filled with 0xFF
+        bytes (so both runs see the same bytes where a launch reads what it did not write, e.g. a
+        split the stream's length does not reach)."""
         before = [t.clone() for t in mine]
         recs = _record_launches(fn)
         own = {t.data_ptr() for t in mine}
@@ -348,28 +350,39 @@ def replay_section(dev, gen) -> list[dict]:
                 if isinstance(t, torch.Tensor) and t.data_ptr() not in seen_ptrs:
                     seen_ptrs.add(t.data_ptr())
                     tensors.append(t)
-        after = [t.clone() for t in tensors]
-        changed = 0
-        for t, x in zip(mine, before):
-            if not torch.equal(t.view(torch.uint8), x.view(torch.uint8)):
+        changed = sum(not torch.equal(t.view(torch.uint8), x.view(torch.uint8)) for t, x in zip(mine, before))
+
+        def reset():
+            for t, x in zip(mine, before):
                 t.copy_(x)
-                changed += 1
-        for t in tensors:
-            if t.data_ptr() not in own:
-                t.view(torch.uint8).fill_(0xFF)
+            for t in tensors:
+                if t.data_ptr() not in own:
+                    t.view(torch.uint8).fill_(0xFF)
+
+        reset()
+        for jitfn, a, kw, grid in recs:
+            jitfn[grid](*a, **kw)
+        torch.cuda.synchronize()
+        after = [t.clone() for t in tensors]
+        reset()
         kernels = []
         for n, (jitfn, a, kw, grid) in enumerate(recs):
             run, _, _ = _as_func(jitfn, list(a), kw, grid, f"tri_{label.replace(' ', '_')}_{n}", workdir)
             run(list(a))
             kernels.append(jitfn.fn.__name__)
         torch.cuda.synchronize()
-        eq = sum(int((t.view(torch.uint8) == y.view(torch.uint8)).sum()) for t, y in zip(tensors, after))
-        n = sum(t.numel() * t.element_size() for t in tensors)
+        per = [int((t.view(torch.uint8) == y.view(torch.uint8)).sum()) for t, y in zip(tensors, after)]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        eq, n = sum(per), sum(sizes)
         rec = {"op": "triton_replay", "what": label, "kernels": kernels, "tensors": len(tensors),
-               "own_changed": changed, "bytes_equal": eq, "bytes": n}
+               "own_changed": changed, "bytes_equal": eq, "bytes": n,
+               "per_tensor": [[tuple(t.shape), str(t.dtype), e, z] for t, e, z in zip(tensors, per, sizes)]}
         out.append(rec)
         print(f"replayed as device functions: {label} ({', '.join(kernels)}; {len(tensors)} tensors, {changed} of "
               f"ours written in place): bytes equal {eq}/{n}", flush=True)
+        if eq != n:
+            for t, e, z in zip(tensors, per, sizes):
+                print(f"    {tuple(t.shape)} {t.dtype}: {e}/{z}", flush=True)
 
     b, nh, nkv, hd, block, max_blocks = 17, 16, 8, 128, 64, 16
     lens = torch.randint(100, max_blocks * block, (b,), device=dev, generator=gen).to(torch.int32)
@@ -419,12 +432,15 @@ def compiled_kernels() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", nargs="*", help="run only these sections (products add_rms rms_norm swiglu chain "
+                                              "triton_func replay); default all")
     a = ap.parse_args()
+    want = lambda name: not a.only or name in a.only  # noqa: E731
     so = build()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
-    for name, n, k in SHAPES:
+    for name, n, k in SHAPES if want("products") else ():
         # bf16 weights (the checkpoint's) converted to fp16 as params.py does; inputs ~ a normed row
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.03).to(torch.bfloat16).to(torch.float16)
         for m in ROWS:
@@ -457,6 +473,8 @@ def main() -> None:
                 ("swiglu", lambda: swiglu_section(so, dev, gen)), ("chain", lambda: chain_section(so, dev)),
                 ("triton_func", lambda: triton_func_section(dev, gen)), ("replay", lambda: replay_section(dev, gen)))
     for name, section in sections:  # one section's failure is recorded, and the rest still run
+        if not want(name):
+            continue
         try:
             results += section()
         except Exception as e:  # noqa: BLE001 - reported in the JSON and on stdout
