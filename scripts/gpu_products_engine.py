@@ -2,13 +2,17 @@
 """Issue 16's small-batch question, products only: the code predictor's four fp16 products per
 layer (q|k|v, o_proj, gate|up + SwiGLU, down) for M = 1..16 rows, as the Triton graphs run them
 and as `scripts/products_engine.cu` runs them (one persistent launch; a producer warp per block
-streams its weight tiles into shared memory ahead of the consumers, across the grid barriers
-between products; each product one mma.sync chain per K piece, the Triton graphs' arithmetic).
+streams its weight tiles into shared memory ahead of the consumers; each product one mma.sync
+chain per K piece, the Triton graphs' arithmetic; between products a grid barrier or LL words).
 
-Checks every output against `tk_gemm.linear_parts` / `tk_gemm.swiglu` bitwise, then times L
-layers (distinct weights, 30 MB a layer: they stream from HBM) both ways: the engine's launch and
-a CUDA graph of the Triton products (PDL as the engine's graphs), median of 20, µs per layer.
-Writes $OUT/products_engine.json.
+Checks every output of each variant against `tk_gemm.linear_parts` / `tk_gemm.swiglu` bitwise,
+then times L layers (distinct weights, 31.5 MB a layer: they stream from HBM): each engine
+variant inside the kernel (the first block's start to the last block's end, globaltimer; median
+of 7 launches), a CUDA graph of the Triton products with events (20 replays back to back, less an
+empty graph's replay); the engine's timing-only modes (copies alone, chains alone, barriers
+alone) and its producer's streaming rate alone by ring depth (M = 1); and a per-block trace of
+each product's parts (staging, the weights' wait, the chains, the barrier). Writes
+$OUT/products_engine.json.
 
   PYTHONPATH=. python3 scripts/gpu_products_engine.py --out $OUT [--layers 5]
 """
@@ -24,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +37,18 @@ sys.path.insert(0, str(ROOT))
 from tts_server.engines.batched import ops, tk_gemm  # noqa: E402
 
 H, QKV, QD, I = 1024, 4096, 2048, 3072
+# products_engine.cu's modes: (mode, LL input words instead of grid barriers)
+# products_engine.cu's modes: (mode, LL input words instead of grid barriers, 8-row tasks, tiled weights)
+MODE_ARGS = {"barrier": (0, False, 0, 0), "ll": (0, True, 0, 0), "ll_xa": (0, True, 1, 0),
+             "barrier_tiled": (0, False, 0, 1), "ll_tiled": (0, True, 0, 1), "copies": (3, False, 0, 0),
+             "ll_copies": (3, True, 0, 0), "ll_copies_tiled": (3, True, 0, 1), "barriers": (4, False, 0, 0),
+             "chains": (5, False, 0, 0), "free_rows": (7, False, 0, 0), "free_tiled": (7, False, 0, 1)}
+MODES = {"barrier": "grid barriers", "ll": "LL input words, no grid barriers",
+         "ll_xa": "LL input words, 8-row tasks", "barrier_tiled": "grid barriers, tiled weights",
+         "ll_tiled": "LL input words, tiled weights", "ll_copies_tiled": "copies without chains, tiled, no barriers",
+         "copies": "copies without chains", "ll_copies": "copies without chains, no barriers",
+         "barriers": "barriers only", "chains": "chains without copies",
+         "free_rows": "copies alone, one lane releasing (rows)", "free_tiled": "copies alone, one lane releasing (tiled)"}
 
 
 class Product(ctypes.Structure):
@@ -45,9 +62,24 @@ def build() -> ctypes.CDLL:
                     str(ROOT / "scripts" / "products_engine.cu")], check=True)
     so = ctypes.CDLL(str(lib))
     so.products_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_ulonglong, ctypes.c_void_p]
+                                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_uint,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_void_p]
+    so.products_engine_error_string.restype = ctypes.c_char_p
     assert so.products_engine_sizeof() == ctypes.sizeof(Product)
     return so
+
+
+def tile(w: torch.Tensor) -> torch.Tensor:
+    """[N][K] -> products_engine.cu's tiled copy: [N/16][K/512][16][512], each row's 16-byte chunks
+    at chunk ^ (row & 7) (a 16 KB unit is one bulk copy, and ldmatrix reads it without bank
+    conflicts)."""
+    n, k = w.shape
+    t = w.view(n // 16, 16, k // 512, 512).permute(0, 2, 1, 3).reshape(n // 16, k // 512, 16, 64, 8)
+    r = torch.arange(16, device=w.device)[:, None]
+    j = torch.arange(64, device=w.device)[None, :] ^ (r & 7)
+    return t[:, :, r, j, :].contiguous()
 
 
 def piece_cols(kind: str, n: int, k: int) -> int:
@@ -84,6 +116,35 @@ def products_of(layers, m, dev, gen):
     return out
 
 
+TR = 2 + 2 * 8  # products_engine.cu's trace words per (block, product)
+
+
+def trace_summary(tr, t0s, kinds) -> dict:
+    """µs per product kind (over the layers after the first; a block's times are since its product
+    start): span (a block's start to its next start), staging, the weights' wait after staging and
+    the chains (over the warps that had a task), the block's work (start to barrier arrival), the
+    barrier (arrival to the next start): each as [mean, p90, max] over blocks (and warps)."""
+    out = {}
+    for kind in dict.fromkeys(kinds):
+        idx = [i for i, k in enumerate(kinds) if k == kind][1:] or [i for i, k in enumerate(kinds) if k == kind]
+        nxt = [i + 1 for i in idx]
+        span = t0s[:, nxt] - t0s[:, idx]
+        sub = tr[:, idx]  # [G, n, TR]
+        wait, chain_ = sub[..., 2::2], sub[..., 3::2]
+        has = chain_ > 0
+        def stats(v):
+            if v.size == 0:
+                return [float("nan")] * 3
+            return [round(float(v.mean()) / 1e3, 3), round(float(np.percentile(v, 90)) / 1e3, 3),
+                    round(float(v.max()) / 1e3, 3)]
+
+        out[kind] = {"tasks_traced": int(has.sum()), "span": stats(span), "staging": stats(sub[..., 0]),
+                     "weights_wait": stats(np.clip(wait - sub[..., :1], 0, None)[has]),
+                     "chains": stats((chain_ - wait)[has]), "work": stats(sub[..., 1]),
+                     "barrier": stats(span - sub[..., 1])}
+    return out
+
+
 def triton_run(prods) -> list:
     res = []
     for kind, w, w2, x, _, n, k, piece in prods:
@@ -104,7 +165,10 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     layers = [layer_weights(dev, gen) for _ in range(a.layers)]
+    tiled = {w.data_ptr(): tile(w) for lw in layers for w in lw.values()}  # products_engine.cu's tiled copies
     sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    words = torch.zeros(64, 16 * 3072 // 2, dtype=torch.int64, device=dev)  # LL input words (products_engine.cu)
+    launches, units = [0], [0]
     stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
     results = []
     for m in (1, 4, 8, 16):
@@ -113,36 +177,87 @@ def main() -> None:
                                                o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
                                        for _, w, w2, x, o, n, k, piece in prods])
 
-        def engine():
-            sync.zero_()
-            err = so.products_engine_run(ctypes.addressof(arr), len(prods), m, ctypes.c_void_p(sync.data_ptr()), sms,
-                                         2_000_000_000, stream())
-            assert err == 0, f"launch error {err}"
+        arr_t = (Product * len(prods))(*[Product(tiled[w.data_ptr()].data_ptr(),
+                                                 tiled[w2.data_ptr()].data_ptr() if w2 is not None else 0,
+                                                 x.data_ptr(), o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
+                                         for _, w, w2, x, o, n, k, piece in prods])
 
-        engine()
-        torch.cuda.synchronize()
-        assert int(sync[2]) == 0, f"the engine gave up a wait (error {int(sync[2])})"
+        def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, ring=0, tl=0):
+            sync.zero_()
+            launches[0] += 1
+            ret = so.products_engine_run(ctypes.addressof(arr_t if tl else arr), len(prods) if np_ is None else np_,
+                                         m, ctypes.c_void_p(sync.data_ptr()), sms, 2_000_000_000, mode, xa, tl,
+                                         ctypes.c_void_p(words.data_ptr() if ll else 0), launches[0] << 8,
+                                         ctypes.c_void_p(trace.data_ptr() if trace is not None else 0),
+                                         ctypes.c_void_p(t0s.data_ptr() if t0s is not None else 0), ring,
+                                         stream())
+            assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
+                                                        else "arguments"))
+            units[0] = ret  # the ring's units
+
         ref = triton_run(prods)
         torch.cuda.synchronize()
-        equal = total = 0
-        for (kind, *_rest), r in zip(prods, ref):
-            o = _rest[3]
-            view = torch.int16 if o.dtype == torch.float16 else torch.int32
-            equal += int((o.view(view) == r.reshape(o.shape).view(view)).sum())
-            total += o.numel()
+        bits = {}
+        for key in ("barrier", "ll", "ll_xa", "ll_tiled", "barrier_tiled"):
+            for *_r, o, _n, _k, _p in prods:
+                o.view(torch.uint8).fill_(0xFF)
+            mode, ll, xa, tl = MODE_ARGS[key]
+            engine(mode, ll=ll, xa=xa, tl=tl)
+            torch.cuda.synchronize()
+            assert int(sync[2]) == 0, f"the engine gave up a wait (error {int(sync[2])})"
+            equal = total = 0
+            for (kind, *_rest), r in zip(prods, ref):
+                o = _rest[3]
+                view = torch.int16 if o.dtype == torch.float16 else torch.int32
+                equal += int((o.view(view) == r.reshape(o.shape).view(view)).sum())
+                total += o.numel()
+            bits[key] = equal
 
-        def timed(fn, reps=20):
+        def timed(fn, reps=20, rounds=5):
+            """µs per call: reps calls back to back between two events (the host's launch time
+            overlapped), median of rounds."""
             ts = []
-            for _ in range(reps):
+            for _ in range(rounds):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                fn()
+                for _ in range(reps):
+                    fn()
                 e1.record()
                 torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1000.0)
+                ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
             return statistics.median(ts)
 
-        t_engine = timed(engine)
+        t0s = torch.zeros(sms, len(prods) + 1, dtype=torch.int64, device=dev)
+
+        def span(key, runs=7, ring=0):
+            """µs per layer inside the kernel: the first block's start to the last block's end
+            (globaltimer), median of runs (no launch cost, no host)."""
+            mode, ll, xa, tl = MODE_ARGS[key] if isinstance(key, str) else key
+            ts = []
+            for _ in range(runs):
+                engine(mode, t0s=t0s, ll=ll, xa=xa, ring=ring, tl=tl)
+                torch.cuda.synchronize()
+                t = t0s.cpu().numpy()
+                ts.append((t[:, -1].max() - t[:, 0].min()) / 1e3)
+            return statistics.median(ts) / a.layers
+
+        t_modes = {key: span(key) for key in MODE_ARGS}
+        stream_sweep = {}
+        if m == 1:  # the producer alone (no chains, no barriers): TB/s of weights by ring depth and copy shape
+            wbytes = sum(w.numel() * 2 for lw in layers[:1] for w in lw.values())
+            for mode, shape, tl in ((3, "rows", 0), (3, "tiled", 1)):
+                for ring in (4, 8, 12):  # (a task of gate|up takes 4 units)
+                    us = span((mode, True, 0, tl), runs=5, ring=ring)
+                    stream_sweep[f"{shape} ring {ring}"] = round(wbytes / us / 1e6, 3)
+            print("  producer alone, TB/s: " + ", ".join(f"{k} {v}" for k, v in stream_sweep.items()), flush=True)
+        trace = torch.zeros(sms, len(prods), TR, dtype=torch.int32, device=dev)
+        phases = {}
+        for k in ("barrier", "chains", "ll", "ll_tiled", "barrier_tiled"):
+            mode, ll, xa, tl = MODE_ARGS[k]
+            engine(mode, trace=trace, t0s=t0s, ll=ll, xa=xa, tl=tl)
+            torch.cuda.synchronize()
+            phases[MODES[k]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
+                                                [p[0] for p in prods])
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -153,11 +268,27 @@ def main() -> None:
                 triton_run(prods)
         torch.cuda.current_stream().wait_stream(s)
         t_triton = timed(graph.replay)
-        rec = {"m": m, "layers": a.layers, "bitwise_equal": equal, "values": total,
-               "engine_us_per_layer": t_engine / a.layers, "triton_graph_us_per_layer": t_triton / a.layers}
+        graph_empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(graph_empty, stream=s):
+                sync.zero_()
+        torch.cuda.current_stream().wait_stream(s)
+        t_triton -= timed(graph_empty.replay)  # the graph launch's own cost
+        rec = {"m": m, "layers": a.layers, "ring_units": units[0], "bitwise_equal": bits,
+               "values": total, "engine_us_per_layer_in_kernel": t_modes,
+               "triton_graph_us_per_layer": t_triton / a.layers,
+               "trace_us_by_product": phases, "producer_alone_tb_s": stream_sweep}
         results.append(rec)
-        print(f"M={m:2d}: bits {equal}/{total}; µs per layer of 4 products: engine {rec['engine_us_per_layer']:.1f}, "
-              f"Triton graph {rec['triton_graph_us_per_layer']:.1f}", flush=True)
+        print(f"M={m:2d}: bits equal of {total}: {bits}, {units[0]} ring units; µs per layer of 4 products: "
+              f"Triton graph {rec['triton_graph_us_per_layer']:.1f}; engine " +
+              ", ".join(f"{MODES[k]} {v:.2f}" for k, v in t_modes.items()),
+              flush=True)
+        for mode, by_kind in phases.items():
+            print(f"  trace, {mode} (µs: mean/p90/max)", flush=True)
+            for kind, ph in by_kind.items():
+                print(f"    {kind:8s} " + " ".join(f"{k} {'/'.join(f'{x:.2f}' for x in v) if isinstance(v, list) else v}"
+                                                   for k, v in ph.items()),
+                      flush=True)
     env = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     Path(a.out, "products_engine.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
