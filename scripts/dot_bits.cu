@@ -221,7 +221,97 @@ __global__ void mma_chain(long long* out, int steps) {
   }
 }
 
+// The chain as a product runs it, its operands from shared memory (session 38: the products
+// prototype's chains took ~43 cycles a step against mma_chain's ~27): one warp, 64 dependent
+// mma.sync.m16n8k16 (a 1,024-column piece), the operands of step s + L loaded before step s's
+// mma (fully unrolled, a ring of L + 2 register frames). VAR 0: A (16 weight rows) by ldmatrix.x4,
+// B (8 input rows) by two 32-bit shared loads, as the prototype; 1: A only (B in registers); 2: B
+// only; 3: neither (mma_chain's case); 4: A by ldmatrix.x4, B by one ldmatrix.x4 every two steps.
+// Rows padded by 16 bytes (conflict-free). out[0] = cycles of the 64 steps, out[1] = a sum.
+constexpr int CS_RS = 512 * 2 + 16;  // rows of 512 columns (step s reads columns 16s mod 512)
+__device__ __forceinline__ void cs_ldsm4(uint32_t a, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ uint32_t cs_lds(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+template <int L, int VAR>
+__global__ void chain_smem(long long* out) {
+  __shared__ __align__(16) unsigned char sw[16 * CS_RS];
+  __shared__ __align__(16) unsigned char sx[8 * CS_RS];
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  for (int i = lane; i < 16 * CS_RS / 4; i += 32) reinterpret_cast<uint32_t*>(sw)[i] = 0x3c003c00u;
+  for (int i = lane; i < 8 * CS_RS / 4; i += 32) reinterpret_cast<uint32_t*>(sx)[i] = 0x3c003c00u;
+  __syncwarp();
+  const uint32_t wb = (uint32_t)__cvta_generic_to_shared(sw) + ((lane & 7) + ((lane >> 3) & 1) * 8) * CS_RS +
+                      ((lane >> 4) ? 16u : 0u);
+  const uint32_t xb = (uint32_t)__cvta_generic_to_shared(sx) + g * CS_RS + 4 * t;
+  const uint32_t xm = (uint32_t)__cvta_generic_to_shared(sx) + (lane & 7) * CS_RS + (lane >> 3) * 16;
+  constexpr int RING = L + 2;
+  uint32_t A[RING][4], B[RING][2];
+  uint32_t a0 = 0x3c003c00u, b0 = 0x3c003c00u;
+  asm volatile("" : "+r"(a0), "+r"(b0));
+#pragma unroll
+  for (int i = 0; i < RING; ++i) {
+    A[i][0] = A[i][1] = A[i][2] = A[i][3] = a0;
+    B[i][0] = B[i][1] = b0;
+  }
+  float d[4] = {};
+  auto load = [&](int s) {
+    const int r = s % RING, k = (16 * s) & 511;
+    if (VAR == 0 || VAR == 1 || VAR == 4) cs_ldsm4(wb + 2 * k, A[r]);
+    if (VAR == 0 || VAR == 2) B[r][0] = cs_lds(xb + 2 * k), B[r][1] = cs_lds(xb + 2 * k + 16);
+    if (VAR == 4 && (s & 1) == 0) {
+      uint32_t q[4];
+      cs_ldsm4(xm + 2 * k, q);
+      B[r][0] = q[0], B[r][1] = q[1], B[(s + 1) % RING][0] = q[2], B[(s + 1) % RING][1] = q[3];
+    }
+  };
+  __syncwarp();
+  const long long t0 = clock64();
+#pragma unroll
+  for (int s = 0; s < L; ++s) load(s);
+#pragma unroll
+  for (int s = 0; s < 64; ++s) {
+    if (s + L < 64) load(s + L);
+    const int r = s % RING;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(A[r][0]), "r"(A[r][1]), "r"(A[r][2]), "r"(A[r][3]), "r"(B[r][0]), "r"(B[r][1]));
+  }
+  const long long t1 = clock64();
+  if (lane == 0) {
+    out[0] = t1 - t0;
+    out[1] = (long long)(d[0] + d[1] + d[2] + d[3]);
+  }
+}
+
+template <int L>
+void chain_smem_var(long long* o, int var, cudaStream_t st) {
+  if (var == 0) chain_smem<L, 0><<<1, 32, 0, st>>>(o);
+  else if (var == 1) chain_smem<L, 1><<<1, 32, 0, st>>>(o);
+  else if (var == 2) chain_smem<L, 2><<<1, 32, 0, st>>>(o);
+  else if (var == 3) chain_smem<L, 3><<<1, 32, 0, st>>>(o);
+  else chain_smem<L, 4><<<1, 32, 0, st>>>(o);
+}
+
 }  // namespace
+
+extern "C" int dot_bits_chain_smem(void* out, int lookahead, int var, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  long long* o = (long long*)out;
+  if (var < 0 || var > 4) return -1;
+  if (lookahead == 1) chain_smem_var<1>(o, var, st);
+  else if (lookahead == 2) chain_smem_var<2>(o, var, st);
+  else if (lookahead == 4) chain_smem_var<4>(o, var, st);
+  else if (lookahead == 8) chain_smem_var<8>(o, var, st);
+  else return -1;
+  return (int)cudaGetLastError();
+}
 
 extern "C" int dot_bits_mma_chain(void* out, int steps, int chains, void* stream) {
   cudaStream_t st = (cudaStream_t)stream;

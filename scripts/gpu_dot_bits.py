@@ -59,6 +59,7 @@ def build() -> ctypes.CDLL:
     so.dot_bits_add_rms.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_int] * 2
                                     + [ctypes.c_void_p])
     so.dot_bits_mma_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    so.dot_bits_chain_smem.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     so.dot_bits_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                                              ctypes.c_void_p]
     so.dot_bits_swiglu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_void_p]
@@ -138,6 +139,30 @@ def chain_section(so, dev) -> list[dict]:
             out.append({"op": "mma_chain", "chains": chains, "steps": steps, "cycles": best,
                         "cycles_per_step": best / steps})
             print(f"mma chain: {chains} chain(s) x {steps} steps: {best} cycles, {best / steps:.1f} per step",
+                  flush=True)
+    return out
+
+
+CHAIN_VARS = {0: "A ldmatrix + B 2 lds (the prototype)", 1: "A ldmatrix only", 2: "B lds only",
+              3: "operands in registers", 4: "A ldmatrix + B ldmatrix.x4 per 2 steps"}
+
+
+def chain_smem_section(so, dev) -> list[dict]:
+    """Cycles per step of a 64-step chain whose operands come from shared memory (dot_bits.cu
+    chain_smem), by operand path and by how many steps ahead the loads run."""
+    out = []
+    buf = torch.zeros(2, dtype=torch.int64, device=dev)
+    for var, what in CHAIN_VARS.items():
+        for la in (1, 2, 4, 8):
+            cycles = []
+            for _ in range(5):
+                assert so.dot_bits_chain_smem(buf.data_ptr(), la, var, _stream()) == 0
+                torch.cuda.synchronize()
+                cycles.append(int(buf[0]))
+            best = min(cycles)
+            out.append({"op": "chain_smem", "var": var, "what": what, "lookahead": la, "cycles": best,
+                        "cycles_per_step": best / 64})
+            print(f"chain from shared memory: {what}, loads {la} step(s) ahead: {best / 64:.1f} cycles a step",
                   flush=True)
     return out
 
@@ -433,7 +458,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", nargs="*", help="run only these sections (products add_rms rms_norm swiglu chain "
-                                              "triton_func replay); default all")
+                                              "chain_smem triton_func replay); default all")
     a = ap.parse_args()
     want = lambda name: not a.only or name in a.only  # noqa: E731
     so = build()
@@ -471,6 +496,7 @@ def main() -> None:
     sections = (("add_rms", lambda: add_rms_section(so, dev, gen)),
                 ("rms_norm", lambda: rms_norm_section(so, dev, gen)),
                 ("swiglu", lambda: swiglu_section(so, dev, gen)), ("chain", lambda: chain_section(so, dev)),
+                ("chain_smem", lambda: chain_smem_section(so, dev)),
                 ("triton_func", lambda: triton_func_section(dev, gen)), ("replay", lambda: replay_section(dev, gen)))
     for name, section in sections:  # one section's failure is recorded, and the rest still run
         if not want(name):
