@@ -64,8 +64,8 @@ def build() -> ctypes.CDLL:
     so.products_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_uint,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
     so.products_engine_error_string.restype = ctypes.c_char_p
     assert so.products_engine_sizeof() == ctypes.sizeof(Product)
     return so
@@ -116,22 +116,26 @@ def products_of(layers, m, dev, gen):
     return out
 
 
-TR = 2 + 2 * 8  # products_engine.cu's trace words per (block, product)
+TR = 2 + 3 * 8  # products_engine.cu's trace words per (block, product)
 
 
-def trace_summary(tr, t0s, kinds) -> dict:
+def trace_summary(tr, t0s, kinds, pt) -> dict:
     """µs per product kind (over the layers after the first; a block's times are since its product
     start): span (a block's start to its next start), staging, the weights' wait after staging and
     the chains (over the warps that had a task), the block's work (start to barrier arrival), the
-    barrier (arrival to the next start): each as [mean, p90, max] over blocks (and warps)."""
+    barrier (arrival to the next start): each as [mean, p90, max] over blocks (and warps); and the
+    producer's side: its first copy of the product's units issued how long before the consumers
+    started the product (issue_lead), its last copy how long after (last_issue), and its wait for
+    free ring units while issuing them (ring_wait)."""
     out = {}
     for kind in dict.fromkeys(kinds):
         idx = [i for i, k in enumerate(kinds) if k == kind][1:] or [i for i, k in enumerate(kinds) if k == kind]
         nxt = [i + 1 for i in idx]
         span = t0s[:, nxt] - t0s[:, idx]
         sub = tr[:, idx]  # [G, n, TR]
-        wait, chain_ = sub[..., 2::2], sub[..., 3::2]
+        wait, chain_, cyc = sub[..., 2:18:2], sub[..., 3:18:2], sub[..., 18:26]
         has = chain_ > 0
+        issued = pt[:, idx, 0] > 0  # (no copies in the timing-only modes without a producer)
         def stats(v):
             if v.size == 0:
                 return [float("nan")] * 3
@@ -140,7 +144,13 @@ def trace_summary(tr, t0s, kinds) -> dict:
 
         out[kind] = {"tasks_traced": int(has.sum()), "span": stats(span), "staging": stats(sub[..., 0]),
                      "weights_wait": stats(np.clip(wait - sub[..., :1], 0, None)[has]),
-                     "chains": stats((chain_ - wait)[has]), "work": stats(sub[..., 1]),
+                     "chains": stats((chain_ - wait)[has]),
+                     "chain_cycles": stats(cyc[has] * 1e3),  # (stats divides by 1e3)
+                     "clock_ghz": round(float(cyc[has].sum() / max(1, (chain_ - wait)[has].sum())), 3),
+                     "work": stats(sub[..., 1]),
+                     "issue_lead": stats((t0s[:, idx] - pt[:, idx, 0]).astype(np.float64)[issued]),
+                     "last_issue": stats((pt[:, idx, 1] - t0s[:, idx]).astype(np.float64)[issued]),
+                     "ring_wait": stats(pt[:, idx, 2].astype(np.float64)[issued]),
                      "barrier": stats(span - sub[..., 1])}
     return out
 
@@ -182,14 +192,18 @@ def main() -> None:
                                                  x.data_ptr(), o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
                                          for _, w, w2, x, o, n, k, piece in prods])
 
-        def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, ring=0, tl=0):
+        def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, ring=0, tl=0, ptrace=None, poll_ns=0,
+                   utrace=None):
             sync.zero_()
             launches[0] += 1
             ret = so.products_engine_run(ctypes.addressof(arr_t if tl else arr), len(prods) if np_ is None else np_,
                                          m, ctypes.c_void_p(sync.data_ptr()), sms, 2_000_000_000, mode, xa, tl,
                                          ctypes.c_void_p(words.data_ptr() if ll else 0), launches[0] << 8,
                                          ctypes.c_void_p(trace.data_ptr() if trace is not None else 0),
-                                         ctypes.c_void_p(t0s.data_ptr() if t0s is not None else 0), ring,
+                                         ctypes.c_void_p(t0s.data_ptr() if t0s is not None else 0),
+                                         ctypes.c_void_p(ptrace.data_ptr() if ptrace is not None else 0),
+                                         ctypes.c_void_p(utrace.data_ptr() if utrace is not None else 0), ring,
+                                         poll_ns,
                                          stream())
             assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
                                                         else "arguments"))
@@ -229,19 +243,22 @@ def main() -> None:
 
         t0s = torch.zeros(sms, len(prods) + 1, dtype=torch.int64, device=dev)
 
-        def span(key, runs=7, ring=0):
+        def span(key, runs=7, ring=0, poll_ns=0):
             """µs per layer inside the kernel: the first block's start to the last block's end
             (globaltimer), median of runs (no launch cost, no host)."""
             mode, ll, xa, tl = MODE_ARGS[key] if isinstance(key, str) else key
             ts = []
             for _ in range(runs):
-                engine(mode, t0s=t0s, ll=ll, xa=xa, ring=ring, tl=tl)
+                engine(mode, t0s=t0s, ll=ll, xa=xa, ring=ring, tl=tl, poll_ns=poll_ns)
                 torch.cuda.synchronize()
                 t = t0s.cpu().numpy()
                 ts.append((t[:, -1].max() - t[:, 0].min()) / 1e3)
             return statistics.median(ts) / a.layers
 
         t_modes = {key: span(key) for key in MODE_ARGS}
+        for ns in (50, 200, 500):  # LL polls that sleep between tries
+            t_modes[f"ll_tiled_sleep{ns}"] = span("ll_tiled", poll_ns=ns)
+            MODES[f"ll_tiled_sleep{ns}"] = f"LL, tiled weights, polls sleeping {ns} ns"
         stream_sweep = {}
         if m == 1:  # the producer alone (no chains, no barriers): TB/s of weights by ring depth and copy shape
             wbytes = sum(w.numel() * 2 for lw in layers[:1] for w in lw.values())
@@ -251,13 +268,35 @@ def main() -> None:
                     stream_sweep[f"{shape} ring {ring}"] = round(wbytes / us / 1e6, 3)
             print("  producer alone, TB/s: " + ", ".join(f"{k} {v}" for k, v in stream_sweep.items()), flush=True)
         trace = torch.zeros(sms, len(prods), TR, dtype=torch.int32, device=dev)
+        ptrace = torch.zeros(sms, len(prods), 3, dtype=torch.int64, device=dev)
         phases = {}
         for k in ("barrier", "chains", "ll", "ll_tiled", "barrier_tiled"):
             mode, ll, xa, tl = MODE_ARGS[k]
-            engine(mode, trace=trace, t0s=t0s, ll=ll, xa=xa, tl=tl)
+            engine(mode, trace=trace, t0s=t0s, ll=ll, xa=xa, tl=tl, ptrace=ptrace)
             torch.cuda.synchronize()
             phases[MODES[k]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
-                                                [p[0] for p in prods])
+                                             [p[0] for p in prods], ptrace.cpu().numpy())
+        engine(0, trace=trace, t0s=t0s, ll=True, tl=1, ptrace=ptrace, poll_ns=200)
+        torch.cuda.synchronize()
+        phases[MODES["ll_tiled_sleep200"]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
+                                                           [p[0] for p in prods], ptrace.cpu().numpy())
+        # every ring unit's issue, the consumer's wait for it and its arrival (LL, tiled weights)
+        utrace = torch.zeros(sms, 256, 3, dtype=torch.int64, device=dev)
+        engine(0, t0s=t0s, ll=True, tl=1, ptrace=ptrace, utrace=utrace)
+        torch.cuda.synchronize()
+        u = utrace.cpu().numpy()
+        ok = (u > 0).all(axis=2)
+        issue_to_need = (u[..., 1] - u[..., 0])[ok] / 1e3
+        issue_to_arrival = (u[..., 2] - u[..., 0])[ok] / 1e3
+        waited = (u[..., 2] - u[..., 1])[ok] / 1e3
+        units_rec = {"units": int(ok.sum()),
+                     "issue_to_wait_start_us": [round(float(np.percentile(issue_to_need, q)), 3) for q in (10, 50, 90)],
+                     "issue_to_wait_end_us": [round(float(np.percentile(issue_to_arrival, q)), 3) for q in (10, 50, 90)],
+                     "waited_us": [round(float(np.percentile(waited, q)), 3) for q in (10, 50, 90, 99)],
+                     "waited_over_0.1us": round(float((waited > 0.1).mean()), 3)}
+        print(f"  ring units (LL, tiled; p10/p50/p90): issue to the consumer's wait {units_rec['issue_to_wait_start_us']}"
+              f" µs, issue to arrival {units_rec['issue_to_wait_end_us']} µs, waited {units_rec['waited_us']} µs "
+              f"(p10/50/90/99), {units_rec['waited_over_0.1us']:.0%} waited > 0.1 µs", flush=True)
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -277,7 +316,7 @@ def main() -> None:
         rec = {"m": m, "layers": a.layers, "ring_units": units[0], "bitwise_equal": bits,
                "values": total, "engine_us_per_layer_in_kernel": t_modes,
                "triton_graph_us_per_layer": t_triton / a.layers,
-               "trace_us_by_product": phases, "producer_alone_tb_s": stream_sweep}
+               "trace_us_by_product": phases, "producer_alone_tb_s": stream_sweep, "ring_units_ll_tiled": units_rec}
         results.append(rec)
         print(f"M={m:2d}: bits equal of {total}: {bits}, {units[0]} ring units; µs per layer of 4 products: "
               f"Triton graph {rec['triton_graph_us_per_layer']:.1f}; engine " +

@@ -42,8 +42,10 @@ constexpr int UNIT = 16 * URS;             // a ring unit: 16 rows x 512 columns
 constexpr int MAXU = 14;                   // ring units at most
 constexpr int MAXP = 64;                   // products a launch
 // trace words per (block, product): staging done, arrival at the barrier, then per consumer warp
-// its weights' arrival (the full-barrier waits done) and its chains' end (0: no task)
-constexpr int TR = 2 + 2 * WARPS;
+// its weights' arrival (the full-barrier waits done) and its chains' end (ns; 0: no task), then per
+// warp its chains' clock cycles
+constexpr int TR = 2 + 3 * WARPS;
+constexpr int UTR = 256;                   // ring units traced a block (utrace)
 constexpr int WORDS = 16 * 3072 / 2;       // LL words a product's input (M <= 16, K <= 3072)
 
 struct Product {
@@ -62,6 +64,10 @@ struct Params {
   unsigned long long timeout_ns;
   unsigned* trace;   // null, or [G][np][TR] u32: ns since the product's start (see TR)
   unsigned long long* t0s;  // null, or [G][np + 1]: globaltimer at each product's start, and the end
+  unsigned long long* utrace;  // null, or [G][UTR][3]: per ring unit (in sequence) the producer's issue, the
+                               // consumer's wait start and its wait end (globaltimer)
+  unsigned long long* ptrace;  // null, or [G][np][3]: the producer's first and last issue of each product's
+                               // units (globaltimer) and its wait for free units meanwhile (ns)
   unsigned long long* words;  // null, or LL mode: [np][WORDS] words {2 fp16 inputs, flag}; no grid barriers
   unsigned flag_base;         // LL: this launch's flags are flag_base | (product + 1); new for every launch
   int tiled;         // 1: w / w2 are tiled copies: [N/16][K/512][16][512], 16-byte chunks at chunk ^ (row & 7)
@@ -70,6 +76,7 @@ struct Params {
   int smem;          // dynamic shared memory bytes (the staged inputs, then the ring): what the device allows
                      // beside the kernel's static shared memory
   int nunits;        // ring units (the host: what the staged inputs leave of it)
+  unsigned poll_ns;  // LL: a failed poll sleeps this long (0: spins)
   int mode;          // 0: as served; 3: consumers skip the chains; 4: no copies, no chains (barriers only);
                      // 5: chains on whatever shared memory holds, no copies; 6: as 3 with one contiguous
                      // copy a unit; 7: one consumer lane releases every unit at once (3-7: timing only)
@@ -196,39 +203,40 @@ __device__ __forceinline__ void mma_step(const Frag& f, float (*d)[4], float (*e
 }
 // One unit's 512 columns of the chain. The shared-memory loads run two steps ahead of the mma that
 // use them (in program order: the asm statements are volatile, so the compiler keeps their order).
-// (Measured on the H200: ~40 cycles a 16-column step against ~27 for a chain whose operands are in
-// registers; loads four steps ahead were slower still, ~55.)
+// (A loop of two steps an iteration measured ~43 cycles a step in this kernel on the H200; a chain
+// fully unrolled with its operands from shared memory ~25, dot_bits.cu's chain_smem.)
 template <bool TWO, bool DUAL>
 __device__ __forceinline__ void chain_unit(uint32_t w0, uint32_t w1, uint32_t xa, int xrs, float (*d)[4],
                                            float (*e)[4], int sw) {
   Frag f0, f1;
   load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, 0, sw);
   load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, 16, sw);
-#pragma unroll 2
-  for (int k = 0; k < UC; k += 32) {
+#pragma unroll
+  for (int k = 0; k < UC; k += 32) {  // fully unrolled: every address a base plus a constant
     mma_step<TWO, DUAL>(f0, d, e);
-    load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, min(k + 32, UC - 16), sw);
+    if (k + 32 < UC) load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, k + 32, sw);
     mma_step<TWO, DUAL>(f1, d, e);
-    load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, min(k + 48, UC - 16), sw);
+    if (k + 48 < UC) load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, k + 48, sw);
   }
 }
 
-// A task's chain over its piece, unit by unit (the same accumulators: one chain in k order); after
-// each unit but the last, lane 0 releases it (its loads were all consumed by its mma), rel[h] /
-// rel2[h]: the empty barriers of gate / up unit h.
+// A task's chain over its piece, unit by unit (the same accumulators: one chain in k order): unit
+// 0 (wa0 / wb0: gate / up), then for a 1,024-column piece unit 1, lane 0 releasing unit 0 between
+// them (its loads were all consumed by its mma; rel0 / rel20: its empty barriers, 0: none).
 template <bool TWO, bool DUAL>
-__device__ __forceinline__ void chain_t(const uint32_t* wa, const uint32_t* wb, uint32_t xa, int xrs, int units,
-                                        float (*d)[4], float (*e)[4], const uint32_t* rel, const uint32_t* rel2,
+__device__ __forceinline__ void chain_t(uint32_t wa0, uint32_t wa1, uint32_t wb0, uint32_t wb1, uint32_t xa, int xrs,
+                                        int units, float (*d)[4], float (*e)[4], uint32_t rel0, uint32_t rel20,
                                         int sw) {
-  for (int h = 0; h < units; ++h) {
-    chain_unit<TWO, DUAL>(wa[h], wb[h], xa + 2 * UC * h, xrs, d, e, sw);
-    if (h + 1 < units && rel[h]) {
+  chain_unit<TWO, DUAL>(wa0, wb0, xa, xrs, d, e, sw);
+  if (units == 2) {
+    if (rel0) {
       __syncwarp();
       if ((threadIdx.x & 31) == 0) {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel[h]) : "memory");
-        if (DUAL) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel2[h]) : "memory");
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel0) : "memory");
+        if (DUAL) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel20) : "memory");
       }
     }
+    chain_unit<TWO, DUAL>(wa1, wb1, xa + 2 * UC, xrs, d, e, sw);
   }
 }
 
@@ -277,15 +285,15 @@ __device__ __forceinline__ void chain_xa(bool two, bool dual, uint32_t wg, uint3
   }
 }
 
-__device__ __forceinline__ void chain(bool two, bool dual, const uint32_t* wa, const uint32_t* wb, uint32_t xa,
-                                      int xrs, int units, float (*d)[4], float (*e)[4], const uint32_t* rel,
-                                      const uint32_t* rel2, int sw) {
+__device__ __forceinline__ void chain(bool two, bool dual, uint32_t wa0, uint32_t wa1, uint32_t wb0, uint32_t wb1,
+                                      uint32_t xa, int xrs, int units, float (*d)[4], float (*e)[4], uint32_t rel0,
+                                      uint32_t rel20, int sw) {
   if (two) {
-    if (dual) chain_t<true, true>(wa, wb, xa, xrs, units, d, e, rel, rel2, sw);
-    else chain_t<true, false>(wa, wb, xa, xrs, units, d, e, rel, rel2, sw);
+    if (dual) chain_t<true, true>(wa0, wa1, wb0, wb1, xa, xrs, units, d, e, rel0, rel20, sw);
+    else chain_t<true, false>(wa0, wa1, wb0, wb1, xa, xrs, units, d, e, rel0, rel20, sw);
   } else {
-    if (dual) chain_t<false, true>(wa, wb, xa, xrs, units, d, e, rel, rel2, sw);
-    else chain_t<false, false>(wa, wb, xa, xrs, units, d, e, rel, rel2, sw);
+    if (dual) chain_t<false, true>(wa0, wa1, wb0, wb1, xa, xrs, units, d, e, rel0, rel20, sw);
+    else chain_t<false, false>(wa0, wa1, wb0, wb1, xa, xrs, units, d, e, rel0, rel20, sw);
   }
 }
 
@@ -317,6 +325,10 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
     for (int pi = 0; pi < P.np; ++pi) {
       const Product& q = P.p[pi];
       const int T = ntasks(q, P.xa), S = q.K / q.piece;
+      // producer trace: when this product's first and last unit were issued, and how long the
+      // producer waited for free units meanwhile (globaltimer ns)
+      unsigned long long* pt = P.ptrace ? P.ptrace + ((size_t)b * P.np + pi) * 3 : nullptr;
+      if (pt) pt[0] = 0, pt[2] = 0;
       for (int task = b; task < T; task += G) {
         const int tile = task / S, s = task % S;
         for (int half = 0; half < (q.w2 ? 2 : 1); ++half) {
@@ -325,7 +337,15 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
           const int nu = P.xa ? 1 : q.piece / UC, rows = P.xa ? 8 : 16, segs = P.xa ? q.piece / UC : 1;
           for (int kc = 0; kc < nu; ++kc, ++seq) {
             const int u = seq % NU;
+            const unsigned long long w0 = pt ? gtime() : 0;
             if (seq >= (uint32_t)NU && !mbar_wait(smem_u32(empty + u), ((seq / NU) - 1) & 1u, P)) asm volatile("trap;");
+            if (pt) {
+              const unsigned long long now = gtime();
+              pt[2] += now - w0;
+              if (pt[0] == 0) pt[0] = now;
+              pt[1] = now;
+              if (P.utrace && seq < UTR) P.utrace[((size_t)b * UTR + seq) * 3] = now;
+            }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + u)),
                          "r"((uint32_t)(rows * segs * UC * 2)) : "memory");
@@ -422,6 +442,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
                 break;
               if ((round & 63u) == 63u && *reinterpret_cast<volatile unsigned*>(P.sync + 2) != 0) asm volatile("trap;");
               if (round > (1u << 26)) { atomicCAS(P.sync + 2, 0u, 3u); asm volatile("trap;"); }
+              if (P.poll_ns) __nanosleep(P.poll_ns);  // less L2 traffic while the words are not there
             }
             v = make_uint4((unsigned)a0, (unsigned)a1, (unsigned)a2, (unsigned)a3);
           } else if (r < P.M) {
@@ -454,10 +475,14 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       bool ok = true;
       for (int i = 0; i < upt && P.mode != 5; ++i) {
         const uint32_t n = seq + i;
+        unsigned long long* ut = P.utrace && lane == 0 && n < UTR ? P.utrace + ((size_t)b * UTR + n) * 3 : nullptr;
+        if (ut) ut[1] = gtime();
         ok = ok && mbar_wait(smem_u32(full + n % NU), (n / NU) & 1u, P);
+        if (ut) ut[2] = gtime();
       }
       if (!ok) asm volatile("trap;");  // a lost copy or another block's error: end the launch
       if (tr && lane == 0) tr[2 + 2 * warp] = (unsigned)(gtime() - tstart);
+      const long long c0 = clock64();
       float d[2][4] = {}, e[2][4] = {};
       const int g = lane >> 2, t = lane & 3;
       // this lane's ldmatrix row (lanes 0-7 rows 0-7, 8-15 rows 8-15, again for columns + 8)
@@ -471,18 +496,19 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
         const uint32_t wu = smem_u32(ring + (size_t)((seq + 1) % NU) * UNIT) + g * URS + 4 * t;
         if (!nochain) chain_xa(R == 16, q.w2 != nullptr, wg, q.w2 ? wu : 0u, xa, xrs, per, d[0], e[0]);
       } else {
-        uint32_t wa[2], wb[2], rel[2], rel2[2];
-        for (int h = 0; h < 2; ++h) {  // unit h of the gate tile, of the up tile
-          const int hh = min(h, per - 1);
-          wa[h] = smem_u32(ring + (size_t)((seq + hh) % NU) * UNIT) + lofs;
-          wb[h] = smem_u32(ring + (size_t)((seq + per + hh) % NU) * UNIT) + lofs;
-          rel[h] = early ? smem_u32(empty + (seq + hh) % NU) : 0u;
-          rel2[h] = early && q.w2 ? smem_u32(empty + (seq + per + hh) % NU) : 0u;
-        }
-        if (!nochain) chain(R == 16, q.w2 != nullptr, wa, wb, xa, xrs, per, d, e, rel, rel2, sw);
+        // unit h of the gate tile: seq + h; of the up tile: seq + per + h
+        auto unit = [&](int n) { return smem_u32(ring + (size_t)((seq + n) % NU) * UNIT) + lofs; };
+        const uint32_t rel0 = early && per == 2 ? smem_u32(empty + seq % NU) : 0u;
+        const uint32_t rel20 = early && per == 2 && q.w2 ? smem_u32(empty + (seq + per) % NU) : 0u;
+        if (!nochain)
+          chain(R == 16, q.w2 != nullptr, unit(0), unit(per - 1), unit(per), unit(2 * per - 1), xa, xrs, per, d, e,
+                rel0, rel20, sw);
       }
       __syncwarp();
-      if (tr && lane == 0) tr[3 + 2 * warp] = (unsigned)(gtime() - tstart);
+      if (tr && lane == 0) {
+        tr[3 + 2 * warp] = (unsigned)(gtime() - tstart);
+        tr[2 + 2 * WARPS + warp] = (unsigned)(clock64() - c0);
+      }
       if (lane == 0 && P.mode != 5)
         for (int i = 0; i < upt; ++i) {
           if (early && !nochain && (i % per) + 1 < per) continue;  // released by the chain
@@ -532,7 +558,9 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
 extern "C" int products_engine_run(const void* products, int np, int M, unsigned* sync, int blocks,
                                    unsigned long long timeout_ns, int mode, int xa, int tiled,
                                    unsigned long long* words,
-                                   unsigned flag_base, unsigned* trace, unsigned long long* t0s, int ring,
+                                   unsigned flag_base, unsigned* trace, unsigned long long* t0s,
+                                   unsigned long long* ptrace, unsigned long long* utrace, int ring,
+                                   unsigned poll_ns,
                                    void* stream) {
   if (np > MAXP || np < 0 || M < 1 || M > 16) return -1;
   Params P;
@@ -549,6 +577,9 @@ extern "C" int products_engine_run(const void* products, int np, int M, unsigned
   P.flag_base = flag_base;
   P.trace = trace;
   P.t0s = t0s;
+  P.ptrace = ptrace;
+  P.utrace = utrace;
+  P.poll_ns = poll_ns;
   // the staged inputs: the most any block needs (its distinct pieces x R rows), the ring the rest
   int xbytes = 0;
   const int R = M > 8 ? 16 : 8;
