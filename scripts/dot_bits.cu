@@ -290,6 +290,26 @@ __global__ void chain_smem(long long* out) {
   }
 }
 
+// The cost of a %globaltimer read (the traces' clock) and of a clock64 read: one thread, 64 reads
+// each folded into a sum (kept live); out[0] / out[1] = clock cycles of the 64 reads.
+__global__ void timer_reads(long long* out) {
+  unsigned long long acc = 0;
+  long long t0 = clock64();
+#pragma unroll 1
+  for (int i = 0; i < 64; ++i) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    acc += t;
+  }
+  long long t1 = clock64();
+#pragma unroll 1
+  for (int i = 0; i < 64; ++i) acc += (unsigned long long)clock64();
+  long long t2 = clock64();
+  out[0] = t1 - t0;
+  out[1] = t2 - t1;
+  out[2] = (long long)(acc & 1);
+}
+
 template <int L>
 void chain_smem_var(long long* o, int var, cudaStream_t st) {
   if (var == 0) chain_smem<L, 0><<<1, 32, 0, st>>>(o);
@@ -300,6 +320,11 @@ void chain_smem_var(long long* o, int var, cudaStream_t st) {
 }
 
 }  // namespace
+
+extern "C" int dot_bits_timer_reads(void* out, void* stream) {
+  timer_reads<<<1, 1, 0, (cudaStream_t)stream>>>((long long*)out);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int dot_bits_chain_smem(void* out, int lookahead, int var, void* stream) {
   cudaStream_t st = (cudaStream_t)stream;

@@ -60,6 +60,7 @@ def build() -> ctypes.CDLL:
                                     + [ctypes.c_void_p])
     so.dot_bits_mma_chain.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     so.dot_bits_chain_smem.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    so.dot_bits_timer_reads.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     so.dot_bits_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                                              ctypes.c_void_p]
     so.dot_bits_swiglu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_void_p]
@@ -164,6 +165,15 @@ def chain_smem_section(so, dev) -> list[dict]:
                         "cycles_per_step": best / 64})
             print(f"chain from shared memory: {what}, loads {la} step(s) ahead: {best / 64:.1f} cycles a step",
                   flush=True)
+    buf3 = torch.zeros(3, dtype=torch.int64, device=dev)
+    reads = []
+    for _ in range(5):
+        assert so.dot_bits_timer_reads(buf3.data_ptr(), _stream()) == 0
+        torch.cuda.synchronize()
+        reads.append((int(buf3[0]), int(buf3[1])))
+    g, c = min(r[0] for r in reads), min(r[1] for r in reads)
+    out.append({"op": "timer_reads", "globaltimer_cycles": g / 64, "clock64_cycles": c / 64})
+    print(f"a %globaltimer read: {g / 64:.1f} cycles; a clock64 read: {c / 64:.1f}", flush=True)
     return out
 
 

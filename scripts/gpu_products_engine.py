@@ -48,7 +48,8 @@ MODES = {"barrier": "grid barriers", "ll": "LL input words, no grid barriers",
          "ll_tiled": "LL input words, tiled weights", "ll_copies_tiled": "copies without chains, tiled, no barriers",
          "copies": "copies without chains", "ll_copies": "copies without chains, no barriers",
          "barriers": "barriers only", "chains": "chains without copies",
-         "free_rows": "copies alone, one lane releasing (rows)", "free_tiled": "copies alone, one lane releasing (tiled)"}
+         "free_rows": "copies alone, one lane releasing (rows)",
+         "free_tiled": "copies alone, one lane releasing (tiled)"}
 
 
 class Product(ctypes.Structure):
@@ -116,7 +117,7 @@ def products_of(layers, m, dev, gen):
     return out
 
 
-TR = 2 + 3 * 8  # products_engine.cu's trace words per (block, product)
+TR = 2 + 5 * 8  # products_engine.cu's trace words per (block, product)
 
 
 def trace_summary(tr, t0s, kinds, pt) -> dict:
@@ -169,6 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--ms", type=int, nargs="*", default=[1, 4, 8, 16], help="row counts")
     a = ap.parse_args()
     so = build()
     dev = torch.device("cuda")
@@ -181,7 +183,7 @@ def main() -> None:
     launches, units = [0], [0]
     stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
     results = []
-    for m in (1, 4, 8, 16):
+    for m in a.ms:
         prods = products_of(layers, m, dev, gen)
         arr = (Product * len(prods))(*[Product(w.data_ptr(), w2.data_ptr() if w2 is not None else 0, x.data_ptr(),
                                                o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
@@ -267,6 +269,9 @@ def main() -> None:
                     us = span((mode, True, 0, tl), runs=5, ring=ring)
                     stream_sweep[f"{shape} ring {ring}"] = round(wbytes / us / 1e6, 3)
             print("  producer alone, TB/s: " + ", ".join(f"{k} {v}" for k, v in stream_sweep.items()), flush=True)
+            for ring in (4, 6, 8, 10):  # the whole engine (LL, tiled) with fewer copies in flight
+                t_modes[f"ll_tiled_ring{ring}"] = span("ll_tiled", ring=ring)
+                MODES[f"ll_tiled_ring{ring}"] = f"LL, tiled weights, ring of {ring} units"
         trace = torch.zeros(sms, len(prods), TR, dtype=torch.int32, device=dev)
         ptrace = torch.zeros(sms, len(prods), 3, dtype=torch.int64, device=dev)
         phases = {}
@@ -282,21 +287,25 @@ def main() -> None:
                                                            [p[0] for p in prods], ptrace.cpu().numpy())
         # every ring unit's issue, the consumer's wait for it and its arrival (LL, tiled weights)
         utrace = torch.zeros(sms, 256, 3, dtype=torch.int64, device=dev)
-        engine(0, t0s=t0s, ll=True, tl=1, ptrace=ptrace, utrace=utrace)
+        engine(0, trace=trace, t0s=t0s, ll=True, tl=1, ptrace=ptrace, utrace=utrace)
         torch.cuda.synchronize()
         u = utrace.cpu().numpy()
+        if m == 1:  # the raw traces of this launch, to read offline
+            np.savez_compressed(Path(a.out, "trace_ll_tiled_m1.npz"), trace=trace.cpu().numpy(),
+                                t0s=t0s.cpu().numpy(), ptrace=ptrace.cpu().numpy(), utrace=u,
+                                kinds=np.array([p[0] for p in prods]))
         ok = (u > 0).all(axis=2)
         issue_to_need = (u[..., 1] - u[..., 0])[ok] / 1e3
         issue_to_arrival = (u[..., 2] - u[..., 0])[ok] / 1e3
         waited = (u[..., 2] - u[..., 1])[ok] / 1e3
-        units_rec = {"units": int(ok.sum()),
-                     "issue_to_wait_start_us": [round(float(np.percentile(issue_to_need, q)), 3) for q in (10, 50, 90)],
-                     "issue_to_wait_end_us": [round(float(np.percentile(issue_to_arrival, q)), 3) for q in (10, 50, 90)],
-                     "waited_us": [round(float(np.percentile(waited, q)), 3) for q in (10, 50, 90, 99)],
+        pct = lambda v, qs=(10, 50, 90): [round(float(np.percentile(v, q)), 3) for q in qs]  # noqa: E731
+        units_rec = {"units": int(ok.sum()), "issue_to_wait_start_us": pct(issue_to_need),
+                     "issue_to_wait_end_us": pct(issue_to_arrival), "waited_us": pct(waited, (10, 50, 90, 99)),
                      "waited_over_0.1us": round(float((waited > 0.1).mean()), 3)}
-        print(f"  ring units (LL, tiled; p10/p50/p90): issue to the consumer's wait {units_rec['issue_to_wait_start_us']}"
-              f" µs, issue to arrival {units_rec['issue_to_wait_end_us']} µs, waited {units_rec['waited_us']} µs "
-              f"(p10/50/90/99), {units_rec['waited_over_0.1us']:.0%} waited > 0.1 µs", flush=True)
+        print(f"  ring units (LL, tiled; p10/p50/p90): issue to the consumer's wait "
+              f"{units_rec['issue_to_wait_start_us']} µs, issue to arrival {units_rec['issue_to_wait_end_us']} µs, "
+              f"waited {units_rec['waited_us']} µs (p10/50/90/99), {units_rec['waited_over_0.1us']:.0%} waited > 0.1 µs",
+              flush=True)
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -325,9 +334,8 @@ def main() -> None:
         for mode, by_kind in phases.items():
             print(f"  trace, {mode} (µs: mean/p90/max)", flush=True)
             for kind, ph in by_kind.items():
-                print(f"    {kind:8s} " + " ".join(f"{k} {'/'.join(f'{x:.2f}' for x in v) if isinstance(v, list) else v}"
-                                                   for k, v in ph.items()),
-                      flush=True)
+                cells = (f"{k} {'/'.join(f'{x:.2f}' for x in v) if isinstance(v, list) else v}" for k, v in ph.items())
+                print(f"    {kind:8s} " + " ".join(cells), flush=True)
     env = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     Path(a.out, "products_engine.json").write_text(json.dumps({"env": env, "results": results}, indent=1))

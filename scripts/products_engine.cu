@@ -43,8 +43,9 @@ constexpr int MAXU = 14;                   // ring units at most
 constexpr int MAXP = 64;                   // products a launch
 // trace words per (block, product): staging done, arrival at the barrier, then per consumer warp
 // its weights' arrival (the full-barrier waits done) and its chains' end (ns; 0: no task), then per
-// warp its chains' clock cycles
-constexpr int TR = 2 + 3 * WARPS;
+// warp its chains' clock cycles, then per warp when it picked its task (before the waits) and when
+// its outputs were stored and its units released (ns)
+constexpr int TR = 2 + 5 * WARPS;
 constexpr int UTR = 256;                   // ring units traced a block (utrace)
 constexpr int WORDS = 16 * 3072 / 2;       // LL words a product's input (M <= 16, K <= 3072)
 
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
     const unsigned flag = P.flag_base | (pi + 1);  // (LL) the flag of this product's input words
     unsigned long long tstart = 0;
     unsigned* tr = P.trace ? P.trace + ((size_t)b * P.np + pi) * TR : nullptr;
-    if (tr || P.t0s) {
+    if (tr || (P.t0s && tid == 0)) {  // (the timer read only where a trace or the span needs it)
       tstart = gtime();
       if (P.t0s && tid == 0) P.t0s[(size_t)b * (P.np + 1) + pi] = tstart;
     }
@@ -472,6 +473,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       if (j % WARPS != warp) continue;
       const int tile = task / S, s = task % S;
       if (P.mode == 4) continue;
+      if (tr && lane == 0) tr[2 + 3 * WARPS + warp] = (unsigned)(gtime() - tstart);
       bool ok = true;
       for (int i = 0; i < upt && P.mode != 5; ++i) {
         const uint32_t n = seq + i;
@@ -535,6 +537,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
             static_cast<float*>(q.out)[((size_t)s * P.M + m) * q.N + n] = d[it][jj];
           }
         }
+      if (tr && lane == 0) tr[2 + 4 * WARPS + warp] = (unsigned)(gtime() - tstart);
     }
     asm volatile("bar.sync 1, %0;" ::"r"(WARPS * 32) : "memory");
     if (P.words) {  // LL: no grid barrier, the next product's input words carry its flag
