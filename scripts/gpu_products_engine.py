@@ -304,7 +304,8 @@ def main() -> None:
                      "waited_over_0.1us": round(float((waited > 0.1).mean()), 3)}
         print(f"  ring units (LL, tiled; p10/p50/p90): issue to the consumer's wait "
               f"{units_rec['issue_to_wait_start_us']} µs, issue to arrival {units_rec['issue_to_wait_end_us']} µs, "
-              f"waited {units_rec['waited_us']} µs (p10/50/90/99), {units_rec['waited_over_0.1us']:.0%} waited > 0.1 µs",
+              f"waited {units_rec['waited_us']} µs (p10/50/90/99), "
+              f"{units_rec['waited_over_0.1us']:.0%} waited > 0.1 µs",
               flush=True)
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
