@@ -10,7 +10,7 @@ then times L layers (distinct weights, 31.5 MB a layer: they stream from HBM): e
 variant inside the kernel (the first block's start to the last block's end, globaltimer; median
 of 7 launches), a CUDA graph of the Triton products with events (20 replays back to back, less an
 empty graph's replay); the engine's timing-only modes (copies alone, chains alone, barriers
-alone) and its producer's streaming rate alone by ring depth (M = 1); and a per-block trace of
+alone) and its producer's streaming rate alone by copy shape (M = 1); and a per-block trace of
 each product's parts (staging, the weights' wait, the chains, the barrier). Writes
 $OUT/products_engine.json.
 
@@ -66,7 +66,7 @@ def build() -> ctypes.CDLL:
                                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_uint,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+                                       ctypes.c_uint, ctypes.c_void_p]
     so.products_engine_error_string.restype = ctypes.c_char_p
     assert so.products_engine_sizeof() == ctypes.sizeof(Product)
     return so
@@ -194,7 +194,7 @@ def main() -> None:
                                                  x.data_ptr(), o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
                                          for _, w, w2, x, o, n, k, piece in prods])
 
-        def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, ring=0, tl=0, ptrace=None, poll_ns=0,
+        def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, tl=0, ptrace=None, poll_ns=0,
                    utrace=None):
             sync.zero_()
             launches[0] += 1
@@ -204,8 +204,7 @@ def main() -> None:
                                          ctypes.c_void_p(trace.data_ptr() if trace is not None else 0),
                                          ctypes.c_void_p(t0s.data_ptr() if t0s is not None else 0),
                                          ctypes.c_void_p(ptrace.data_ptr() if ptrace is not None else 0),
-                                         ctypes.c_void_p(utrace.data_ptr() if utrace is not None else 0), ring,
-                                         poll_ns,
+                                         ctypes.c_void_p(utrace.data_ptr() if utrace is not None else 0), poll_ns,
                                          stream())
             assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
                                                         else "arguments"))
@@ -245,13 +244,13 @@ def main() -> None:
 
         t0s = torch.zeros(sms, len(prods) + 1, dtype=torch.int64, device=dev)
 
-        def span(key, runs=7, ring=0, poll_ns=0):
+        def span(key, runs=7, poll_ns=0):
             """µs per layer inside the kernel: the first block's start to the last block's end
             (globaltimer), median of runs (no launch cost, no host)."""
             mode, ll, xa, tl = MODE_ARGS[key] if isinstance(key, str) else key
             ts = []
             for _ in range(runs):
-                engine(mode, t0s=t0s, ll=ll, xa=xa, ring=ring, tl=tl, poll_ns=poll_ns)
+                engine(mode, t0s=t0s, ll=ll, xa=xa, tl=tl, poll_ns=poll_ns)
                 torch.cuda.synchronize()
                 t = t0s.cpu().numpy()
                 ts.append((t[:, -1].max() - t[:, 0].min()) / 1e3)
@@ -262,16 +261,11 @@ def main() -> None:
             t_modes[f"ll_tiled_sleep{ns}"] = span("ll_tiled", poll_ns=ns)
             MODES[f"ll_tiled_sleep{ns}"] = f"LL, tiled weights, polls sleeping {ns} ns"
         stream_sweep = {}
-        if m == 1:  # the producer alone (no chains, no barriers): TB/s of weights by ring depth and copy shape
+        if m == 1:  # the producer alone (no chains, no barriers): TB/s of weights by copy shape
             wbytes = sum(w.numel() * 2 for lw in layers[:1] for w in lw.values())
             for mode, shape, tl in ((3, "rows", 0), (3, "tiled", 1)):
-                for ring in (4, 8, 12):  # (a task of gate|up takes 4 units)
-                    us = span((mode, True, 0, tl), runs=5, ring=ring)
-                    stream_sweep[f"{shape} ring {ring}"] = round(wbytes / us / 1e6, 3)
+                stream_sweep[shape] = round(wbytes / span((mode, True, 0, tl), runs=5) / 1e6, 3)
             print("  producer alone, TB/s: " + ", ".join(f"{k} {v}" for k, v in stream_sweep.items()), flush=True)
-            for ring in (4, 6, 8, 10):  # the whole engine (LL, tiled) with fewer copies in flight
-                t_modes[f"ll_tiled_ring{ring}"] = span("ll_tiled", ring=ring)
-                MODES[f"ll_tiled_ring{ring}"] = f"LL, tiled weights, ring of {ring} units"
         trace = torch.zeros(sms, len(prods), TR, dtype=torch.int32, device=dev)
         ptrace = torch.zeros(sms, len(prods), 3, dtype=torch.int64, device=dev)
         phases = {}

@@ -15,8 +15,7 @@
 // x 512 columns (cp.async.bulk, L2 evict-first): one copy a row (1 KB; rows padded by 16 bytes, so
 // ldmatrix reads them without bank conflicts) or, `tiled`, one 16 KB copy a unit from a tiled copy
 // of the matrix (16-byte chunks swizzled for ldmatrix), waiting only for a unit to be released; a
-// chain releases each unit but its last as soon as it has passed its columns. The ring takes all the
-// shared memory the staged inputs leave.
+// chain releases each unit but its last as soon as it has passed its columns. The ring has NU units.
 //
 // Between products, either a grid barrier (release/acquire counter) and then every block stages the
 // inputs of its pieces from global memory; or (`words`, the LL mode) no barrier: each block
@@ -39,7 +38,8 @@ constexpr int THREADS = (WARPS + 1) * 32;  // + the producer warp
 constexpr int UC = 512;                    // a unit's columns
 constexpr int URS = UC * 2 + 16;           // a unit's row stride in bytes
 constexpr int UNIT = 16 * URS;             // a ring unit: 16 rows x 512 columns + row padding
-constexpr int MAXU = 14;                   // ring units at most
+constexpr int NU = 8;                      // ring units (a power of two: slot and phase are bit operations;
+                                           // 8-12 units measured alike, 4-6 slower)
 constexpr int MAXP = 64;                   // products a launch
 // trace words per (block, product): staging done, arrival at the barrier, then per consumer warp
 // its weights' arrival (the full-barrier waits done) and its chains' end (ns; 0: no task), then per
@@ -76,7 +76,6 @@ struct Params {
   int xa;            // 1: tasks of 8 weight rows, the inputs the mma's A operand (see chain_xa)
   int smem;          // dynamic shared memory bytes (the staged inputs, then the ring): what the device allows
                      // beside the kernel's static shared memory
-  int nunits;        // ring units (the host: what the staged inputs leave of it)
   unsigned poll_ns;  // LL: a failed poll sleeps this long (0: spins)
   int mode;          // 0: as served; 3: consumers skip the chains; 4: no copies, no chains (barriers only);
                      // 5: chains on whatever shared memory holds, no copies; 6: as 3 with one contiguous
@@ -304,9 +303,9 @@ __device__ __forceinline__ void chain(bool two, bool dual, uint32_t wa0, uint32_
 // <<<>>> launch names, and cudaLaunchCooperativeKernel on its stub fails (error 400).
 __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __grid_constant__ Params P) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) unsigned long long full[MAXU], empty[MAXU];
+  __shared__ __align__(8) unsigned long long full[NU], empty[NU];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int G = gridDim.x, b = blockIdx.x, NU = P.nunits;
+  const int G = gridDim.x, b = blockIdx.x;
   unsigned char* ring = smem + (P.smem - NU * UNIT);  // the staged inputs below it
   if (threadIdx.x == 0) {
     for (int u = 0; u < NU; ++u) {
@@ -461,7 +460,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
     int mine_at = -1;
     if (P.words && pi + 1 < P.np) {
       const Product& nq = P.p[pi + 1];
-      const int nw = P.M * nq.K / 2, lo = (int)((long long)b * nw / G), hi = (int)((long long)(b + 1) * nw / G);
+      const int nw = P.M * nq.K / 2, lo = b * nw / G, hi = (b + 1) * nw / G;  // (< 2^31: 132 x 24,576)
       if (lo + tid < hi) {
         mine_at = lo + tid;
         mine = (unsigned long long)__ldcg(reinterpret_cast<const unsigned*>(nq.x) + mine_at);
@@ -562,8 +561,7 @@ extern "C" int products_engine_run(const void* products, int np, int M, unsigned
                                    unsigned long long timeout_ns, int mode, int xa, int tiled,
                                    unsigned long long* words,
                                    unsigned flag_base, unsigned* trace, unsigned long long* t0s,
-                                   unsigned long long* ptrace, unsigned long long* utrace, int ring,
-                                   unsigned poll_ns,
+                                   unsigned long long* ptrace, unsigned long long* utrace, unsigned poll_ns,
                                    void* stream) {
   if (np > MAXP || np < 0 || M < 1 || M > 16) return -1;
   Params P;
@@ -603,15 +601,13 @@ extern "C" int products_engine_run(const void* products, int np, int M, unsigned
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, products_engine_kernel);
   if (e != cudaSuccess) return -(int)e;
   P.smem = ((optin - (int)fa.sharedSizeBytes) / 128) * 128;
-  P.nunits = std::min(MAXU, (P.smem - ((xbytes + 127) / 128) * 128) / UNIT);
-  if (ring > 0) P.nunits = std::min(P.nunits, ring);  // a smaller ring (a sweep)
-  if (P.nunits < 4) return -2;
+  if (((xbytes + 127) / 128) * 128 + NU * UNIT > P.smem) return -2;
   e = cudaFuncSetAttribute(products_engine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, P.smem);
   if (e != cudaSuccess) return -(int)e;
   void* args[] = {&P};
   e = cudaLaunchCooperativeKernel((const void*)products_engine_kernel, blocks, THREADS, args, P.smem,
                                   (cudaStream_t)stream);
-  return e == cudaSuccess ? P.nunits : -(int)e;
+  return e == cudaSuccess ? NU : -(int)e;
 }
 
 extern "C" int products_engine_sizeof() { return (int)sizeof(Product); }
