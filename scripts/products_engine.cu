@@ -23,9 +23,11 @@
 // chains are done (as if its outputs had made them), and the next product's staging polls those
 // words until they carry that product's flag.
 //
-// Session 38 (H200; BENCHMARKS.md): every variant gives the Triton products' bits; none is faster
-// than a CUDA graph of the Triton products (the best, LL + tiled, 20.5 against 19.5 µs a layer at
-// one row). What it costs: `scripts/gpu_products_engine.py` prints the trace.
+// Session 38 (H200; BENCHMARKS.md): every variant gives the Triton products' bits; the best (LL +
+// tiled, a ring of 8 units) matches a CUDA graph of the Triton products at one row (19.1 against
+// 19.0 µs a layer), slower at more. What it costs: `scripts/gpu_products_engine.py` prints the
+// trace. The consumers' (tile, piece) pairs kept by additions and the staging's shifts were written
+// after the last device call of session 38 and have not run on a GPU yet.
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <algorithm>
@@ -419,17 +421,23 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
     int slot_of[8], ns = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) slot_of[i] = -1;
-    for (int task = b; task < T; task += G)
-      if (slot_of[task % S] < 0) slot_of[task % S] = ns++;
+    // the block's tasks b, b + G, ... as (tile, piece) pairs kept by additions, not a division each
+    // (G = gq S + gr); integer division was most of the consumers' path (session 38)
+    const int gq = G / S, gr = G - gq * S, t_b = b / S, s_b = b - t_b * S;
+    for (int task = b, sp = s_b; task < T; task += G) {
+      if (slot_of[sp] < 0) slot_of[sp] = ns++;
+      sp += gr;
+      if (sp >= S) sp -= S;
+    }
     if (ns * R * xrs > P.smem - NU * UNIT) asm volatile("trap;");  // (the host sizes the ring for this)
     const bool nochain = P.mode == 3 || P.mode == 6;  // copies alone
     if (!nochain && P.mode != 4) {
-      const int cpr = q.piece / 8;  // 16-byte chunks a row
+      const int cpr = q.piece / 8, lc = __ffs(cpr) - 1;  // 16-byte chunks a row (a power of two)
       for (int sp = 0; sp < S; ++sp) {
         if (slot_of[sp] < 0) continue;
         unsigned char* dst = smem + (size_t)slot_of[sp] * R * xrs;
         for (int i = tid; i < R * cpr; i += WARPS * 32) {
-          const int r = i / cpr, c = i % cpr;
+          const int r = i >> lc, c = i & (cpr - 1);
           uint4 v = make_uint4(0, 0, 0, 0);
           if (r < P.M && P.words && pi > 0) {  // LL: poll the 4 words of these 8 values until they carry the flag
             const unsigned long long* w = P.words + (size_t)pi * WORDS + ((size_t)r * q.K + (size_t)sp * q.piece) / 2 + 4 * c;
@@ -467,10 +475,11 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       }
       if (hi - lo > WARPS * 32) asm volatile("trap;");
     }
-    int j = 0;
+    int j = 0, tile = t_b - gq, s = s_b - gr;  // (the loop's first step makes them task b's)
     for (int task = b; task < T; task += G, ++j, seq += upt) {
+      tile += gq, s += gr;
+      if (s >= S) s -= S, tile += 1;
       if (j % WARPS != warp) continue;
-      const int tile = task / S, s = task % S;
       if (P.mode == 4) continue;
       if (tr && lane == 0) tr[2 + 3 * WARPS + warp] = (unsigned)(gtime() - tstart);
       bool ok = true;
