@@ -50,18 +50,24 @@ def main() -> None:
     sink = torch.zeros(1, dtype=torch.int32, device=dev)
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
-    def rate(blocks, method, c=16 * KB, u=16 * KB, r=8, i=1, loads=4, reps=5) -> float:
-        per = so.stream_bw_per_block(nbytes, blocks, u)
+    def seconds(fn, reps=5) -> float:
+        """fn's device time between two events: median of reps runs after one warm-up run."""
         ts = []
         for _ in range(reps + 1):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            err = so.stream_bw_run(buf.data_ptr(), nbytes, sink.data_ptr(), blocks, method, c, u, r, i, loads, stream)
+            fn()
             e1.record()
             torch.cuda.synchronize()
-            assert err == 0, f"error {err}"
             ts.append(e0.elapsed_time(e1) / 1e3)
-        return per * blocks / statistics.median(ts[1:]) / 1e12  # TB/s
+        return statistics.median(ts[1:])
+
+    def rate(blocks, method, c=16 * KB, u=16 * KB, r=8, i=1, loads=4) -> float:
+        def launch():
+            err = so.stream_bw_run(buf.data_ptr(), nbytes, sink.data_ptr(), blocks, method, c, u, r, i, loads, stream)
+            assert err == 0, f"error {err}"
+
+        return so.stream_bw_per_block(nbytes, blocks, u) * blocks / seconds(launch) / 1e12  # TB/s
 
     results = []
 
@@ -84,17 +90,8 @@ def main() -> None:
             rec(f"loads: 16 B x {loads} in flight a thread, {blocks} blocks of 256", rate(blocks, 1, loads=loads),
                 blocks=blocks, loads=loads)
     # the device-to-device copy, for scale (bytes read + written)
-    half = buf[: nbytes // 2]
-    other = buf[nbytes // 2:]
-    ts = []
-    for _ in range(6):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        other.copy_(half)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    rec("torch copy_ (read + write bytes)", 2 * half.numel() / statistics.median(ts[1:]) / 1e12)
+    half, other = buf[: nbytes // 2], buf[nbytes // 2:]
+    rec("torch copy_ (read + write bytes)", 2 * half.numel() / seconds(lambda: other.copy_(half)) / 1e12)
     env = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__}
     Path(a.out, "stream_bw.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(json.dumps(env))
