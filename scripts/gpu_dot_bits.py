@@ -124,19 +124,24 @@ def swiglu_section(so, dev, gen) -> list[dict]:
     return out
 
 
+def _fewest_cycles(launch, words: int, dev) -> list[int]:
+    """Each of a timing kernel's `words` output words (clock cycles), the least over 5 launches."""
+    buf = torch.zeros(words, dtype=torch.int64, device=dev)
+    runs = []
+    for _ in range(5):
+        assert launch(buf.data_ptr(), _stream()) == 0
+        torch.cuda.synchronize()
+        runs.append(buf.tolist())
+    return [min(r[i] for r in runs) for i in range(words)]
+
+
 def chain_section(so, dev) -> list[dict]:
     """Clock cycles per step of a product's accumulator chain (dependent mma.sync, 1-4 chains
     interleaved in one warp): the floor under a piece of K columns, K / 16 steps long."""
     out = []
-    buf = torch.zeros(2, dtype=torch.int64, device=dev)
     for chains in (1, 2, 4, 8):
         for steps in (64, 256):
-            cycles = []
-            for _ in range(5):
-                assert so.dot_bits_mma_chain(buf.data_ptr(), steps, chains, _stream()) == 0
-                torch.cuda.synchronize()
-                cycles.append(int(buf[0]))
-            best = min(cycles)
+            best = _fewest_cycles(lambda p, st: so.dot_bits_mma_chain(p, steps, chains, st), 2, dev)[0]
             out.append({"op": "mma_chain", "chains": chains, "steps": steps, "cycles": best,
                         "cycles_per_step": best / steps})
             print(f"mma chain: {chains} chain(s) x {steps} steps: {best} cycles, {best / steps:.1f} per step",
@@ -152,26 +157,14 @@ def chain_smem_section(so, dev) -> list[dict]:
     """Cycles per step of a 64-step chain whose operands come from shared memory (dot_bits.cu
     chain_smem), by operand path and by how many steps ahead the loads run."""
     out = []
-    buf = torch.zeros(2, dtype=torch.int64, device=dev)
     for var, what in CHAIN_VARS.items():
         for la in (1, 2, 4, 8):
-            cycles = []
-            for _ in range(5):
-                assert so.dot_bits_chain_smem(buf.data_ptr(), la, var, _stream()) == 0
-                torch.cuda.synchronize()
-                cycles.append(int(buf[0]))
-            best = min(cycles)
+            best = _fewest_cycles(lambda p, st: so.dot_bits_chain_smem(p, la, var, st), 2, dev)[0]
             out.append({"op": "chain_smem", "var": var, "what": what, "lookahead": la, "cycles": best,
                         "cycles_per_step": best / 64})
             print(f"chain from shared memory: {what}, loads {la} step(s) ahead: {best / 64:.1f} cycles a step",
                   flush=True)
-    buf3 = torch.zeros(3, dtype=torch.int64, device=dev)
-    reads = []
-    for _ in range(5):
-        assert so.dot_bits_timer_reads(buf3.data_ptr(), _stream()) == 0
-        torch.cuda.synchronize()
-        reads.append((int(buf3[0]), int(buf3[1])))
-    g, c = min(r[0] for r in reads), min(r[1] for r in reads)
+    g, c, _ = _fewest_cycles(so.dot_bits_timer_reads, 3, dev)
     out.append({"op": "timer_reads", "globaltimer_cycles": g / 64, "clock64_cycles": c / 64})
     print(f"a %globaltimer read: {g / 64:.1f} cycles; a clock64 read: {c / 64:.1f}", flush=True)
     return out
