@@ -80,8 +80,8 @@ struct Params {
                      // beside the kernel's static shared memory
   unsigned poll_ns;  // LL: a failed poll sleeps this long (0: spins)
   int mode;          // 0: as served; 3: consumers skip the chains; 4: no copies, no chains (barriers only);
-                     // 5: chains on whatever shared memory holds, no copies; 6: as 3 with one contiguous
-                     // copy a unit; 7: one consumer lane releases every unit at once (3-7: timing only)
+                     // 5: chains on whatever shared memory holds, no copies; 7: one consumer lane
+                     // releases every unit at once (3-7: timing only)
 };
 
 __device__ __forceinline__ unsigned long long gtime() {
@@ -360,15 +360,6 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
                   : "memory");
               continue;
             }
-            if (P.mode == 6) {  // timing only: the unit's bytes as one contiguous copy (not its rows)
-              asm volatile(
-                  "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
-                  "[%3], %4;" ::"r"(smem_u32(ring + (size_t)u * UNIT)),
-                  "l"(w + (size_t)(rows * tile) * q.K), "r"((uint32_t)(rows * segs * UC * 2)), "r"(smem_u32(full + u)),
-                  "l"(policy)
-                  : "memory");
-              continue;
-            }
             for (int sg = 0; sg < segs; ++sg)
               for (int r = 0; r < rows; ++r) {
                 const __half* src = w + (size_t)(rows * tile + r) * q.K + (size_t)s * q.piece + (size_t)(kc + sg) * UC;
@@ -430,7 +421,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       if (sp >= S) sp -= S;
     }
     if (ns * R * xrs > P.smem - NU * UNIT) asm volatile("trap;");  // (the host sizes the ring for this)
-    const bool nochain = P.mode == 3 || P.mode == 6;  // copies alone
+    const bool nochain = P.mode == 3;  // copies alone
     if (!nochain && P.mode != 4) {
       const int cpr = q.piece / 8, lc = __ffs(cpr) - 1;  // 16-byte chunks a row (a power of two)
       for (int sp = 0; sp < S; ++sp) {
