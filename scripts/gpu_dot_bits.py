@@ -209,9 +209,7 @@ def _as_func(jitfn, args: list, kwargs: dict, grid: tuple, name: str, workdir: P
 
     k = jitfn.warmup(*args, grid=grid, **kwargs)
     text, _, threads = ptx_func.convert(k.asm["ptx"], name)
-    consts = getattr(k.src, "constants", {}) or {}
-    # the launch's runtime arguments (not constexpr, not specialised into a constant): index, type
-    runtime = [(i, ty) for i, ty in enumerate(k.src.signature.values()) if ty != "constexpr" and (i,) not in consts]
+    runtime = ptx_func.runtime_args(k)  # the launch's runtime arguments: index, type
     kinds = [ty for _, ty in runtime]
     nparams = len(re.findall(rf"\.param \.b(?:32|64) {name}_p\d+", text))
     extra = nparams - len(kinds)  # Triton's own trailing pointers (scratch buffers): passed null

@@ -53,8 +53,12 @@ MODES = {"barrier": "grid barriers", "ll": "LL input words, no grid barriers",
 
 
 class Product(ctypes.Structure):
+    """products_engine.cu's phase: a product (kind 0; scale: its outputs' power-of-two scale), or
+    a row phase (kind > 0: a Triton row kernel's programs, see gpu_cp_layer_engine.py)."""
     _fields_ = [("w", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("N", ctypes.c_int), ("K", ctypes.c_int), ("piece", ctypes.c_int), ("scale", ctypes.c_float)]
+                ("N", ctypes.c_int), ("K", ctypes.c_int), ("piece", ctypes.c_int), ("scale", ctypes.c_float),
+                ("kind", ctypes.c_int), ("gx", ctypes.c_int), ("gy", ctypes.c_int), ("warps", ctypes.c_int),
+                ("smem_per", ctypes.c_int), ("args", ctypes.c_void_p * 10), ("uargs", ctypes.c_uint * 6)]
 
 
 def build() -> ctypes.CDLL:
@@ -185,20 +189,34 @@ def main() -> None:
     results = []
     for m in a.ms:
         prods = products_of(layers, m, dev, gen)
+        scale = lambda w2: 2.0 ** -ops.MLP_SHIFT if w2 is not None else 1.0  # noqa: E731 (swiglu's fp16 scale)
         arr = (Product * len(prods))(*[Product(w.data_ptr(), w2.data_ptr() if w2 is not None else 0, x.data_ptr(),
-                                               o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
+                                               o.data_ptr(), n, k, piece, scale(w2))
                                        for _, w, w2, x, o, n, k, piece in prods])
 
         arr_t = (Product * len(prods))(*[Product(tiled[w.data_ptr()].data_ptr(),
                                                  tiled[w2.data_ptr()].data_ptr() if w2 is not None else 0,
-                                                 x.data_ptr(), o.data_ptr(), n, k, piece, 2.0 ** -ops.MLP_SHIFT)
+                                                 x.data_ptr(), o.data_ptr(), n, k, piece, scale(w2))
                                          for _, w, w2, x, o, n, k, piece in prods])
 
+        # timing only: q|k|v and gate|up in 512-column pieces (twice the tasks, half the chain; not
+        # the Triton graphs' arithmetic, so no bits to compare: gate|up's pieces each write their
+        # epilogue over the same outputs), for what shorter chains would buy
+        p512, keep = [], []  # (keep: the new outputs alive while the table points at them)
+        for kind, w, w2, x, o, n, k, piece in prods:
+            if kind == "qkv":
+                o = torch.empty(k // 512, m, n, dtype=torch.float32, device=dev)
+                keep.append(o)
+            p512.append(Product(tiled[w.data_ptr()].data_ptr(), tiled[w2.data_ptr()].data_ptr() if w2 is not None
+                                else 0, x.data_ptr(), o.data_ptr(), n, k, 512, scale(w2)))
+        arr_t512 = (Product * len(prods))(*p512)
+
         def engine(mode=0, np_=None, trace=None, t0s=None, ll=False, xa=0, tl=0, ptrace=None, poll_ns=0,
-                   utrace=None):
+                   utrace=None, table=None):
             sync.zero_()
             launches[0] += 1
-            ret = so.products_engine_run(ctypes.addressof(arr_t if tl else arr), len(prods) if np_ is None else np_,
+            table = table if table is not None else (arr_t if tl else arr)
+            ret = so.products_engine_run(ctypes.addressof(table), len(prods) if np_ is None else np_,
                                          m, ctypes.c_void_p(sync.data_ptr()), sms, 2_000_000_000, mode, xa, tl,
                                          ctypes.c_void_p(words.data_ptr() if ll else 0), launches[0] << 8,
                                          ctypes.c_void_p(trace.data_ptr() if trace is not None else 0),
@@ -244,22 +262,21 @@ def main() -> None:
 
         t0s = torch.zeros(sms, len(prods) + 1, dtype=torch.int64, device=dev)
 
-        def span(key, runs=7, poll_ns=0):
+        def span(key, runs=7, poll_ns=0, table=None):
             """µs per layer inside the kernel: the first block's start to the last block's end
             (globaltimer), median of runs (no launch cost, no host)."""
             mode, ll, xa, tl = MODE_ARGS[key] if isinstance(key, str) else key
             ts = []
             for _ in range(runs):
-                engine(mode, t0s=t0s, ll=ll, xa=xa, tl=tl, poll_ns=poll_ns)
+                engine(mode, t0s=t0s, ll=ll, xa=xa, tl=tl, poll_ns=poll_ns, table=table)
                 torch.cuda.synchronize()
                 t = t0s.cpu().numpy()
                 ts.append((t[:, -1].max() - t[:, 0].min()) / 1e3)
             return statistics.median(ts) / a.layers
 
         t_modes = {key: span(key) for key in MODE_ARGS}
-        for ns in (50, 200, 500):  # LL polls that sleep between tries
-            t_modes[f"ll_tiled_sleep{ns}"] = span("ll_tiled", poll_ns=ns)
-            MODES[f"ll_tiled_sleep{ns}"] = f"LL, tiled weights, polls sleeping {ns} ns"
+        t_modes["ll_tiled_p512"] = span("ll_tiled", table=arr_t512)
+        MODES["ll_tiled_p512"] = "LL, tiled, 512-column pieces (timing only)"
         stream_sweep = {}
         if m == 1:  # the producer alone (no chains, no barriers): TB/s of weights by copy shape
             wbytes = sum(w.numel() * 2 for lw in layers[:1] for w in lw.values())
@@ -275,10 +292,10 @@ def main() -> None:
             torch.cuda.synchronize()
             phases[MODES[k]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
                                              [p[0] for p in prods], ptrace.cpu().numpy())
-        engine(0, trace=trace, t0s=t0s, ll=True, tl=1, ptrace=ptrace, poll_ns=200)
+        engine(0, trace=trace, t0s=t0s, ll=True, tl=1, ptrace=ptrace, table=arr_t512)
         torch.cuda.synchronize()
-        phases[MODES["ll_tiled_sleep200"]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
-                                                           [p[0] for p in prods], ptrace.cpu().numpy())
+        phases[MODES["ll_tiled_p512"]] = trace_summary(trace.cpu().numpy().astype(np.int64), t0s.cpu().numpy(),
+                                                       [p[0] for p in prods], ptrace.cpu().numpy())
         # every ring unit's issue, the consumer's wait for it and its arrival (LL, tiled weights)
         utrace = torch.zeros(sms, 256, 3, dtype=torch.int64, device=dev)
         engine(0, trace=trace, t0s=t0s, ll=True, tl=1, ptrace=ptrace, utrace=utrace)

@@ -86,6 +86,14 @@ def convert(ptx: str, name: str) -> tuple[str, str, int]:
     return text + "\n", f'extern "C" __device__ void {name}({args});', threads
 
 
+def runtime_args(compiled) -> list[tuple[int, str]]:
+    """A Triton CompiledKernel's launch arguments that stay parameters of its PTX (not constexpr,
+    not specialised into a constant), in order: [(index among the launch's arguments, type)]; the
+    PTX may add trailing pointers of its own (scratch buffers), which a caller passes null."""
+    consts = getattr(compiled.src, "constants", {}) or {}
+    return [(i, ty) for i, ty in enumerate(compiled.src.signature.values()) if ty != "constexpr" and (i,) not in consts]
+
+
 def main() -> int:
     src, name, dst = sys.argv[1:4]
     text, cdecl, threads = convert(open(src).read(), name)

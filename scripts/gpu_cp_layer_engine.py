@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""Issue 16's small-batch kernel, its second question: whole code-predictor layers in one
+persistent launch with the Triton graphs' bits. `scripts/products_engine.cu`, built with
+ROW_PHASES, runs per layer the four fp16 products (q|k|v, o_proj, gate|up + SwiGLU, down) as
+mma.sync chains over weight tiles that its producer warps stream ahead, and the three row phases
+(the attention at one position, the residual + RMSNorm after o_proj and after down) as the Triton
+kernels' own PTX made device functions (`scripts/ptx_func.py`); a grid barrier between phases.
+
+Checks every phase's outputs and the K/V cache bitwise against the same layers run as the Triton
+launches the frame makes (`tk_gemm.linear`, `tk_glue.cp_attend`, `linear_parts`, `add_rms`,
+`swiglu`), then times L layers inside the kernel (the first block's start to the last block's end,
+globaltimer; median of 7 launches) against a CUDA graph of those launches (20 replays, less an
+empty graph's), and prints the mean span of each phase kind over the blocks. Writes
+$OUT/cp_layer_engine.json.
+
+  PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 4 8] [--layers 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ptx_func  # noqa: E402
+from gpu_products_engine import Product, tile  # noqa: E402
+
+from tts_server.engines.batched import ops, pdl, tk_gemm, tk_glue  # noqa: E402
+
+H, NH, NKV, HD, QKV, QD, I = 1024, 16, 8, 128, 4096, 2048, 3072
+BS, POS, EPS = 16, 5, 1e-6  # the code predictor's K/V block (16 positions), the pass's position
+SCALE = HD ** -0.5
+ROW_KINDS = {"attend": 1, "add_rms4": 2, "add_rms6": 3}
+GEN = ["-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-Xcompiler", "-fPIC"]
+
+
+def f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(v)))[0]
+
+
+class RowKernel:
+    """One Triton row kernel specialisation as a device function: its PTX converted, the order of
+    its runtime arguments (pointers into `args`, scalars into `uargs`), threads and shared memory
+    per program."""
+
+    def __init__(self, kind: str, jitfn, args: list, kwargs: dict, grid: tuple):
+        self.kind, self.name = ROW_KINDS[kind], f"tri_{kind}"
+        k = jitfn.warmup(*args, grid=grid, **kwargs)
+        self.ptx, _, self.threads = ptx_func.convert(k.asm["ptx"], self.name)
+        self.runtime = ptx_func.runtime_args(k)
+        self.nparams = self.ptx.split(")", 1)[0].count(".param") - len(ptx_func.EXTRA)
+        self.smem = max(128, -(-int(k.metadata.shared) // 128) * 128)
+
+    def call_source(self) -> str:
+        """The C call of this kind inside row_call (a / u: the phase's pointer and scalar slots)."""
+        pa = pu = 0
+        actual = []
+        for _, ty in self.runtime:
+            if ty.startswith("*"):
+                actual.append(f"a[{pa}]")
+                pa += 1
+            else:
+                actual.append(f"u[{pu}]")
+                pu += 1
+        actual += ["nullptr"] * (self.nparams - len(self.runtime))  # Triton's own scratch pointers
+        types = ["const void*" if x.startswith("a") or x == "nullptr" else "unsigned" for x in actual]
+        decl = f'extern "C" __device__ void {self.name}({", ".join(types + ["unsigned"] * 6)});'
+        call = f"case {self.kind}: {self.name}({', '.join(actual)}, px, py, 0u, tid, smem, bar); return;"
+        return decl, call
+
+    def fill(self, prod: Product, call_args: list, grid: tuple) -> None:
+        """A row phase's slots from the launch's arguments (the same order as call_source)."""
+        pa = pu = 0
+        for i, ty in self.runtime:
+            v = call_args[i]
+            if ty.startswith("*"):
+                prod.args[pa] = v.data_ptr()
+                pa += 1
+            else:
+                prod.uargs[pu] = f32_bits(v) if ty == "fp32" else int(v) & 0xFFFFFFFF
+                pu += 1
+        assert pa <= 10 and pu <= 6, (pa, pu)
+        prod.kind, prod.gx, prod.gy = self.kind, grid[0], grid[1] if len(grid) > 1 else 1
+        prod.warps, prod.smem_per = self.threads // 32, self.smem
+
+
+def build(rows: list[RowKernel]) -> ctypes.CDLL:
+    """products_engine.cu with ROW_PHASES, the row kernels' PTX and the generated row_call, linked."""
+    work = Path(tempfile.mkdtemp())
+    decls, calls = zip(*(r.call_source() for r in rows))
+    shim = "\n".join(decls) + """
+extern "C" __device__ void row_call(int kind, const void* const* a, const unsigned* u, unsigned px, unsigned py,
+                                    unsigned tid, unsigned smem, unsigned bar) {
+  switch (kind) {
+    """ + "\n    ".join(calls) + """
+    default: asm volatile("trap;");
+  }
+}
+"""
+    (work / "row_call.cu").write_text(shim)
+    objs = []
+    for r in rows:
+        (work / f"{r.name}.ptx").write_text(r.ptx)
+    for src in [ROOT / "scripts" / "products_engine.cu", work / "row_call.cu"] + [work / f"{r.name}.ptx" for r in rows]:
+        obj = work / (src.name + ".o")
+        # a called function may use no more registers than the kernel has (288 threads a block: 168);
+        # Triton's one-warp kernels assume 255 (what that spills does not change a bit)
+        regs = ["-maxrregcount=168"] if src.suffix == ".ptx" else []
+        subprocess.run(["nvcc", *GEN, *regs, "-rdc=true", "-DROW_PHASES", "-dc", "-o", str(obj), str(src)], check=True)
+        objs.append(str(obj))
+    lib = work / "libcp_layer_engine.so"
+    subprocess.run(["nvcc", *GEN, "-shared", "-o", str(lib), *objs], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.products_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p]
+    so.products_engine_error_string.restype = ctypes.c_char_p
+    assert so.products_engine_sizeof() == ctypes.sizeof(Product)
+    return so
+
+
+def make_layers(n: int, dev, gen) -> list[dict]:
+    def w(rows, cols):
+        return (torch.randn(rows, cols, device=dev, generator=gen) * 0.03).to(torch.bfloat16).to(torch.float16)
+
+    def norm(d):
+        return (1.0 + 0.1 * torch.randn(d, device=dev, generator=gen)).float()
+
+    return [dict(qkv=w(QKV, H), o=w(H, QD), gate=w(I, H), up=w(I, H), down=w(H, I), post=norm(H), nxt=norm(H),
+                 qn=norm(HD), kn=norm(HD)) for _ in range(n)]
+
+
+class Buffers:
+    """Every phase's output of every layer (no buffer reused, so each can be compared), for M rows."""
+
+    def __init__(self, m: int, layers: int, dev, x0: torch.Tensor, h0: torch.Tensor, pools: list):
+        f32, f16 = torch.float32, torch.float16
+        e = lambda *shape, dt=f32: torch.full(shape, float("nan"), dtype=dt, device=dev)  # noqa: E731
+        self.r = [x0.clone()] + [e(m, H) for _ in range(2 * layers)]  # residual after each add_rms
+        self.h = [h0.clone()] + [e(m, H, dt=f16) for _ in range(2 * layers)]  # normed rows (fp16)
+        self.qkv = [e(m, QKV) for _ in range(layers)]
+        self.att = [e(m, QD, dt=f16) for _ in range(layers)]
+        self.op = [e(4, m, H) for _ in range(layers)]
+        self.inner = [e(m, I, dt=f16) for _ in range(layers)]
+        self.dp = [e(6, m, H) for _ in range(layers)]
+        self.kp = [p[0].clone() for p in pools]
+        self.vp = [p[1].clone() for p in pools]
+
+    def outputs(self) -> dict:
+        return dict(r=self.r[1:], h=self.h[1:], qkv=self.qkv, att=self.att, o_parts=self.op, inner=self.inner,
+                    down_parts=self.dp, k_cache=self.kp, v_cache=self.vp)
+
+
+def attend_args(buf: Buffers, lw: dict, i: int, cos, sin) -> list:
+    return [buf.qkv[i], lw["qn"], lw["kn"], cos, sin, buf.att[i], buf.kp[i], buf.vp[i], POS, EPS, SCALE]
+
+
+ATTEND_KW = dict(NH=NH, NKV=NKV, BS=BS, HALF=HD // 2, num_warps=tk_glue.CP_ATTEND_WARPS)
+
+
+def add_rms_args(buf: Buffers, j: int, parts: torch.Tensor, w: torch.Tensor, m: int) -> list:
+    return [buf.r[j], parts, w, buf.r[j + 1], buf.h[j + 1], EPS, m * H]
+
+
+def add_rms_kw(parts: int) -> dict:
+    return dict(D=H, DP2=1024, PARTS=parts)
+
+
+def triton_layers(buf: Buffers, layers: list, cos, sin, m: int) -> None:
+    """The layers as the frame's Triton launches (stack_forward's order and arguments)."""
+    for i, lw in enumerate(layers):
+        buf.qkv[i].copy_(tk_gemm.linear(buf.h[2 * i], lw["qkv"]))
+        tk_glue._cp_attend_kernel[(m, NKV)](*attend_args(buf, lw, i, cos, sin), **ATTEND_KW, **pdl.kw())
+        buf.op[i].copy_(tk_gemm.linear_parts(buf.att[i], lw["o"]))
+        tk_glue._add_rms_kernel[(m,)](*add_rms_args(buf, 2 * i, buf.op[i], lw["post"], m), **add_rms_kw(4),
+                                      **pdl.kw())
+        buf.inner[i].copy_(tk_gemm.swiglu(buf.h[2 * i + 1], lw["gate"], lw["up"], torch.float16, ops.MLP_SHIFT))
+        buf.dp[i].copy_(tk_gemm.linear_parts(buf.inner[i], lw["down"], ops.MLP_SHIFT))
+        tk_glue._add_rms_kernel[(m,)](*add_rms_args(buf, 2 * i + 1, buf.dp[i], lw["nxt"], m), **add_rms_kw(6),
+                                      **pdl.kw())
+
+
+def triton_graph_layers(buf: Buffers, layers: list, cos, sin, m: int) -> None:
+    """The same launches writing straight into their outputs (no copies): what a graph replays."""
+    for i, lw in enumerate(layers):
+        q = tk_gemm.linear(buf.h[2 * i], lw["qkv"])
+        a = tk_glue.cp_attend(q, lw["qn"], lw["kn"], cos, sin, buf.kp[i], buf.vp[i], POS, NH, NKV, EPS, SCALE,
+                              torch.float16)
+        x, h = tk_glue.add_rms(buf.r[2 * i], tk_gemm.linear_parts(a.view(m, QD), lw["o"]), lw["post"], EPS,
+                               torch.float16)
+        inner = tk_gemm.swiglu(h, lw["gate"], lw["up"], torch.float16, ops.MLP_SHIFT)
+        x, h = tk_glue.add_rms(x, tk_gemm.linear_parts(inner, lw["down"], ops.MLP_SHIFT), lw["nxt"], EPS,
+                               torch.float16)
+
+
+def engine_phases(buf: Buffers, layers: list, tiled: dict, rows: dict, cos, sin, m: int):
+    phases, kinds = [], []
+
+    def product(kind, w, w2, x, out, n, k, piece, scale):
+        phases.append(Product(tiled[w.data_ptr()].data_ptr(), tiled[w2.data_ptr()].data_ptr() if w2 is not None
+                              else 0, x.data_ptr(), out.data_ptr(), n, k, piece, scale))
+        kinds.append(kind)
+
+    def row(kind, args, grid):
+        p = Product()
+        rows[kind].fill(p, args, grid)
+        phases.append(p)
+        kinds.append(kind)
+
+    for i, lw in enumerate(layers):
+        product("qkv", lw["qkv"], None, buf.h[2 * i], buf.qkv[i], QKV, H, 1024, 1.0)
+        row("attend", attend_args(buf, lw, i, cos, sin), (m, NKV))
+        product("o", lw["o"], None, buf.att[i], buf.op[i], H, QD, 512, 1.0)
+        row("add_rms4", add_rms_args(buf, 2 * i, buf.op[i], lw["post"], m), (m,))
+        product("gate_up", lw["gate"], lw["up"], buf.h[2 * i + 1], buf.inner[i], I, H, 1024, 2.0 ** -ops.MLP_SHIFT)
+        product("down", lw["down"], None, buf.inner[i], buf.dp[i], H, I, 512, 2.0 ** ops.MLP_SHIFT)
+        row("add_rms6", add_rms_args(buf, 2 * i + 1, buf.dp[i], lw["nxt"], m), (m,))
+    return (Product * len(phases))(*phases), kinds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--ms", type=int, nargs="*", default=[1, 4, 8], help="row counts")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    layers = make_layers(a.layers, dev, gen)
+    tiled = {w.data_ptr(): tile(w) for lw in layers for key, w in lw.items() if w.dtype == torch.float16}
+    ang = torch.arange(HD // 2, device=dev, dtype=torch.float32) * 0.05 * POS
+    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+    sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+
+    # the row kernels' specialisations (M = 1's arguments; the others specialise alike: checked below)
+    m0 = 1
+    pools0 = [(torch.randn(m0, NKV, BS, HD, device=dev, generator=gen),) * 2 for _ in range(a.layers)]
+    b0 = Buffers(m0, a.layers, dev, torch.randn(m0, H, device=dev), torch.zeros(m0, H, dtype=torch.float16,
+                                                                                device=dev), pools0)
+    rows = {"attend": RowKernel("attend", tk_glue._cp_attend_kernel, attend_args(b0, layers[0], 0, cos, sin),
+                                dict(ATTEND_KW, **pdl.kw()), (m0, NKV)),
+            "add_rms4": RowKernel("add_rms4", tk_glue._add_rms_kernel, add_rms_args(b0, 0, b0.op[0],
+                                                                                  layers[0]["post"], m0),
+                                  dict(add_rms_kw(4), **pdl.kw()), (m0,)),
+            "add_rms6": RowKernel("add_rms6", tk_glue._add_rms_kernel, add_rms_args(b0, 1, b0.dp[0],
+                                                                                  layers[0]["nxt"], m0),
+                                  dict(add_rms_kw(6), **pdl.kw()), (m0,))}
+    so = build(list(rows.values()))
+    results = []
+    for m in a.ms:
+        x0 = torch.randn(m, H, device=dev, generator=gen)
+        h0 = tk_gemm.rms_norm(x0, layers[0]["nxt"], EPS, torch.float16)
+        pools = [(torch.randn(m, NKV, BS, HD, device=dev, generator=gen),
+                  torch.randn(m, NKV, BS, HD, device=dev, generator=gen)) for _ in range(a.layers)]
+        ref = Buffers(m, a.layers, dev, x0, h0, pools)
+        triton_layers(ref, layers, cos, sin, m)
+        mine = Buffers(m, a.layers, dev, x0, h0, pools)
+        table, kinds = engine_phases(mine, layers, tiled, rows, cos, sin, m)
+        t0s = torch.zeros(sms, len(kinds) + 1, dtype=torch.int64, device=dev)
+
+        def engine(with_t0s=True):
+            sync.zero_()
+            ret = so.products_engine_run(ctypes.addressof(table), len(kinds), m, ctypes.c_void_p(sync.data_ptr()),
+                                         sms, 2_000_000_000, 0, 0, 1, None, 0, None,
+                                         ctypes.c_void_p(t0s.data_ptr() if with_t0s else 0), None, None, 0, stream())
+            assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
+                                                        else "arguments"))
+
+        engine()
+        torch.cuda.synchronize()
+        assert int(sync[2]) == 0, f"the engine gave up a wait (error {int(sync[2])})"
+        bits = {}
+        for key, ours in mine.outputs().items():
+            theirs = ref.outputs()[key]
+            eq = tot = 0
+            for o, r in zip(ours, theirs):
+                view = {2: torch.int16, 4: torch.int32}[o.element_size()]
+                eq += int((o.view(view) == r.view(view)).sum())
+                tot += o.numel()
+            bits[key] = [eq, tot]
+        ok = all(eq == tot for eq, tot in bits.values())
+        print(f"M={m}: bits {'EQUAL' if ok else 'DIFFER'}: " + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()),
+              flush=True)
+
+        spans, per_kind = [], {}
+        for _ in range(7):
+            engine()  # (the K/V cache is rewritten at the same position with the same values)
+            torch.cuda.synchronize()
+            t = t0s.cpu().numpy()
+            spans.append((t[:, -1].max() - t[:, 0].min()) / 1e3 / a.layers)
+            d = (t[:, 1:] - t[:, :-1]).astype(np.float64) / 1e3  # [G, phases]: each block's span of each phase
+            for j, kind in enumerate(kinds):
+                per_kind.setdefault(kind, []).append(float(d[:, j].mean()))
+        t_engine = statistics.median(spans)
+
+        graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            triton_graph_layers(mine, layers, cos, sin, m)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=s):
+                triton_graph_layers(mine, layers, cos, sin, m)
+            empty = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(empty, stream=s):
+                sync.zero_()
+        torch.cuda.current_stream().wait_stream(s)
+
+        def timed(fn, reps=20, rounds=5):
+            ts = []
+            for _ in range(rounds):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(reps):
+                    fn()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
+            return statistics.median(ts)
+
+        t_triton = (timed(graph.replay) - timed(empty.replay)) / a.layers
+        phase_us = {k: round(statistics.median(v), 3) for k, v in per_kind.items()}  # one phase of each kind
+        rec = {"m": m, "layers": a.layers, "bitwise": bits, "bits_equal": ok, "engine_us_per_layer": round(t_engine, 3),
+               "triton_graph_us_per_layer": round(t_triton, 3), "phase_span_us_mean": phase_us}
+        results.append(rec)
+        print(f"  µs per layer: engine {t_engine:.2f} (grid barriers between phases), Triton graph {t_triton:.2f}; "
+              f"phase spans (µs, mean over blocks): " + ", ".join(f"{k} {v:.2f}" for k, v in phase_us.items()),
+              flush=True)
+    env = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
+           "triton": __import__("triton").__version__,
+           "row_kernels": {k: {"threads": r.threads, "smem": r.smem, "runtime_args": len(r.runtime)}
+                           for k, r in rows.items()}}
+    Path(a.out, "cp_layer_engine.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+    print(json.dumps(env))
+
+
+if __name__ == "__main__":
+    main()
