@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "engine_common.cuh"
+
 namespace {
 
 __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
@@ -46,51 +48,9 @@ __global__ void parts_fp16(const __half* __restrict__ x, const __half* __restric
   if (m + 1 < M && n + 8 < N) p[(size_t)(m + 1) * N + n + 8] = d[3];
 }
 
-__device__ __forceinline__ float div_full(float a, float b) {
-  float r;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
-__device__ __forceinline__ float sqrt_approx_ftz(float a) {
-  float r;
-  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
-  return r;
-}
 
-// Which of a 1,024-wide row's elements thread t (of 128) holds as its i-th value in the norms below:
-// with an fp16 out Triton 3.6 lays the row out as 8 consecutive elements a thread (8t..8t+7), with
-// an fp32 out as two groups of 4 (4t..4t+3, then 512+4t..512+4t+3), and the sum of squares runs in
-// that register order.
-template <bool F16>
-__device__ __forceinline__ int owned(int t, int i) {
-  return F16 ? 8 * t + i : (i < 4 ? 4 * t + i : 512 + 4 * t + (i - 4));
-}
 
-// The mean square of a 1,024-wide row held 8 values a thread by 128 threads, as Triton 3.6's norms
-// compute it: the thread's e1 * e1, then fma e0, e2 .. e7 (register order); warp butterflies xor
-// 16 .. 1; the 4 warp sums by threads 0..3, butterflies xor 2, 1; / D by div.full. red: 4 floats
-// of shared memory.
-__device__ __forceinline__ float mean_square(const float (&e)[8], float* red, int D) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float ss = __fmul_rn(e[1], e[1]);
-  ss = __fmaf_rn(e[0], e[0], ss);
-#pragma unroll
-  for (int i = 2; i < 8; ++i) ss = __fmaf_rn(e[i], e[i], ss);
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < 4 ? red[lane] : 0.f;
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    __syncwarp();
-    if (lane == 0) red[0] = v;
-  }
-  __syncthreads();
-  return div_full(red[0], (float)D);
-}
 
 // out[m][d] = (e * r) * w[d] over the thread's elements (rounded to fp16 for an fp16 out).
 template <bool F16, typename Out>
@@ -127,7 +87,7 @@ __global__ void add_rms_twin(const float* __restrict__ x, const float* __restric
     e[i] = __fadd_rn(y, x[off]);
     sum[off] = e[i];
   }
-  store_norm<F16>(out, w, e, div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, mean_square(e, red, D)))), m);
+  store_norm<F16>(out, w, e, div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, mean_square(e, red, D, threadIdx.x, 0u)))), m);
 }
 
 // tk_gemm._rms_norm_kernel (D = 1024, 4 warps) from its sm_90 PTX under Triton 3.6: as add_rms_twin
@@ -144,7 +104,7 @@ __global__ void rms_norm_twin(const float* __restrict__ x, const float* __restri
   float e[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = x[(size_t)m * 1024 + owned<F16>(t, i)];
-  store_norm<F16>(out, w, e, div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, mean_square(e, red, D)))), m);
+  store_norm<F16>(out, w, e, div_full(1.0f, __fsqrt_rn(__fadd_rn(eps, mean_square(e, red, D, threadIdx.x, 0u)))), m);
 }
 
 // tk_gemm's SwiGLU product with fp16 matrices and fp16 out (the MLP's gate|up before an fp16 down

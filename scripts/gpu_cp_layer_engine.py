@@ -97,8 +97,29 @@ class RowKernel:
         prod.warps, prod.smem_per = self.threads // 32, self.smem
 
 
-def build(rows: list[RowKernel]) -> ctypes.CDLL:
-    """products_engine.cu with ROW_PHASES, the row kernels' PTX and the generated row_call, linked."""
+class LayerArgs(ctypes.Structure):
+    """layer_engine.cu's Layer."""
+    _fields_ = [("w", ctypes.c_void_p * 5), ("post", ctypes.c_void_p), ("nxt", ctypes.c_void_p),
+                ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("kpool", ctypes.c_void_p),
+                ("vpool", ctypes.c_void_p)]
+
+
+class EngineArgs(ctypes.Structure):
+    """layer_engine.cu's Args."""
+    _fields_ = [("L", LayerArgs * 8), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
+                ("h0", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
+                ("flag_base", ctypes.c_uint), ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p),
+                ("dbg_o", ctypes.c_void_p), ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p),
+                ("dbg_r", ctypes.c_void_p), ("dbg_h", ctypes.c_void_p), ("sync", ctypes.c_void_p),
+                ("timeout_ns", ctypes.c_ulonglong), ("t0s", ctypes.c_void_p)]
+
+
+WORDS_ROW_LAYER = QKV + 4 * H + I + 6 * H  # layer_engine.cu's LL words a row and layer
+
+
+def build(rows: list[RowKernel], source: str = "products_engine.cu") -> ctypes.CDLL:
+    """scripts/<source> with ROW_PHASES, the row kernels' PTX and the generated row_call, linked."""
     work = Path(tempfile.mkdtemp())
     decls, calls = zip(*(r.call_source() for r in rows))
     shim = "\n".join(decls) + """
@@ -114,16 +135,21 @@ extern "C" __device__ void row_call(int kind, const void* const* a, const unsign
     objs = []
     for r in rows:
         (work / f"{r.name}.ptx").write_text(r.ptx)
-    for src in [ROOT / "scripts" / "products_engine.cu", work / "row_call.cu"] + [work / f"{r.name}.ptx" for r in rows]:
+    for src in [ROOT / "scripts" / source, work / "row_call.cu"] + [work / f"{r.name}.ptx" for r in rows]:
         obj = work / (src.name + ".o")
         # a called function may use no more registers than the kernel has (288 threads a block: 168);
         # Triton's one-warp kernels assume 255 (what that spills does not change a bit)
         regs = ["-maxrregcount=168"] if src.suffix == ".ptx" else []
         subprocess.run(["nvcc", *GEN, *regs, "-rdc=true", "-DROW_PHASES", "-dc", "-o", str(obj), str(src)], check=True)
         objs.append(str(obj))
-    lib = work / "libcp_layer_engine.so"
+    lib = work / f"lib{Path(source).stem}.so"
     subprocess.run(["nvcc", *GEN, "-shared", "-o", str(lib), *objs], check=True)
     so = ctypes.CDLL(str(lib))
+    if source == "layer_engine.cu":
+        so.layer_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        so.layer_engine_error_string.restype = ctypes.c_char_p
+        assert so.layer_engine_args_size() == ctypes.sizeof(EngineArgs)
+        return so
     so.products_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -159,6 +185,19 @@ class Buffers:
         self.dp = [e(6, m, H) for _ in range(layers)]
         self.kp = [p[0].clone() for p in pools]
         self.vp = [p[1].clone() for p in pools]
+
+    def contiguous(self, m: int, layers: int) -> dict:
+        """The per-layer outputs as views of one tensor each (layer_engine.cu writes them so): the
+        tensors by layer_engine.cu's argument names."""
+        f32, f16, dev = torch.float32, torch.float16, self.r[0].device
+        e = lambda *shape, dt=f32: torch.full(shape, float("nan"), dtype=dt, device=dev)  # noqa: E731
+        t = dict(dbg_r=e(2 * layers, m, H), dbg_h=e(2 * layers, m, H, dt=f16), qkv_g=e(layers, m, QKV),
+                 att_g=e(layers, m, QD, dt=f16), dbg_o=e(layers, 4, m, H), dbg_inner=e(layers, m, I, dt=f16),
+                 dbg_down=e(layers, 6, m, H))
+        self.r[1:], self.h[1:] = list(t["dbg_r"]), list(t["dbg_h"])
+        self.qkv, self.att, self.op = list(t["qkv_g"]), list(t["att_g"]), list(t["dbg_o"])
+        self.inner, self.dp = list(t["dbg_inner"]), list(t["dbg_down"])
+        return t
 
     def outputs(self) -> dict:
         return dict(r=self.r[1:], h=self.h[1:], qkv=self.qkv, att=self.att, o_parts=self.op, inner=self.inner,
@@ -232,11 +271,54 @@ def engine_phases(buf: Buffers, layers: list, tiled: dict, rows: dict, cos, sin,
     return (Product * len(phases))(*phases), kinds
 
 
+def compare(mine: Buffers, ref: Buffers) -> tuple[dict, bool]:
+    """Bitwise equal values of every output, [equal, total] by name; all equal?"""
+    bits = {}
+    for key, ours in mine.outputs().items():
+        eq = tot = 0
+        for o, r in zip(ours, ref.outputs()[key]):
+            view = {2: torch.int16, 4: torch.int32}[o.element_size()]
+            eq += int((o.view(view) == r.view(view)).sum())
+            tot += o.numel()
+        bits[key] = [eq, tot]
+    return bits, all(eq == tot for eq, tot in bits.values())
+
+
+def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) -> tuple[float, dict]:
+    """µs per layer inside the kernel (the first block's start to the last block's end, median of
+    runs) and each phase kind's span (its start to the next phase's start, mean over blocks, median
+    over phases and runs)."""
+    per_layer, per_kind = [], {}
+    for _ in range(runs):
+        launch()  # (the K/V cache is rewritten at the same position with the same values)
+        torch.cuda.synchronize()
+        t = t0s.cpu().numpy()
+        per_layer.append((t[:, -1].max() - t[:, 0].min()) / 1e3 / layers)
+        d = (t[:, 1:] - t[:, :-1]).astype(np.float64) / 1e3  # [G, phases]
+        for j, kind in enumerate(kinds):
+            per_kind.setdefault(kind, []).append(float(d[:, j].mean()))
+    return statistics.median(per_layer), {k: round(statistics.median(v), 3) for k, v in per_kind.items()}
+
+
+def timed(fn, reps=20, rounds=5) -> float:
+    """µs per call: reps calls back to back between two events, median of rounds."""
+    ts = []
+    for _ in range(rounds):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
+    return statistics.median(ts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--ms", type=int, nargs="*", default=[1, 4, 8], help="row counts")
+    ap.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4, 8], help="row counts")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -248,7 +330,7 @@ def main() -> None:
     sync = torch.zeros(4, dtype=torch.int32, device=dev)
     stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
 
-    # the row kernels' specialisations (M = 1's arguments; the others specialise alike: checked below)
+    # the row kernels' specialisations (M = 1's arguments; every M specialises alike)
     m0 = 1
     pools0 = [(torch.randn(m0, NKV, BS, HD, device=dev, generator=gen),) * 2 for _ in range(a.layers)]
     b0 = Buffers(m0, a.layers, dev, torch.randn(m0, H, device=dev), torch.zeros(m0, H, dtype=torch.float16,
@@ -262,6 +344,8 @@ def main() -> None:
                                                                                   layers[0]["nxt"], m0),
                                   dict(add_rms_kw(6), **pdl.kw()), (m0,))}
     so = build(list(rows.values()))
+    so_ll = build([rows["attend"]], "layer_engine.cu")
+    launches = [0]
     results = []
     for m in a.ms:
         x0 = torch.randn(m, H, device=dev, generator=gen)
@@ -270,44 +354,66 @@ def main() -> None:
                   torch.randn(m, NKV, BS, HD, device=dev, generator=gen)) for _ in range(a.layers)]
         ref = Buffers(m, a.layers, dev, x0, h0, pools)
         triton_layers(ref, layers, cos, sin, m)
+        rec = {"m": m, "layers": a.layers}
+
+        # (1) products_engine.cu with row phases, grid barriers between phases
         mine = Buffers(m, a.layers, dev, x0, h0, pools)
         table, kinds = engine_phases(mine, layers, tiled, rows, cos, sin, m)
         t0s = torch.zeros(sms, len(kinds) + 1, dtype=torch.int64, device=dev)
 
-        def engine(with_t0s=True):
+        def engine():
             sync.zero_()
             ret = so.products_engine_run(ctypes.addressof(table), len(kinds), m, ctypes.c_void_p(sync.data_ptr()),
-                                         sms, 2_000_000_000, 0, 0, 1, None, 0, None,
-                                         ctypes.c_void_p(t0s.data_ptr() if with_t0s else 0), None, None, 0, stream())
+                                         sms, 2_000_000_000, 0, 0, 1, None, 0, None, ctypes.c_void_p(t0s.data_ptr()),
+                                         None, None, 0, stream())
             assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
                                                         else "arguments"))
 
         engine()
         torch.cuda.synchronize()
         assert int(sync[2]) == 0, f"the engine gave up a wait (error {int(sync[2])})"
-        bits = {}
-        for key, ours in mine.outputs().items():
-            theirs = ref.outputs()[key]
-            eq = tot = 0
-            for o, r in zip(ours, theirs):
-                view = {2: torch.int16, 4: torch.int32}[o.element_size()]
-                eq += int((o.view(view) == r.view(view)).sum())
-                tot += o.numel()
-            bits[key] = [eq, tot]
-        ok = all(eq == tot for eq, tot in bits.values())
-        print(f"M={m}: bits {'EQUAL' if ok else 'DIFFER'}: " + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()),
-              flush=True)
+        bits, ok = compare(mine, ref)
+        print(f"M={m} row phases + grid barriers: bits {'EQUAL' if ok else 'DIFFER'}: "
+              + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()), flush=True)
+        t_engine, phase_us = spans(engine, t0s, kinds, a.layers)
+        rec.update(barriers={"bitwise": bits, "bits_equal": ok, "us_per_layer": round(t_engine, 3),
+                             "phase_span_us_mean": phase_us})
 
-        spans, per_kind = [], {}
-        for _ in range(7):
-            engine()  # (the K/V cache is rewritten at the same position with the same values)
+        # (2) layer_engine.cu: four LL hops a layer (M <= 2)
+        if m <= 2:
+            ll = Buffers(m, a.layers, dev, x0, h0, pools)
+            outs = ll.contiguous(m, a.layers)
+            words = torch.zeros(a.layers * m * WORDS_ROW_LAYER, dtype=torch.int64, device=dev)
+            kinds_ll = ["qkv", "o", "gate_up", "down"] * a.layers
+            t0s_ll = torch.zeros(sms, len(kinds_ll) + 1, dtype=torch.int64, device=dev)
+            args = EngineArgs(nl=a.layers, M=m, x0=ll.r[0].data_ptr(), h0=ll.h[0].data_ptr(), cos=cos.data_ptr(),
+                              sin=sin.data_ptr(), pos=POS, eps=EPS, scale=SCALE, words=words.data_ptr(),
+                              sync=sync.data_ptr(), timeout_ns=2_000_000_000, t0s=t0s_ll.data_ptr(),
+                              **{k: v.data_ptr() for k, v in outs.items()})
+            for i, lw in enumerate(layers):
+                L = args.L[i]
+                for j, key in enumerate(("qkv", "o", "gate", "up", "down")):
+                    L.w[j] = tiled[lw[key].data_ptr()].data_ptr()
+                L.post, L.nxt, L.qn, L.kn = (lw[k].data_ptr() for k in ("post", "nxt", "qn", "kn"))
+                L.kpool, L.vpool = ll.kp[i].data_ptr(), ll.vp[i].data_ptr()
+
+            def engine_ll():
+                sync.zero_()
+                launches[0] += 1
+                args.flag_base = launches[0] << 8  # (new flags every launch)
+                ret = so_ll.layer_engine_run(ctypes.addressof(args), sms, stream())
+                assert ret == 0, (f"launch error {ret}: " + (so_ll.layer_engine_error_string(-ret).decode()
+                                                             if ret < -2 else "arguments"))
+
+            engine_ll()
             torch.cuda.synchronize()
-            t = t0s.cpu().numpy()
-            spans.append((t[:, -1].max() - t[:, 0].min()) / 1e3 / a.layers)
-            d = (t[:, 1:] - t[:, :-1]).astype(np.float64) / 1e3  # [G, phases]: each block's span of each phase
-            for j, kind in enumerate(kinds):
-                per_kind.setdefault(kind, []).append(float(d[:, j].mean()))
-        t_engine = statistics.median(spans)
+            assert int(sync[2]) == 0, f"the LL engine gave up a wait (error {int(sync[2])})"
+            bits_ll, ok_ll = compare(ll, ref)
+            print(f"M={m} LL, four hops a layer: bits {'EQUAL' if ok_ll else 'DIFFER'}: "
+                  + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits_ll.items()), flush=True)
+            t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
+            rec.update(ll={"bitwise": bits_ll, "bits_equal": ok_ll, "us_per_layer": round(t_ll, 3),
+                           "phase_span_us_mean": phase_ll})
 
         graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -320,27 +426,13 @@ def main() -> None:
             with torch.cuda.graph(empty, stream=s):
                 sync.zero_()
         torch.cuda.current_stream().wait_stream(s)
-
-        def timed(fn, reps=20, rounds=5):
-            ts = []
-            for _ in range(rounds):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    fn()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
-            return statistics.median(ts)
-
-        t_triton = (timed(graph.replay) - timed(empty.replay)) / a.layers
-        phase_us = {k: round(statistics.median(v), 3) for k, v in per_kind.items()}  # one phase of each kind
-        rec = {"m": m, "layers": a.layers, "bitwise": bits, "bits_equal": ok, "engine_us_per_layer": round(t_engine, 3),
-               "triton_graph_us_per_layer": round(t_triton, 3), "phase_span_us_mean": phase_us}
+        rec["triton_graph_us_per_layer"] = round((timed(graph.replay) - timed(empty.replay)) / a.layers, 3)
         results.append(rec)
-        print(f"  µs per layer: engine {t_engine:.2f} (grid barriers between phases), Triton graph {t_triton:.2f}; "
-              f"phase spans (µs, mean over blocks): " + ", ".join(f"{k} {v:.2f}" for k, v in phase_us.items()),
-              flush=True)
+        for label, key in (("row phases + grid barriers", "barriers"), ("LL, four hops a layer", "ll")):
+            if key in rec:
+                print(f"  µs per layer: {label} {rec[key]['us_per_layer']:.2f}, Triton graph "
+                      f"{rec['triton_graph_us_per_layer']:.2f}; phase spans (µs, mean over blocks): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in rec[key]["phase_span_us_mean"].items()), flush=True)
     env = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
            "triton": __import__("triton").__version__,
            "row_kernels": {k: {"threads": r.threads, "smem": r.smem, "runtime_args": len(r.runtime)}
