@@ -103,11 +103,12 @@ def add_rms(x, y, w, eps, out_dtype=torch.float32):
 
 @triton.jit
 def _cp_attend_row(row, out_row, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, base, pos, eps, scale, kvh,
-                   NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+                   g0, NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GH: tl.constexpr):
     # one (row, kv head) of a code-predictor pass at position `pos`: the row's k/v at this position
     # normed, roped, stored into its scratch block (base: the block's first element for this kv head,
-    # which already holds positions 0..pos-1); then the G = NH / NKV query heads attend over
-    # positions 0..pos (the new key from registers) -> out_row[h]
+    # which already holds positions 0..pos-1); then its query heads g0 .. g0 + GH - 1 (of the G = NH
+    # / NKV) attend over positions 0..pos (the new key from registers) -> out_row[h]. The programs of
+    # one kv head's heads store the same K/V values (each computes them the same way).
     G: tl.constexpr = NH // NKV
     hd: tl.constexpr = 2 * HALF
     d = tl.arange(0, HALF)
@@ -135,8 +136,8 @@ def _cp_attend_row(row, out_row, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_pool_ptr, v
     vp1 = tl.load(v_pool_ptr + kv_off, mask=prev[:, None], other=0.0).to(tl.float32)
     vp2 = tl.load(v_pool_ptr + kv_off + HALF, mask=prev[:, None], other=0.0).to(tl.float32)
     qw1, qw2 = tl.load(qn_ptr + d), tl.load(qn_ptr + HALF + d)
-    for g in tl.static_range(G):
-        h = kvh * G + g
+    for gi in tl.static_range(GH):
+        h = kvh * G + g0 + gi
         q1 = tl.load(row + h * hd + d)
         q2 = tl.load(row + h * hd + HALF + d)
         rq = 1.0 / tl.sqrt((tl.sum(q1 * q1, axis=0) + tl.sum(q2 * q2, axis=0)) / hd + eps)
@@ -161,30 +162,37 @@ def _cp_attend_row(row, out_row, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_pool_ptr, v
 
 @triton.jit
 def _cp_attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, pos, eps, scale,
-                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+                      NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr,
+                      GH: tl.constexpr = 2):
     pdl.enter(GDC)
-    # program (m, kv head) of a code-predictor pass at position `pos` (the same for every row; row
-    # m's scratch block is m and already holds positions 0..pos-1) -> out[m, h]
+    # program (m, c) of a code-predictor pass at position `pos` (the same for every row; row m's
+    # scratch block is m and already holds positions 0..pos-1): kv head c // (G / GH), its query
+    # heads from (c % (G / GH)) * GH -> out[m, h]
     m = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    c = tl.program_id(1)
     hd: tl.constexpr = 2 * HALF
+    PER: tl.constexpr = NH // NKV // GH
     _cp_attend_row(qkv_ptr + m * (NH + 2 * NKV) * hd, out_ptr + m * NH * hd, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                   k_pool_ptr, v_pool_ptr, (m * NKV + kvh) * BS * hd, pos, eps, scale, kvh, NH, NKV, BS, HALF)
+                   k_pool_ptr, v_pool_ptr, (m * NKV + c // PER) * BS * hd, pos, eps, scale, c // PER, (c % PER) * GH,
+                   NH, NKV, BS, HALF, GH)
 
 
 @triton.jit
 def _cp_attend0_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_pool_ptr, v_pool_ptr, eps, scale,
-                       NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr):
+                       NH: tl.constexpr, NKV: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, GDC: tl.constexpr,
+                       GH: tl.constexpr = 2):
     pdl.enter(GDC)
-    # program (stream b, kv head) of the first code-predictor pass: rows 2b and 2b + 1 at positions
-    # 0 and 1 of block b, one after the other (position 1 reads the K/V that position 0 stored)
+    # program (stream b, c) of the first code-predictor pass (c as _cp_attend_kernel's): rows 2b and
+    # 2b + 1 at positions 0 and 1 of block b, one after the other (position 1 reads the K/V that
+    # position 0 stored: this program's own store, or the same values from its kv head's other program)
     b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    c = tl.program_id(1)
     hd: tl.constexpr = 2 * HALF
+    PER: tl.constexpr = NH // NKV // GH
     for p in tl.static_range(2):
         _cp_attend_row(qkv_ptr + (2 * b + p) * (NH + 2 * NKV) * hd, out_ptr + (2 * b + p) * NH * hd, qn_ptr, kn_ptr,
-                       cos_ptr + p * hd, sin_ptr + p * hd, k_pool_ptr, v_pool_ptr, (b * NKV + kvh) * BS * hd, p, eps,
-                       scale, kvh, NH, NKV, BS, HALF)
+                       cos_ptr + p * hd, sin_ptr + p * hd, k_pool_ptr, v_pool_ptr, (b * NKV + c // PER) * BS * hd, p,
+                       eps, scale, c // PER, (c % PER) * GH, NH, NKV, BS, HALF, GH)
         if p == 0:
             tl.debug_barrier()  # position 0's K/V stores before position 1's loads of them
 
@@ -193,6 +201,18 @@ def _cp_attend0_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, out_ptr, k_poo
 # One warp keeps every reduction in shuffles: 3.7 / 4.3 / ~9 us per call at M = 1 / 64 / 256 rows
 # against 4.7 / 7.8 / ~27 with four (scripts/gpu_large_b_sweep.py on the H100)
 CP_ATTEND_WARPS = 1
+# query heads per cp_attend program (of the G = NH / NKV of a kv head): one, so that a kv head's
+# heads run side by side (each program also makes the kv head's K/V, the same values: each head's
+# arithmetic is unchanged, so are the bits: the frames' signatures equal G's, H200 session 39);
+# the graph-replay frame at mixed contexts 3.015 -> 2.905 ms at B = 1, 3.885 -> 3.826 at 16, 4.772
+# -> 4.711 at 64, 10.78 -> 10.69 at 256 (scripts/gpu_frames_ab.sh, two rounds a tree). G: one
+# program per kv head (the kernels' default)
+CP_ATTEND_HEADS = 1
+
+
+def cp_attend_grid(m: int, nh: int, nkv: int) -> tuple[int, int]:
+    """cp_attend's grid for m rows (cp_attend0's: m streams)."""
+    return (m, nh // CP_ATTEND_HEADS)
 
 
 def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, scale, out_dtype=torch.float32,
@@ -203,9 +223,9 @@ def cp_attend(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, pos, nh, nkv, eps, 
     m = qkv.shape[0]
     hd = k_pool.shape[-1]
     out = torch.empty(m, nh, hd, dtype=out_dtype, device=qkv.device)
-    _cp_attend_kernel[(m, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
-                                NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS,
-                                **pdl.kw(), **launch)
+    _cp_attend_kernel[cp_attend_grid(m, nh, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, pos, eps, scale,
+                                                  NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2,
+                                                  GH=CP_ATTEND_HEADS, num_warps=CP_ATTEND_WARPS, **pdl.kw(), **launch)
     return out
 
 
@@ -219,9 +239,10 @@ def cp_attend0(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, nh, nkv, eps, scal
     hd = k_pool.shape[-1]
     assert m % 2 == 0 and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == hd
     out = torch.empty(m, nh, hd, dtype=out_dtype, device=qkv.device)
-    _cp_attend0_kernel[(m // 2, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, eps, scale, NH=nh, NKV=nkv,
-                                      BS=k_pool.shape[2], HALF=hd // 2, num_warps=CP_ATTEND_WARPS, **pdl.kw(),
-                                      **launch)
+    _cp_attend0_kernel[cp_attend_grid(m // 2, nh, nkv)](qkv, q_norm, k_norm, cos, sin, out, k_pool, v_pool, eps,
+                                                        scale, NH=nh, NKV=nkv, BS=k_pool.shape[2], HALF=hd // 2,
+                                                        GH=CP_ATTEND_HEADS, num_warps=CP_ATTEND_WARPS, **pdl.kw(),
+                                                        **launch)
     return out
 
 
