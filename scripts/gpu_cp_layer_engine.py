@@ -112,7 +112,12 @@ class EngineArgs(ctypes.Structure):
                 ("flag_base", ctypes.c_uint), ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p),
                 ("dbg_o", ctypes.c_void_p), ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p),
                 ("dbg_r", ctypes.c_void_p), ("dbg_h", ctypes.c_void_p), ("sync", ctypes.c_void_p),
-                ("timeout_ns", ctypes.c_ulonglong), ("t0s", ctypes.c_void_p)]
+                ("timeout_ns", ctypes.c_ulonglong), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p),
+                ("prefetch", ctypes.c_int), ("att_heads", ctypes.c_int)]
+
+
+# layer_engine.cu's trace marks
+LL_MARKS = ("polled", "unpacked", "attended", "staged", "weights", "warp0_done", "done", "picked")
 
 
 WORDS_ROW_LAYER = QKV + 4 * H + I + 6 * H  # layer_engine.cu's LL words a row and layer
@@ -208,7 +213,11 @@ def attend_args(buf: Buffers, lw: dict, i: int, cos, sin) -> list:
     return [buf.qkv[i], lw["qn"], lw["kn"], cos, sin, buf.att[i], buf.kp[i], buf.vp[i], POS, EPS, SCALE]
 
 
-ATTEND_KW = dict(NH=NH, NKV=NKV, BS=BS, HALF=HD // 2, num_warps=tk_glue.CP_ATTEND_WARPS)
+ATTEND_KW = dict(NH=NH, NKV=NKV, BS=BS, HALF=HD // 2, GH=tk_glue.CP_ATTEND_HEADS, num_warps=tk_glue.CP_ATTEND_WARPS)
+
+
+def attend_grid(m: int) -> tuple[int, int]:
+    return tk_glue.cp_attend_grid(m, NH, NKV)
 
 
 def add_rms_args(buf: Buffers, j: int, parts: torch.Tensor, w: torch.Tensor, m: int) -> list:
@@ -223,7 +232,7 @@ def triton_layers(buf: Buffers, layers: list, cos, sin, m: int) -> None:
     """The layers as the frame's Triton launches (stack_forward's order and arguments)."""
     for i, lw in enumerate(layers):
         buf.qkv[i].copy_(tk_gemm.linear(buf.h[2 * i], lw["qkv"]))
-        tk_glue._cp_attend_kernel[(m, NKV)](*attend_args(buf, lw, i, cos, sin), **ATTEND_KW, **pdl.kw())
+        tk_glue._cp_attend_kernel[attend_grid(m)](*attend_args(buf, lw, i, cos, sin), **ATTEND_KW, **pdl.kw())
         buf.op[i].copy_(tk_gemm.linear_parts(buf.att[i], lw["o"]))
         tk_glue._add_rms_kernel[(m,)](*add_rms_args(buf, 2 * i, buf.op[i], lw["post"], m), **add_rms_kw(4),
                                       **pdl.kw())
@@ -262,7 +271,7 @@ def engine_phases(buf: Buffers, layers: list, tiled: dict, rows: dict, cos, sin,
 
     for i, lw in enumerate(layers):
         product("qkv", lw["qkv"], None, buf.h[2 * i], buf.qkv[i], QKV, H, 1024, 1.0)
-        row("attend", attend_args(buf, lw, i, cos, sin), (m, NKV))
+        row("attend", attend_args(buf, lw, i, cos, sin), attend_grid(m))
         product("o", lw["o"], None, buf.att[i], buf.op[i], H, QD, 512, 1.0)
         row("add_rms4", add_rms_args(buf, 2 * i, buf.op[i], lw["post"], m), (m,))
         product("gate_up", lw["gate"], lw["up"], buf.h[2 * i + 1], buf.inner[i], I, H, 1024, 2.0 ** -ops.MLP_SHIFT)
@@ -336,7 +345,7 @@ def main() -> None:
     b0 = Buffers(m0, a.layers, dev, torch.randn(m0, H, device=dev), torch.zeros(m0, H, dtype=torch.float16,
                                                                                 device=dev), pools0)
     rows = {"attend": RowKernel("attend", tk_glue._cp_attend_kernel, attend_args(b0, layers[0], 0, cos, sin),
-                                dict(ATTEND_KW, **pdl.kw()), (m0, NKV)),
+                                dict(ATTEND_KW, **pdl.kw()), attend_grid(m0)),
             "add_rms4": RowKernel("add_rms4", tk_glue._add_rms_kernel, add_rms_args(b0, 0, b0.op[0],
                                                                                   layers[0]["post"], m0),
                                   dict(add_rms_kw(4), **pdl.kw()), (m0,)),
@@ -386,7 +395,8 @@ def main() -> None:
             words = torch.zeros(a.layers * m * WORDS_ROW_LAYER, dtype=torch.int64, device=dev)
             kinds_ll = ["qkv", "o", "gate_up", "down"] * a.layers
             t0s_ll = torch.zeros(sms, len(kinds_ll) + 1, dtype=torch.int64, device=dev)
-            args = EngineArgs(nl=a.layers, M=m, x0=ll.r[0].data_ptr(), h0=ll.h[0].data_ptr(), cos=cos.data_ptr(),
+            args = EngineArgs(nl=a.layers, M=m, att_heads=tk_glue.CP_ATTEND_HEADS, x0=ll.r[0].data_ptr(),
+                              h0=ll.h[0].data_ptr(), cos=cos.data_ptr(),
                               sin=sin.data_ptr(), pos=POS, eps=EPS, scale=SCALE, words=words.data_ptr(),
                               sync=sync.data_ptr(), timeout_ns=2_000_000_000, t0s=t0s_ll.data_ptr(),
                               **{k: v.data_ptr() for k, v in outs.items()})
@@ -412,8 +422,33 @@ def main() -> None:
             print(f"M={m} LL, four hops a layer: bits {'EQUAL' if ok_ll else 'DIFFER'}: "
                   + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits_ll.items()), flush=True)
             t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
+            args.prefetch = 1
+            engine_ll()
+            torch.cuda.synchronize()
+            bits_pf, ok_pf = compare(ll, ref)
+            t_pf, phase_pf = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
+            print(f"  µs per layer: LL with the attention's K/V prefetched into L1 {t_pf:.2f} (bits "
+                  f"{'EQUAL' if ok_pf else 'DIFFER'}); phase spans "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phase_pf.items()), flush=True)
+            # one launch with thread 0's marks in every product (µs since the product's start, mean
+            # over blocks and the layers after the first)
+            trace = torch.zeros(sms, len(kinds_ll), 8, dtype=torch.int32, device=dev)
+            args.trace = trace.data_ptr()
+            engine_ll()
+            torch.cuda.synchronize()
+            args.trace = None
+            tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
+            marks = {}
+            for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
+                sub = tr[:, j::4]
+                marks[kind] = {name: round(float(sub[..., k][sub[..., k] > 0].mean()), 3) if (sub[..., k] > 0).any()
+                               else None for k, name in enumerate(LL_MARKS)}
+                print(f"  LL marks (K/V prefetched) {kind:8s} "
+                      + " ".join(f"{k} {v}" for k, v in marks[kind].items() if v is not None), flush=True)
             rec.update(ll={"bitwise": bits_ll, "bits_equal": ok_ll, "us_per_layer": round(t_ll, 3),
-                           "phase_span_us_mean": phase_ll})
+                           "phase_span_us_mean": phase_ll, "marks_us": marks},
+                       ll_prefetch={"bits_equal": ok_pf, "us_per_layer": round(t_pf, 3),
+                                    "phase_span_us_mean": phase_pf})
 
         graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

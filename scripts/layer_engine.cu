@@ -74,7 +74,14 @@ struct Args {
   unsigned* sync;             // [2]: error (zeroed by the host)
   unsigned long long timeout_ns;
   unsigned long long* t0s;    // null, or [G][4 nl + 1]: each product's start in each block, and its end
+  unsigned* trace;            // null, or [G][4 nl][TRACE]: thread 0's marks in each product (ns since its start)
+  int prefetch;               // 1: the attention's cached K/V rows prefetched into L1 (see the o_proj staging)
+  int att_heads;              // query heads an attention program (tk_glue.CP_ATTEND_HEADS: 1 or 2)
 };
+// trace marks: 0 its own polls done (the inputs there), 1 the attention's inputs unpacked (o_proj),
+// 2 the attention done (o_proj), 3 the staging done, 4 warp 0's first weights there, 5 warp 0's
+// last task stored, 6 the product done (every warp), 7 warp 0's first task picked (before its weights' wait)
+constexpr int TRACE = 8;
 
 struct Params {
   Args a;
@@ -196,7 +203,8 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
   // The RMSNorm after a product with `parts` K pieces (its LL words at `w`, parts [parts][M][H]) into
   // the block's residual and, fp16, row m of the staged inputs (one 1,024-column piece, stride xrs);
   // dbg: its outputs' index among the launch's norms (block 0 writes them), or -1.
-  auto add_rms = [&](const unsigned long long* w, int parts, unsigned flag, const float* nw, int xrs, int dbg) {
+  auto add_rms = [&](const unsigned long long* w, int parts, unsigned flag, const float* nw, int xrs, int dbg,
+                     auto polled) {
     const int m = grp;
     if (m < M) {
       // the thread's 8 values of each part: 4 word pairs a part, all polled in one round
@@ -205,6 +213,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
 #pragma unroll
       for (int k = 0; k < 24; ++k) off[k] = ((k >> 2) * M + m) * H + 8 * gt + 2 * (k & 3);
       poll_many<24>(w, off, 4 * parts, flag, v, a);
+      polled();
       float e[8];
 #pragma unroll
       for (int i = 0; i < 8; i += 2) e[i] = __uint_as_float(v[i >> 1].x), e[i + 1] = __uint_as_float(v[i >> 1].y);
@@ -237,7 +246,13 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
     const Layer& L = a.L[l];
     unsigned long long* lw = a.words + (size_t)l * M * WORDS_ROW_LAYER;
     for (int p = 0; p < 4; ++p) {
-      if (a.t0s && tid == 0) a.t0s[(size_t)b * (4 * a.nl + 1) + 4 * l + p] = gtime();
+      unsigned long long tstart = 0;
+      if ((a.t0s || a.trace) && tid == 0) tstart = gtime();
+      if (a.t0s && tid == 0) a.t0s[(size_t)b * (4 * a.nl + 1) + 4 * l + p] = tstart;
+      unsigned* tr = a.trace && tid == 0 ? a.trace + ((size_t)b * 4 * a.nl + 4 * l + p) * TRACE : nullptr;
+      auto mark = [&](int k) {
+        if (tr) tr[k] = (unsigned)(gtime() - tstart);
+      };
       const Shape sh = shape_of(p);
       const int S = sh.K / sh.piece, T = (sh.N / 16) * S, per = sh.piece / UC, xrs = sh.piece * 2 + 16;
       const bool dual = p == P_GU;
@@ -267,12 +282,29 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
                                                 : a.words + (size_t)(l - 1) * M * WORDS_ROW_LAYER +
                                                       (size_t)M * words_before(P_DN);
         add_rms(src, after_o ? 4 : 6, after_o ? flag_of(a, l, P_O) : flag_of(a, l - 1, P_DN),
-                after_o ? L.post : a.L[l - 1].nxt, xrs, after_o ? 2 * l : 2 * l - 1);
+                after_o ? L.post : a.L[l - 1].nxt, xrs, after_o ? 2 * l : 2 * l - 1, [&] { mark(0); });
       } else if (p == P_O) {
         // the attention's inputs of the block's kv heads (piece s: heads 4s..4s+3, kv heads 2s, 2s + 1)
         const unsigned long long* qw = lw + (size_t)M * words_before(P_QKV);
         float* qg = a.qkv_g + (size_t)l * M * QKV;
         const unsigned qf = flag_of(a, l, P_QKV);
+        if (a.prefetch) {  // the attention programs' cached K/V rows 0..pos-1 and their vectors into L1 while
+                           // the q|k|v words are on their way (their loads then hit L1, not L2)
+          const int lines = (int)a.pos * HD * 4 / 128;  // 128-byte lines of one (row, kv head)'s K or V
+          for (int s = 0; s < S; ++s) {
+            if (!(pieces >> s & 1u)) continue;
+            for (int i = tid; i < 2 * M * 2 * lines; i += WARPS * 32) {
+              const int kk = i / (M * 2 * lines), m = (i / (2 * lines)) % M, kv = (i / lines) & 1, ln = i % lines;
+              const float* pool = kv ? L.vpool : L.kpool;
+              const float* line = pool + ((size_t)m * NKV + 2 * s + kk) * 16 * HD + ln * 32;
+              asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+            }
+          }
+          if (tid < 16) {
+            const float* vec = tid < 4 ? a.cos : tid < 8 ? a.sin : tid < 12 ? L.qn : L.kn;
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(vec + (tid & 3) * 32));
+          }
+        }
         int nprog = 0;
         for (int s = 0; s < S; ++s) {
           if (!(pieces >> s & 1u)) continue;
@@ -291,18 +323,22 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
             }
           }
         }
+        mark(0);
         consumer_sync();  // (the copies visible to the block's warps)
+        mark(1);
 #ifdef ROW_PHASES
-        // program j = (piece, kv head, row) on warp j % 8: tk_glue._cp_attend_kernel's (row, kv head)
+        // program j = (piece, c, row) on warp j % 8: tk_glue._cp_attend_kernel's program (row, c), c the
+        // piece's kv heads 2s, 2s + 1 (att_heads 2) or its q heads 4s .. 4s + 3 (att_heads 1)
+        const int per_piece = 4 / a.att_heads;
         int j = 0;
         for (int s = 0; s < S; ++s) {
           if (!(pieces >> s & 1u)) continue;
-          for (int kk = 0; kk < 2; ++kk)
+          for (int c = per_piece * s; c < per_piece * (s + 1); ++c)
             for (int m = 0; m < M; ++m, ++j) {
               if ((j & 7) != warp) continue;
               const void* args[8] = {qg, L.qn, L.kn, a.cos, a.sin, a.att_g + (size_t)l * M * QD, L.kpool, L.vpool};
               const unsigned uargs[3] = {a.pos, __float_as_uint(a.eps), __float_as_uint(a.scale)};
-              row_call(1, args, uargs, (unsigned)m, (unsigned)(2 * s + kk), (unsigned)lane, att_win + warp * ATT_SMEM,
+              row_call(1, args, uargs, (unsigned)m, (unsigned)c, (unsigned)lane, att_win + warp * ATT_SMEM,
                        2u + (unsigned)warp);
             }
         }
@@ -310,6 +346,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
         if (nprog) fail(a, 4u);  // (a build without the row call)
 #endif
         consumer_sync();
+        mark(2);
         const __half* ag = a.att_g + (size_t)l * M * QD;
         for (int s = 0; s < S; ++s) {
           if (!(pieces >> s & 1u)) continue;
@@ -339,8 +376,10 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
             *reinterpret_cast<uint4*>(dst + (size_t)m * xrs + 16 * c) = make_uint4(hv[0], hv[1], hv[2], hv[3]);
           }
         }
+        mark(0);
       }
       consumer_sync();
+      mark(3);
 
       // ---- the tasks: warp j % 8 takes the block's j-th
       unsigned long long* ow = lw + (size_t)M * words_before(p);
@@ -349,12 +388,14 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
         tile += gq, s += gr;
         if (s >= S) s -= S, tile += 1;
         if ((j & 7) != warp) continue;
+        if (j == 0) mark(7);
         bool ok = true;
         for (int i = 0; i < upt; ++i) {
           const uint32_t n = seq + i;
           ok = ok && mbar_wait_err(smem_u32(full + n % NU), (n / NU) & 1u, a.sync + 2, a.timeout_ns);
         }
         if (!ok) asm volatile("trap;");
+        if (j == 0) mark(4);
         float d[2][4] = {}, e[2][4] = {};
         const int g = lane >> 2, t = lane & 3;
         const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -392,15 +433,17 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
             if (dbg) dbg[(((size_t)l * S + s) * M + m) * H + n] = o;
           }
         }
+        mark(5);
       }
       consumer_sync();  // (every chain done with the staged inputs before the next staging)
+      mark(6);
     }
   }
   if (a.t0s && tid == 0) a.t0s[(size_t)b * (4 * a.nl + 1) + 4 * a.nl] = gtime();
   if (b == 0) {  // the last layer's residual and normed rows (norm 2 nl - 1)
     const int l = a.nl - 1;
     add_rms(a.words + (size_t)l * M * WORDS_ROW_LAYER + (size_t)M * words_before(P_DN), 6, flag_of(a, l, P_DN),
-            a.L[l].nxt, H * 2 + 16, 2 * l + 1);
+            a.L[l].nxt, H * 2 + 16, 2 * l + 1, [] {});
   }
 }
 
@@ -408,7 +451,8 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
 // args: an Args (a pointer to void: a type of internal linkage in the signature would hide the symbol)
 extern "C" int layer_engine_run(const void* args, int blocks, void* stream) {
   const Args& a = *static_cast<const Args*>(args);
-  if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < 1) return -1;
+  if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < 1 || (a.att_heads != 1 && a.att_heads != 2))
+    return -1;
   Params P;
   P.a = a;
   // the staged inputs: the most any block needs (its pieces x R rows), then the residual, the
