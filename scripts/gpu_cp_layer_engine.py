@@ -1,19 +1,26 @@
 #!/usr/bin/env python
 """Issue 16's small-batch kernel, its second question: whole code-predictor layers in one
-persistent launch with the Triton graphs' bits. `scripts/products_engine.cu`, built with
-ROW_PHASES, runs per layer the four fp16 products (q|k|v, o_proj, gate|up + SwiGLU, down) as
-mma.sync chains over weight tiles that its producer warps stream ahead, and the three row phases
-(the attention at one position, the residual + RMSNorm after o_proj and after down) as the Triton
-kernels' own PTX made device functions (`scripts/ptx_func.py`); a grid barrier between phases.
+persistent launch with the Triton graphs' bits, three ways:
+1. `scripts/products_engine.cu` built with ROW_PHASES: per layer the four fp16 products (q|k|v,
+   o_proj, gate|up + SwiGLU, down) as mma.sync chains over weight tiles that producer warps stream
+   ahead, and the three row phases (the attention at one position, the residual + RMSNorm after
+   o_proj and after down) as the Triton kernels' own PTX made device functions
+   (`scripts/ptx_func.py`); a grid barrier between phases (any M <= 16);
+2. `scripts/layer_engine.cu` (M <= 2): four LL hops a layer, the row work redone by every block
+   that needs it (the RMSNorm by its twin, the attention by the PTX on the words it unpacks); with
+   the attention's cached K/V prefetched into L1 too;
+3. the same with the attention by `attend_twin` (layer_engine.cu: the Triton kernel's arithmetic,
+   its inputs from the words and shared memory).
 
 Checks every phase's outputs and the K/V cache bitwise against the same layers run as the Triton
 launches the frame makes (`tk_gemm.linear`, `tk_glue.cp_attend`, `linear_parts`, `add_rms`,
-`swiglu`), then times L layers inside the kernel (the first block's start to the last block's end,
-globaltimer; median of 7 launches) against a CUDA graph of those launches (20 replays, less an
-empty graph's), and prints the mean span of each phase kind over the blocks. Writes
+`swiglu`), each variant from reset outputs, then times L layers inside the kernel (the first
+block's start to the last block's end, globaltimer; median of 7 launches) against a CUDA graph of
+those launches (20 replays, less an empty graph's), and prints the mean span of each phase kind
+over the blocks and, for the LL variants, thread 0's marks inside each hop. Writes
 $OUT/cp_layer_engine.json.
 
-  PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 4 8] [--layers 5]
+  PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 2 4 8] [--layers 5]
 """
 
 from __future__ import annotations
@@ -113,7 +120,7 @@ class EngineArgs(ctypes.Structure):
                 ("dbg_o", ctypes.c_void_p), ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p),
                 ("dbg_r", ctypes.c_void_p), ("dbg_h", ctypes.c_void_p), ("sync", ctypes.c_void_p),
                 ("timeout_ns", ctypes.c_ulonglong), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p),
-                ("prefetch", ctypes.c_int), ("att_heads", ctypes.c_int)]
+                ("prefetch", ctypes.c_int), ("att_heads", ctypes.c_int), ("att_twin", ctypes.c_int)]
 
 
 # layer_engine.cu's trace marks
@@ -445,6 +452,39 @@ def main() -> None:
                                else None for k, name in enumerate(LL_MARKS)}
                 print(f"  LL marks (K/V prefetched) {kind:8s} "
                       + " ".join(f"{k} {v}" for k, v in marks[kind].items() if v is not None), flush=True)
+            # the attention by layer_engine.cu's attend_twin (every output and cache reset first)
+            args.prefetch, args.att_twin = 0, 1
+            for key, outs_k in ll.outputs().items():
+                for i, t in enumerate(outs_k):
+                    if key in ("k_cache", "v_cache"):
+                        t.copy_(pools[i][0 if key == "k_cache" else 1])
+                    else:
+                        t.view(torch.uint8).fill_(0xFF)
+            engine_ll()
+            torch.cuda.synchronize()
+            assert int(sync[2]) == 0, f"the LL engine (twin) gave up a wait (error {int(sync[2])})"
+            bits_tw, ok_tw = compare(ll, ref)
+            print(f"M={m} LL, attention twin: bits {'EQUAL' if ok_tw else 'DIFFER'}: "
+                  + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits_tw.items()), flush=True)
+            t_tw, phase_tw = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
+            trace.zero_()  # (marks this path does not write stay empty)
+            args.trace = trace.data_ptr()
+            engine_ll()
+            torch.cuda.synchronize()
+            args.trace = None
+            tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
+            marks_tw = {}
+            for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
+                sub = tr[:, j::4]
+                marks_tw[kind] = {name: round(float(sub[..., k][sub[..., k] > 0].mean()), 3)
+                                  if (sub[..., k] > 0).any() else None for k, name in enumerate(LL_MARKS)}
+                print(f"  LL marks (attention twin) {kind:8s} "
+                      + " ".join(f"{k} {v}" for k, v in marks_tw[kind].items() if v is not None), flush=True)
+            print(f"  µs per layer: LL with the attention twin {t_tw:.2f}; phase spans "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phase_tw.items()), flush=True)
+            rec.update(ll_twin={"bitwise": bits_tw, "bits_equal": ok_tw, "us_per_layer": round(t_tw, 3),
+                                "phase_span_us_mean": phase_tw, "marks_us": marks_tw})
+            args.att_twin = 0
             rec.update(ll={"bitwise": bits_ll, "bits_equal": ok_ll, "us_per_layer": round(t_ll, 3),
                            "phase_span_us_mean": phase_ll, "marks_us": marks},
                        ll_prefetch={"bits_equal": ok_pf, "us_per_layer": round(t_pf, 3),
