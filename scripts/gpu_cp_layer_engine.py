@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import ptx_func  # noqa: E402
-from gpu_products_engine import Product, tile  # noqa: E402
+from gpu_products_engine import Product, tile, timed  # noqa: E402
 
 from tts_server.engines.batched import ops, pdl, tk_gemm, tk_glue  # noqa: E402
 
@@ -300,6 +300,28 @@ def compare(mine: Buffers, ref: Buffers) -> tuple[dict, bool]:
     return bits, all(eq == tot for eq, tot in bits.values())
 
 
+def reset(buf: Buffers, pools: list) -> None:
+    """Every output written afresh by the next launch: outputs 0xFF, the K/V caches as they started."""
+    for key, outs in buf.outputs().items():
+        for i, t in enumerate(outs):
+            if key in ("k_cache", "v_cache"):
+                t.copy_(pools[i][0 if key == "k_cache" else 1])
+            else:
+                t.view(torch.uint8).fill_(0xFF)
+
+
+def checked(launch, sync: torch.Tensor, mine: Buffers, ref: Buffers, pools: list, label: str) -> tuple[dict, bool]:
+    """One launch from reset outputs, compared bitwise with the Triton launches' (printed)."""
+    reset(mine, pools)
+    launch()
+    torch.cuda.synchronize()
+    assert int(sync[2]) == 0, f"{label}: the engine gave up a wait (error {int(sync[2])})"
+    bits, ok = compare(mine, ref)
+    print(f"{label}: bits {'EQUAL' if ok else 'DIFFER'}: " + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()),
+          flush=True)
+    return bits, ok
+
+
 def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) -> tuple[float, dict]:
     """µs per layer inside the kernel (the first block's start to the last block's end, median of
     runs) and each phase kind's span (its start to the next phase's start, mean over blocks, median
@@ -316,18 +338,23 @@ def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) ->
     return statistics.median(per_layer), {k: round(statistics.median(v), 3) for k, v in per_kind.items()}
 
 
-def timed(fn, reps=20, rounds=5) -> float:
-    """µs per call: reps calls back to back between two events, median of rounds."""
-    ts = []
-    for _ in range(rounds):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
-    return statistics.median(ts)
+def ll_marks(launch, args: EngineArgs, trace: torch.Tensor, label: str) -> dict:
+    """One launch with thread 0's marks in every product (layer_engine.cu's trace): µs since the
+    product's start by kind, means over blocks and the layers after the first (None: not marked)."""
+    trace.zero_()
+    args.trace = trace.data_ptr()
+    launch()
+    torch.cuda.synchronize()
+    args.trace = None
+    tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
+    marks = {}
+    for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
+        sub = tr[:, j::4]
+        marks[kind] = {name: round(float(sub[..., k][sub[..., k] > 0].mean()), 3) if (sub[..., k] > 0).any()
+                       else None for k, name in enumerate(LL_MARKS)}
+        print(f"  LL marks ({label}) {kind:8s} "
+              + " ".join(f"{k} {v}" for k, v in marks[kind].items() if v is not None), flush=True)
+    return marks
 
 
 def main() -> None:
@@ -385,12 +412,7 @@ def main() -> None:
             assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
                                                         else "arguments"))
 
-        engine()
-        torch.cuda.synchronize()
-        assert int(sync[2]) == 0, f"the engine gave up a wait (error {int(sync[2])})"
-        bits, ok = compare(mine, ref)
-        print(f"M={m} row phases + grid barriers: bits {'EQUAL' if ok else 'DIFFER'}: "
-              + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()), flush=True)
+        bits, ok = checked(engine, sync, mine, ref, pools, f"M={m} row phases + grid barriers")
         t_engine, phase_us = spans(engine, t0s, kinds, a.layers)
         rec.update(barriers={"bitwise": bits, "bits_equal": ok, "us_per_layer": round(t_engine, 3),
                              "phase_span_us_mean": phase_us})
@@ -422,64 +444,21 @@ def main() -> None:
                 assert ret == 0, (f"launch error {ret}: " + (so_ll.layer_engine_error_string(-ret).decode()
                                                              if ret < -2 else "arguments"))
 
-            engine_ll()
-            torch.cuda.synchronize()
-            assert int(sync[2]) == 0, f"the LL engine gave up a wait (error {int(sync[2])})"
-            bits_ll, ok_ll = compare(ll, ref)
-            print(f"M={m} LL, four hops a layer: bits {'EQUAL' if ok_ll else 'DIFFER'}: "
-                  + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits_ll.items()), flush=True)
+            bits_ll, ok_ll = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, four hops a layer")
             t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
             args.prefetch = 1
-            engine_ll()
-            torch.cuda.synchronize()
-            bits_pf, ok_pf = compare(ll, ref)
+            bits_pf, ok_pf = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, K/V prefetched into L1")
             t_pf, phase_pf = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
             print(f"  µs per layer: LL with the attention's K/V prefetched into L1 {t_pf:.2f} (bits "
                   f"{'EQUAL' if ok_pf else 'DIFFER'}); phase spans "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phase_pf.items()), flush=True)
-            # one launch with thread 0's marks in every product (µs since the product's start, mean
-            # over blocks and the layers after the first)
             trace = torch.zeros(sms, len(kinds_ll), 8, dtype=torch.int32, device=dev)
-            args.trace = trace.data_ptr()
-            engine_ll()
-            torch.cuda.synchronize()
-            args.trace = None
-            tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
-            marks = {}
-            for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
-                sub = tr[:, j::4]
-                marks[kind] = {name: round(float(sub[..., k][sub[..., k] > 0].mean()), 3) if (sub[..., k] > 0).any()
-                               else None for k, name in enumerate(LL_MARKS)}
-                print(f"  LL marks (K/V prefetched) {kind:8s} "
-                      + " ".join(f"{k} {v}" for k, v in marks[kind].items() if v is not None), flush=True)
+            marks = ll_marks(engine_ll, args, trace, "K/V prefetched")
             # the attention by layer_engine.cu's attend_twin (every output and cache reset first)
             args.prefetch, args.att_twin = 0, 1
-            for key, outs_k in ll.outputs().items():
-                for i, t in enumerate(outs_k):
-                    if key in ("k_cache", "v_cache"):
-                        t.copy_(pools[i][0 if key == "k_cache" else 1])
-                    else:
-                        t.view(torch.uint8).fill_(0xFF)
-            engine_ll()
-            torch.cuda.synchronize()
-            assert int(sync[2]) == 0, f"the LL engine (twin) gave up a wait (error {int(sync[2])})"
-            bits_tw, ok_tw = compare(ll, ref)
-            print(f"M={m} LL, attention twin: bits {'EQUAL' if ok_tw else 'DIFFER'}: "
-                  + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits_tw.items()), flush=True)
+            bits_tw, ok_tw = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, attention twin")
             t_tw, phase_tw = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
-            trace.zero_()  # (marks this path does not write stay empty)
-            args.trace = trace.data_ptr()
-            engine_ll()
-            torch.cuda.synchronize()
-            args.trace = None
-            tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
-            marks_tw = {}
-            for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
-                sub = tr[:, j::4]
-                marks_tw[kind] = {name: round(float(sub[..., k][sub[..., k] > 0].mean()), 3)
-                                  if (sub[..., k] > 0).any() else None for k, name in enumerate(LL_MARKS)}
-                print(f"  LL marks (attention twin) {kind:8s} "
-                      + " ".join(f"{k} {v}" for k, v in marks_tw[kind].items() if v is not None), flush=True)
+            marks_tw = ll_marks(engine_ll, args, trace, "attention twin")
             print(f"  µs per layer: LL with the attention twin {t_tw:.2f}; phase spans "
                   + ", ".join(f"{k} {v:.2f}" for k, v in phase_tw.items()), flush=True)
             rec.update(ll_twin={"bitwise": bits_tw, "bits_equal": ok_tw, "us_per_layer": round(t_tw, 3),

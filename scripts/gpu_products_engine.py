@@ -160,6 +160,21 @@ def trace_summary(tr, t0s, kinds, pt) -> dict:
     return out
 
 
+def timed(fn, reps=20, rounds=5) -> float:
+    """µs per call: reps calls back to back between two events (the host's launch time
+    overlapped), median of rounds."""
+    ts = []
+    for _ in range(rounds):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
+    return statistics.median(ts)
+
+
 def triton_run(prods) -> list:
     res = []
     for kind, w, w2, x, _, n, k, piece in prods:
@@ -245,20 +260,6 @@ def main() -> None:
                 equal += int((o.view(view) == r.reshape(o.shape).view(view)).sum())
                 total += o.numel()
             bits[key] = equal
-
-        def timed(fn, reps=20, rounds=5):
-            """µs per call: reps calls back to back between two events (the host's launch time
-            overlapped), median of rounds."""
-            ts = []
-            for _ in range(rounds):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    fn()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1000.0 / reps)
-            return statistics.median(ts)
 
         t0s = torch.zeros(sms, len(prods) + 1, dtype=torch.int64, device=dev)
 
