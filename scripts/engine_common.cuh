@@ -1,7 +1,8 @@
 // Device code shared by issue 16's persistent-kernel experiments (scripts/products_engine.cu,
-// scripts/layer_engine.cu) and their bit checks (scripts/dot_bits.cu): timers and mbarrier waits, the
-// products' mma.sync chains over shared-memory weight tiles (the Triton graphs' arithmetic: one chain
-// per K piece, 16-column steps in order, from zero), and the pieces of Triton 3.6's RMSNorm.
+// scripts/layer_engine.cu, scripts/stream_bw.cu) and their bit checks (scripts/dot_bits.cu): timers,
+// mbarrier waits and arrivals, the weight streams' bulk copies, the products' mma.sync chains over
+// shared-memory weight tiles (the Triton graphs' arithmetic: one chain per K piece, 16-column steps
+// in order, from zero), and the pieces of Triton 3.6's RMSNorm.
 #pragma once
 #include <cuda_fp16.h>
 #include <cstdint>
@@ -28,6 +29,37 @@ __device__ __forceinline__ bool mbar_try(uint32_t a, uint32_t parity) {
   asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                : "=r"(ok) : "r"(a), "r"(parity) : "memory");
   return ok != 0;
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// The weight streams' L2 policy: read once a pass, evicted first (so that activations stay).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+// A ring unit's mbarrier `bar` to expect `bytes` of bulk copies (after the generic proxy's last
+// reads of the unit's shared memory).
+__device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One bulk copy of `bytes` from global `src` into shared `dst`, completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          uint64_t policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+               "[%0], [%1], %2, [%3], %4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+               : "memory");
+}
+// A ring of n units' mbarriers (full: the copies landed; empty: the consumers are done), one
+// arrival each; by one thread, before the block's first __syncthreads.
+__device__ __forceinline__ void ring_init(unsigned long long* full, unsigned long long* empty, int n) {
+  for (int u = 0; u < n; ++u) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + u)) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + u)) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 // Bounded: false after timeout_ns or once the error word (another block's) is set; sets it to 1.
 __device__ bool mbar_wait_err(uint32_t a, uint32_t parity, unsigned* err, unsigned long long timeout_ns) {
@@ -169,8 +201,8 @@ __device__ __forceinline__ void chain_t(uint32_t wa0, uint32_t wa1, uint32_t wb0
     if (rel0) {
       __syncwarp();
       if ((threadIdx.x & 31) == 0) {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel0) : "memory");
-        if (DUAL) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(rel20) : "memory");
+        mbar_arrive(rel0);
+        if (DUAL) mbar_arrive(rel20);
       }
     }
     chain_unit<TWO, DUAL>(wa1, wb1, xa + 2 * UC, xrs, d, e, sw);

@@ -101,17 +101,6 @@ __device__ __forceinline__ void fail(const Args& a, unsigned code) {
   asm volatile("trap;");
 }
 
-// Two LL words at w (16-byte aligned) once both carry `flag`: their payloads.
-__device__ __forceinline__ uint2 poll2(const unsigned long long* w, unsigned flag, const Args& a) {
-  unsigned long long w0, w1;
-  for (uint32_t round = 0;; ++round) {
-    asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(w) : "memory");
-    if ((unsigned)(w0 >> 32) == flag && (unsigned)(w1 >> 32) == flag) break;
-    if ((round & 63u) == 63u && *reinterpret_cast<volatile unsigned*>(a.sync + 2) != 0) asm volatile("trap;");
-    if (round > (1u << 26)) fail(a, 3u);
-  }
-  return make_uint2((unsigned)w0, (unsigned)w1);
-}
 // N pairs of LL words, pair k at w + off[k] (16-byte aligned), once every word carries `flag`: all
 // loads of a round issued together (one L2 round trip a round, not one a pair), the whole round
 // again until every flag is there.
@@ -274,20 +263,13 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
   unsigned char* ring = smem + (P.smem - NU * UNIT);
   float* resid = reinterpret_cast<float*>(smem + P.xbytes);  // [MAXM][H]: this block's copy of the residual
   const uint32_t att_win = smem_u32(smem + P.xbytes + MAXM * H * 4);  // 8 x ATT_SMEM
-  if (threadIdx.x == 0) {
-    for (int u = 0; u < NU; ++u) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + u)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + u)) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) ring_init(full, empty, NU);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: lane 0 issues each task's units in the consumers' order
     if (lane != 0) return;
     uint32_t seq = 0;
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const uint64_t policy = evict_first_policy();
     for (int l = 0; l < a.nl; ++l)
       for (int p = 0; p < 4; ++p) {
         const Shape sh = shape_of(p);
@@ -301,15 +283,9 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
               if (seq >= (uint32_t)NU && !mbar_wait_err(smem_u32(empty + u), ((seq / NU) - 1) & 1u, a.sync + 2,
                                                          a.timeout_ns))
                 asm volatile("trap;");
-              asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-              asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + u)),
-                           "r"((uint32_t)(16 * UC * 2)) : "memory");
+              expect_bytes(smem_u32(full + u), 16 * UC * 2);
               const size_t unit = ((size_t)tile * (sh.K / UC) + (size_t)s * per + kc) * (16 * UC);
-              asm volatile(
-                  "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
-                  "[%3], %4;" ::"r"(smem_u32(ring + (size_t)u * UNIT)),
-                  "l"(w + unit), "r"((uint32_t)(16 * UC * 2)), "r"(smem_u32(full + u)), "l"(policy)
-                  : "memory");
+              bulk_copy(smem_u32(ring + (size_t)u * UNIT), w + unit, 16 * UC * 2, smem_u32(full + u), policy);
             }
           }
         }
@@ -495,8 +471,10 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
                 const int which = i / HD, d = i % HD;
                 const int col = which < 2 ? (2 * kvh + which) * HD + d : which == 2 ? (NH + kvh) * HD + d
                                                                                     : (NH + NKV + kvh) * HD + d;
-                const uint2 v = poll2(qw + (size_t)m * QKV + col, qf, a);
-                *reinterpret_cast<uint2*>(qg + (size_t)m * QKV + col) = v;
+                const int off[1] = {m * QKV + col};
+                uint2 v[1];
+                poll_many<1>(qw, off, 1, qf, v, a);
+                *reinterpret_cast<uint2*>(qg + (size_t)m * QKV + col) = v[0];
               }
               ++nprog;
             }
@@ -589,7 +567,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_engine_kernel(const __grid_c
         if (lane == 0)
           for (int i = 0; i < upt; ++i) {
             if (per == 2 && !(i & 1)) continue;  // released by the chain
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + (seq + i) % NU)) : "memory");
+            mbar_arrive(smem_u32(empty + (seq + i) % NU));
           }
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {

@@ -196,21 +196,14 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int G = gridDim.x, b = blockIdx.x;
   unsigned char* ring = smem + (P.smem - NU * UNIT);  // the staged inputs below it
-  if (threadIdx.x == 0) {
-    for (int u = 0; u < NU; ++u) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + u)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + u)) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) ring_init(full, empty, NU);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer warp: lane 0 issues every row's copy
     if (P.mode == 4 || P.mode == 5 || lane != 0) return;
     uint32_t seq = 0;   // this block's unit sequence number
     // weights are read once a pass: evict them from L2 first, so that the activations stay
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const uint64_t policy = evict_first_policy();
     for (int pi = 0; pi < P.np; ++pi) {
       const Product& q = P.p[pi];
       if (q.kind) continue;  // a row phase: no weights
@@ -236,26 +229,17 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
               pt[1] = now;
               if (P.utrace && seq < UTR) P.utrace[((size_t)b * UTR + seq) * 3] = now;
             }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + u)),
-                         "r"((uint32_t)(rows * segs * UC * 2)) : "memory");
+            expect_bytes(smem_u32(full + u), (uint32_t)(rows * segs * UC * 2));
             if (P.tiled) {  // the unit is 16 KB in a row of the tiled copy: one bulk copy
               const size_t unit = ((size_t)tile * (q.K / UC) + (size_t)s * (q.piece / UC) + kc) * (16 * UC);
-              asm volatile(
-                  "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
-                  "[%3], %4;" ::"r"(smem_u32(ring + (size_t)u * UNIT)),
-                  "l"(w + unit), "r"((uint32_t)(16 * UC * 2)), "r"(smem_u32(full + u)), "l"(policy)
-                  : "memory");
+              bulk_copy(smem_u32(ring + (size_t)u * UNIT), w + unit, 16 * UC * 2, smem_u32(full + u), policy);
               continue;
             }
             for (int sg = 0; sg < segs; ++sg)
               for (int r = 0; r < rows; ++r) {
                 const __half* src = w + (size_t)(rows * tile + r) * q.K + (size_t)s * q.piece + (size_t)(kc + sg) * UC;
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
-                    "[%3], %4;" ::"r"(smem_u32(ring + (size_t)u * UNIT + (r + 8 * sg) * URS)),
-                    "l"(src), "r"((uint32_t)(UC * 2)), "r"(smem_u32(full + u)), "l"(policy)
-                    : "memory");
+                bulk_copy(smem_u32(ring + (size_t)u * UNIT + (r + 8 * sg) * URS), src, UC * 2, smem_u32(full + u),
+                          policy);
               }
           }
         }
@@ -280,7 +264,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       for (int task = b; task < ntasks(P.p[pi], P.xa); task += G) total += units_of(P.p[pi], P.xa);
     for (uint32_t n = 0; n < total; ++n) {
       if (!mbar_wait(smem_u32(full + n % NU), (n / NU) & 1u, P)) asm volatile("trap;");
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + n % NU)) : "memory");
+      mbar_arrive(smem_u32(empty + n % NU));
     }
     if (P.t0s) P.t0s[(size_t)b * (P.np + 1) + P.np] = gtime();
     return;
@@ -419,7 +403,7 @@ __global__ void __launch_bounds__(THREADS, 1) products_engine_kernel(const __gri
       if (lane == 0 && P.mode != 5)
         for (int i = 0; i < upt; ++i) {
           if (early && !nochain && per == 2 && !(i & 1)) continue;  // released by the chain (per: 1 or 2)
-          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + (seq + i) % NU)) : "memory");
+          mbar_arrive(smem_u32(empty + (seq + i) % NU));
         }
 #pragma unroll
       for (int it = 0; it < 2; ++it)

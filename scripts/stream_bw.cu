@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "engine_common.cuh"
+
 namespace {
 
 constexpr int MAXR = 16;
@@ -25,12 +27,9 @@ struct Args {
   int method, C, U, R, I, L;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
-  uint32_t ok = 0;
-  while (!ok)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(ok) : "r"(a), "r"(parity) : "memory");
+  while (!mbar_try(a, parity)) {
+  }
 }
 
 }  // namespace
@@ -57,35 +56,25 @@ __global__ void __launch_bounds__(256, 1) stream_bw_kernel(const __grid_constant
     if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) A.sink[0] = 1;  // keeps the loads
     return;
   }
-  if (threadIdx.x == 0) {
-    for (int u = 0; u < A.R; ++u) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + u)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + u)) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) ring_init(full, empty, A.R);
   __syncthreads();
   const uint32_t n = (uint32_t)(A.per / A.U);  // units
   if (warp == 0 && lane < A.I) {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const uint64_t policy = evict_first_policy();
     for (uint32_t i = lane; i < n; i += A.I) {
       const int u = i % A.R;
       if (i >= (uint32_t)A.R) mbar_wait(smem_u32(empty + u), ((i / A.R) - 1) & 1u);
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full + u)),
                    "r"((uint32_t)A.U) : "memory");
       for (int c = 0; c < A.U; c += A.C)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-            "%4;" ::"r"(smem_u32(smem + (size_t)u * A.U + c)),
-            "l"(src + (size_t)i * A.U + c), "r"((uint32_t)A.C), "r"(smem_u32(full + u)), "l"(policy)
-            : "memory");
+        bulk_copy(smem_u32(smem + (size_t)u * A.U + c), src + (size_t)i * A.U + c, (uint32_t)A.C, smem_u32(full + u),
+                  policy);
     }
   } else if (warp == 1 && lane == 0) {
     for (uint32_t i = 0; i < n; ++i) {
       const int u = i % A.R;
       mbar_wait(smem_u32(full + u), (i / A.R) & 1u);
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + u)) : "memory");
+      mbar_arrive(smem_u32(empty + u));
     }
   }
 }
