@@ -8,7 +8,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
-#include "engine_common.cuh"
+#include "../csrc/small/common.cuh"
 
 namespace {
 

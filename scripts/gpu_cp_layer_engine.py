@@ -1,23 +1,22 @@
 #!/usr/bin/env python
-"""Issue 16's small-batch kernel, its second question: whole code-predictor layers in one
-persistent launch with the Triton graphs' bits, three ways:
+"""Issue 16's small-batch kernel: whole code-predictor layers in one persistent launch with the
+Triton graphs' bits, two ways:
 1. `scripts/products_engine.cu` built with ROW_PHASES: per layer the four fp16 products (q|k|v,
    o_proj, gate|up + SwiGLU, down) as mma.sync chains over weight tiles that producer warps stream
    ahead, and the three row phases (the attention at one position, the residual + RMSNorm after
    o_proj and after down) as the Triton kernels' own PTX made device functions
    (`scripts/ptx_func.py`); a grid barrier between phases (any M <= 16);
-2. `scripts/layer_engine.cu` (M <= 2): four LL hops a layer, the row work redone by every block
-   that needs it (the RMSNorm by its twin, the attention by the PTX on the words it unpacks); with
-   the attention's cached K/V prefetched into L1 too;
-3. the same with the attention by `attend_twin` (layer_engine.cu: the Triton kernel's arithmetic,
-   its inputs from the words and shared memory).
+2. the serving kernel, `csrc/small/cp_layers.cu` (M <= 2): four LL hops a layer, the row work
+   redone by every block that needs it (the RMSNorm and the attention as twins of the Triton
+   kernels), the launch's flags from an epoch word it advances; checked also as a CUDA graph
+   replayed three times and across the epoch's wrap.
 
 Checks every phase's outputs and the K/V cache bitwise against the same layers run as the Triton
 launches the frame makes (`tk_gemm.linear`, `tk_glue.cp_attend`, `linear_parts`, `add_rms`,
 `swiglu`), each variant from reset outputs, then times L layers inside the kernel (the first
 block's start to the last block's end, globaltimer; median of 7 launches) against a CUDA graph of
 those launches (20 replays, less an empty graph's), and prints the mean span of each phase kind
-over the blocks and, for the LL variants, thread 0's marks inside each hop. Writes
+over the blocks and, for the serving kernel, thread 0's marks inside each hop. Writes
 $OUT/cp_layer_engine.json.
 
   PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 2 4 8] [--layers 5]
@@ -43,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import ptx_func  # noqa: E402
-from gpu_products_engine import Product, tile, timed  # noqa: E402
+from gpu_products_engine import Product, timed  # noqa: E402
 
-from tts_server.engines.batched import ops, pdl, tk_gemm, tk_glue  # noqa: E402
+from tts_server.engines.batched import ops, pdl, small_kernel, tk_gemm, tk_glue  # noqa: E402
 
 H, NH, NKV, HD, QKV, QD, I = 1024, 16, 8, 128, 4096, 2048, 3072
 BS, POS, EPS = 16, 5, 1e-6  # the code predictor's K/V block (16 positions), the pass's position
@@ -104,30 +103,9 @@ class RowKernel:
         prod.warps, prod.smem_per = self.threads // 32, self.smem
 
 
-class LayerArgs(ctypes.Structure):
-    """layer_engine.cu's Layer."""
-    _fields_ = [("w", ctypes.c_void_p * 5), ("post", ctypes.c_void_p), ("nxt", ctypes.c_void_p),
-                ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("kpool", ctypes.c_void_p),
-                ("vpool", ctypes.c_void_p)]
-
-
-class EngineArgs(ctypes.Structure):
-    """layer_engine.cu's Args."""
-    _fields_ = [("L", LayerArgs * 8), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
-                ("h0", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
-                ("flag_base", ctypes.c_uint), ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p),
-                ("dbg_o", ctypes.c_void_p), ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p),
-                ("dbg_r", ctypes.c_void_p), ("dbg_h", ctypes.c_void_p), ("sync", ctypes.c_void_p),
-                ("timeout_ns", ctypes.c_ulonglong), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p),
-                ("prefetch", ctypes.c_int), ("att_heads", ctypes.c_int), ("att_twin", ctypes.c_int)]
-
-
-# layer_engine.cu's trace marks
+# cp_layers.cu's trace marks
 LL_MARKS = ("polled", "unpacked", "attended", "staged", "weights", "warp0_done", "done", "picked")
-
-
-WORDS_ROW_LAYER = QKV + 4 * H + I + 6 * H  # layer_engine.cu's LL words a row and layer
+EPOCH_WRAP = 0xFFFFFF00  # cp_layers.cu's: a launch of this epoch or later zeroes the words, then epoch 0
 
 
 def build(rows: list[RowKernel], source: str = "products_engine.cu") -> ctypes.CDLL:
@@ -157,11 +135,6 @@ extern "C" __device__ void row_call(int kind, const void* const* a, const unsign
     lib = work / f"lib{Path(source).stem}.so"
     subprocess.run(["nvcc", *GEN, "-shared", "-o", str(lib), *objs], check=True)
     so = ctypes.CDLL(str(lib))
-    if source == "layer_engine.cu":
-        so.layer_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        so.layer_engine_error_string.restype = ctypes.c_char_p
-        assert so.layer_engine_args_size() == ctypes.sizeof(EngineArgs)
-        return so
     so.products_engine_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -169,6 +142,14 @@ extern "C" __device__ void row_call(int kind, const void* const* a, const unsign
     so.products_engine_error_string.restype = ctypes.c_char_p
     assert so.products_engine_sizeof() == ctypes.sizeof(Product)
     return so
+
+
+def build_small() -> ctypes.CDLL:
+    """csrc/small/cp_layers.cu as the serving build makes it (csrc/Makefile's flags)."""
+    lib = Path(tempfile.mkdtemp()) / "libqwen_small.so"
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90a,code=sm_90a",
+                    "-shared", "-o", str(lib), str(ROOT / "csrc" / "small" / "cp_layers.cu")], check=True)
+    return small_kernel.load(lib)
 
 
 def make_layers(n: int, dev, gen) -> list[dict]:
@@ -199,8 +180,8 @@ class Buffers:
         self.vp = [p[1].clone() for p in pools]
 
     def contiguous(self, m: int, layers: int) -> dict:
-        """The per-layer outputs as views of one tensor each (layer_engine.cu writes them so): the
-        tensors by layer_engine.cu's argument names."""
+        """The per-layer outputs as views of one tensor each (cp_layers.cu writes them so): the
+        tensors by cp_layers.cu's argument names."""
         f32, f16, dev = torch.float32, torch.float16, self.r[0].device
         e = lambda *shape, dt=f32: torch.full(shape, float("nan"), dtype=dt, device=dev)  # noqa: E731
         t = dict(dbg_r=e(2 * layers, m, H), dbg_h=e(2 * layers, m, H, dt=f16), qkv_g=e(layers, m, QKV),
@@ -310,12 +291,13 @@ def reset(buf: Buffers, pools: list) -> None:
                 t.view(torch.uint8).fill_(0xFF)
 
 
-def checked(launch, sync: torch.Tensor, mine: Buffers, ref: Buffers, pools: list, label: str) -> tuple[dict, bool]:
-    """One launch from reset outputs, compared bitwise with the Triton launches' (printed)."""
+def checked(launch, err: torch.Tensor, mine: Buffers, ref: Buffers, pools: list, label: str) -> tuple[dict, bool]:
+    """One launch from reset outputs, compared bitwise with the Triton launches' (printed); err:
+    the kernel's error word."""
     reset(mine, pools)
     launch()
     torch.cuda.synchronize()
-    assert int(sync[2]) == 0, f"{label}: the engine gave up a wait (error {int(sync[2])})"
+    assert int(err) == 0, f"{label}: the engine gave up a wait (error {int(err)})"
     bits, ok = compare(mine, ref)
     print(f"{label}: bits {'EQUAL' if ok else 'DIFFER'}: " + ", ".join(f"{k} {e}/{t}" for k, (e, t) in bits.items()),
           flush=True)
@@ -338,8 +320,8 @@ def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) ->
     return statistics.median(per_layer), {k: round(statistics.median(v), 3) for k, v in per_kind.items()}
 
 
-def ll_marks(launch, args: EngineArgs, trace: torch.Tensor, label: str) -> dict:
-    """One launch with thread 0's marks in every product (layer_engine.cu's trace): µs since the
+def ll_marks(launch, args: small_kernel.Args, trace: torch.Tensor, label: str) -> dict:
+    """One launch with thread 0's marks in every product (cp_layers.cu's trace): µs since the
     product's start by kind, means over blocks and the layers after the first (None: not marked)."""
     trace.zero_()
     args.trace = trace.data_ptr()
@@ -367,7 +349,7 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     layers = make_layers(a.layers, dev, gen)
-    tiled = {w.data_ptr(): tile(w) for lw in layers for key, w in lw.items() if w.dtype == torch.float16}
+    tiled = {w.data_ptr(): small_kernel.tile(w) for lw in layers for key, w in lw.items() if w.dtype == torch.float16}
     ang = torch.arange(HD // 2, device=dev, dtype=torch.float32) * 0.05 * POS
     cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
     sync = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -387,8 +369,7 @@ def main() -> None:
                                                                                   layers[0]["nxt"], m0),
                                   dict(add_rms_kw(6), **pdl.kw()), (m0,))}
     so = build(list(rows.values()))
-    so_ll = build([rows["attend"]], "layer_engine.cu")
-    launches = [0]
+    small = build_small()
     results = []
     for m in a.ms:
         x0 = torch.randn(m, H, device=dev, generator=gen)
@@ -412,62 +393,74 @@ def main() -> None:
             assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
                                                         else "arguments"))
 
-        bits, ok = checked(engine, sync, mine, ref, pools, f"M={m} row phases + grid barriers")
+        bits, ok = checked(engine, sync[2], mine, ref, pools, f"M={m} row phases + grid barriers")
         t_engine, phase_us = spans(engine, t0s, kinds, a.layers)
         rec.update(barriers={"bitwise": bits, "bits_equal": ok, "us_per_layer": round(t_engine, 3),
                              "phase_span_us_mean": phase_us})
 
-        # (2) layer_engine.cu: four LL hops a layer (M <= 2)
+        # (2) the serving kernel, csrc/small/cp_layers.cu: four LL hops a layer (M <= 2)
         if m <= 2:
             ll = Buffers(m, a.layers, dev, x0, h0, pools)
             outs = ll.contiguous(m, a.layers)
-            words = torch.zeros(a.layers * m * WORDS_ROW_LAYER, dtype=torch.int64, device=dev)
+            out_h = torch.full((m, H), float("nan"), dtype=torch.float16, device=dev)
+            words = torch.zeros(int(small.qsk_words_len()), dtype=torch.int64, device=dev)
+            sync_ll = torch.zeros(4, dtype=torch.int32, device=dev)  # error, epoch, blocks done
+            blocks = int(small.qsk_grid(sms))
             kinds_ll = ["qkv", "o", "gate_up", "down"] * a.layers
-            t0s_ll = torch.zeros(sms, len(kinds_ll) + 1, dtype=torch.int64, device=dev)
-            args = EngineArgs(nl=a.layers, M=m, att_heads=tk_glue.CP_ATTEND_HEADS, x0=ll.r[0].data_ptr(),
-                              h0=ll.h[0].data_ptr(), cos=cos.data_ptr(),
-                              sin=sin.data_ptr(), pos=POS, eps=EPS, scale=SCALE, words=words.data_ptr(),
-                              sync=sync.data_ptr(), timeout_ns=2_000_000_000, t0s=t0s_ll.data_ptr(),
-                              **{k: v.data_ptr() for k, v in outs.items()})
+            t0s_ll = torch.zeros(blocks, len(kinds_ll) + 1, dtype=torch.int64, device=dev)
+            args = small_kernel.Args(nl=a.layers, M=m, x0=ll.r[0].data_ptr(), h0=ll.h[0].data_ptr(),
+                                     cos=cos.data_ptr(), sin=sin.data_ptr(), pos=POS, eps=EPS, scale=SCALE,
+                                     words=words.data_ptr(), sync=sync_ll.data_ptr(), out_h=out_h.data_ptr(),
+                                     timeout_ns=2_000_000_000, t0s=t0s_ll.data_ptr(),
+                                     **{k: v.data_ptr() for k, v in outs.items()})
             for i, lw in enumerate(layers):
                 L = args.L[i]
                 for j, key in enumerate(("qkv", "o", "gate", "up", "down")):
                     L.w[j] = tiled[lw[key].data_ptr()].data_ptr()
                 L.post, L.nxt, L.qn, L.kn = (lw[k].data_ptr() for k in ("post", "nxt", "qn", "kn"))
                 L.kpool, L.vpool = ll.kp[i].data_ptr(), ll.vp[i].data_ptr()
+            assert small.qsk_setup(ctypes.byref(args), blocks) == 0
 
             def engine_ll():
-                sync.zero_()
-                launches[0] += 1
-                args.flag_base = launches[0] << 8  # (new flags every launch)
-                ret = so_ll.layer_engine_run(ctypes.addressof(args), sms, stream())
-                assert ret == 0, (f"launch error {ret}: " + (so_ll.layer_engine_error_string(-ret).decode()
-                                                             if ret < -2 else "arguments"))
+                ret = small.qsk_run(ctypes.byref(args), blocks, stream())
+                assert ret == 0, f"launch error {ret}: " + (small.qsk_error_string(-ret).decode() if ret < -2
+                                                             else "arguments")
 
-            bits_ll, ok_ll = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, four hops a layer")
+            def out_equal() -> bool:
+                return bool((out_h.view(torch.int16) == ref.h[-1].view(torch.int16)).all())
+
+            bits_ll, ok_ll = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, four hops a layer")
+            ok_ll = ok_ll and out_equal()
+            # as a CUDA graph replayed (the flags from the epoch word: new at every replay)
+            graph_ll, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s), torch.cuda.graph(graph_ll, stream=s):
+                engine_ll()
+            torch.cuda.current_stream().wait_stream(s)
+            replays = []
+            for r in range(3):
+                out_h.fill_(float("nan"))
+                _, ok_r = checked(graph_ll.replay, sync_ll[0], ll, ref, pools, f"M={m} LL, graph replay {r}")
+                replays.append(ok_r and out_equal())
+            # across the epoch's wrap: the launch at EPOCH_WRAP zeroes the words and starts again at 0
+            sync_ll[1] = EPOCH_WRAP - 64 - (1 << 32)
+            wrap = []
+            for r in range(3):
+                out_h.fill_(float("nan"))
+                _, ok_r = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, epoch {(int(sync_ll[1]) & 0xFFFFFFFF):#x}")
+                wrap.append(ok_r and out_equal())
+            assert int(sync_ll[1]) == 64, f"epoch after the wrap: {int(sync_ll[1])}"
             t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
-            args.prefetch = 1
-            bits_pf, ok_pf = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, K/V prefetched into L1")
-            t_pf, phase_pf = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
-            print(f"  µs per layer: LL with the attention's K/V prefetched into L1 {t_pf:.2f} (bits "
-                  f"{'EQUAL' if ok_pf else 'DIFFER'}); phase spans "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in phase_pf.items()), flush=True)
-            trace = torch.zeros(sms, len(kinds_ll), 8, dtype=torch.int32, device=dev)
-            marks = ll_marks(engine_ll, args, trace, "K/V prefetched")
-            # the attention by layer_engine.cu's attend_twin (every output and cache reset first)
-            args.prefetch, args.att_twin = 0, 1
-            bits_tw, ok_tw = checked(engine_ll, sync, ll, ref, pools, f"M={m} LL, attention twin")
-            t_tw, phase_tw = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
-            marks_tw = ll_marks(engine_ll, args, trace, "attention twin")
-            print(f"  µs per layer: LL with the attention twin {t_tw:.2f}; phase spans "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in phase_tw.items()), flush=True)
-            rec.update(ll_twin={"bitwise": bits_tw, "bits_equal": ok_tw, "us_per_layer": round(t_tw, 3),
-                                "phase_span_us_mean": phase_tw, "marks_us": marks_tw})
-            args.att_twin = 0
-            rec.update(ll={"bitwise": bits_ll, "bits_equal": ok_ll, "us_per_layer": round(t_ll, 3),
-                           "phase_span_us_mean": phase_ll, "marks_us": marks},
-                       ll_prefetch={"bits_equal": ok_pf, "us_per_layer": round(t_pf, 3),
-                                    "phase_span_us_mean": phase_pf})
+            trace = torch.zeros(blocks, len(kinds_ll), 8, dtype=torch.int32, device=dev)
+            marks = ll_marks(engine_ll, args, trace, "serving kernel")
+            t_graph_ll = timed(graph_ll.replay)
+            print(f"  M={m} serving kernel: bits {'EQUAL' if ok_ll else 'DIFFER'} (out_h too), graph replays "
+                  f"{replays}, across the epoch wrap {wrap}; {t_ll:.2f} µs a layer inside the kernel, "
+                  f"{t_graph_ll / a.layers:.2f} a layer as a graph of one launch", flush=True)
+            rec.update(ll={"bitwise": bits_ll, "bits_equal": ok_ll, "graph_replays_equal": replays,
+                           "epoch_wrap_equal": wrap, "us_per_layer": round(t_ll, 3),
+                           "graph_us_per_layer": round(t_graph_ll / a.layers, 3),
+                           "phase_span_us_mean": phase_ll, "marks_us": marks})
 
         graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

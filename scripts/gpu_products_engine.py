@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts_server.engines.batched import ops, tk_gemm  # noqa: E402
+from tts_server.engines.batched.small_kernel import tile  # noqa: E402
 
 H, QKV, QD, I = 1024, 4096, 2048, 3072
 # products_engine.cu's modes: (mode, LL input words instead of grid barriers)
@@ -74,17 +75,6 @@ def build() -> ctypes.CDLL:
     so.products_engine_error_string.restype = ctypes.c_char_p
     assert so.products_engine_sizeof() == ctypes.sizeof(Product)
     return so
-
-
-def tile(w: torch.Tensor) -> torch.Tensor:
-    """[N][K] -> products_engine.cu's tiled copy: [N/16][K/512][16][512], each row's 16-byte chunks
-    at chunk ^ (row & 7) (a 16 KB unit is one bulk copy, and ldmatrix reads it without bank
-    conflicts)."""
-    n, k = w.shape
-    t = w.view(n // 16, 16, k // 512, 512).permute(0, 2, 1, 3).reshape(n // 16, k // 512, 16, 64, 8)
-    r = torch.arange(16, device=w.device)[:, None]
-    j = torch.arange(64, device=w.device)[None, :] ^ (r & 7)
-    return t[:, :, r, j, :].contiguous()
 
 
 def piece_cols(kind: str, n: int, k: int) -> int:

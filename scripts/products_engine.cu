@@ -36,7 +36,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine_common.cuh"
+#include "../csrc/small/common.cuh"
 
 namespace {
 

@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
-#include "engine_common.cuh"
+#include "../csrc/small/common.cuh"
 
 namespace {
 

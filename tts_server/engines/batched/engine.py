@@ -14,7 +14,7 @@ import torch
 
 from ...model.weights import DecodeWeights
 from ..contract import Admission, FrameResult, Prompt, SamplingConfig, StepOutput, StepPlan
-from . import ops
+from . import ops, small_kernel
 from .cuda_frame import CudaFrame
 from .cuda_frame import scratch_bytes as cuda_frame_scratch_bytes
 from .frame import TALKER_BAD_BIT, FrameStep
@@ -108,6 +108,10 @@ class BatchedEngine:
         self.cuda = (CudaFrame(self.p, self.state, self.kv, self.frame, max_positions)
                      if frame_kernel != "triton" else None)
         self.cuda_predict, self.cuda_advance = frame_kernel != "triton", frame_kernel == "cuda"
+        # passes 2..15 of steps of one stream in one launch each where it gives the graphs' bits
+        # ("on"), else why not ("off: ..."); TTS_SMALL_KERNEL=0 turns it off
+        self.small_kernel = (self._small_kernel() if dev.type == "cuda" and frame_kernel == "triton" and fused_cp
+                             else "off: not the Triton frame on a GPU")
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
@@ -156,6 +160,24 @@ class BatchedEngine:
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
+    def _small_kernel(self) -> str:
+        """The small-batch kernel (small_kernel.py) into the frame if it can serve here: "on", or
+        "off: <why>"."""
+        if os.environ.get("TTS_SMALL_KERNEL", "1") == "0":
+            return "off: TTS_SMALL_KERNEL=0"
+        why = small_kernel.unsupported(self.p.predictor, self.p.predictor_heads)
+        if why:
+            return f"off: {why}"
+        path = small_kernel.library_path()
+        if not path.exists():
+            return f"off: {path} not built (make kernel)"
+        try:
+            kernel = small_kernel.SmallKernel(self.p.predictor, self.frame.cp_k, self.frame.cp_v)
+        except (OSError, RuntimeError, ValueError) as e:
+            return f"off: {e}"
+        why = self.frame.use_small_kernel(kernel)
+        return "on" if why is None else f"off: {why}"
+
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,
                      kv_dtype: torch.dtype = torch.bfloat16, num_blocks: int | None = None,
@@ -174,6 +196,7 @@ class BatchedEngine:
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
                 + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
+                + (small_kernel.tiled_bytes(c) if frame_kernel == "triton" and weights.codec_head.is_cuda else 0)
                 + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
                    if graphs and kv_dtype != torch.float32 else 0)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ...model.lm import rope_cos_sin
-from . import glue, ops
+from . import glue, ops, small_kernel
 from .kv_pool import PagedKV
 from .params import FrameParams, StackParams
 from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, PENALTY, POS, SUB_DO_SAMPLE,
@@ -96,6 +96,45 @@ class FrameStep:
         tcfg = params.talker.cfg
         cos, sin = rope_cos_sin(torch.arange(kv.max_blocks * kv.block_size, device=dev)[None], tcfg, torch.float32)
         self.rope = torch.stack((cos[0], sin[0]), 1).contiguous()
+        # passes 2..15 of steps of one stream through the small-batch kernel (use_small_kernel)
+        self.small: small_kernel.SmallKernel | None = None
+        self.small_h = torch.zeros(small_kernel.MAX_ROWS, cp.hidden_size, dtype=torch.float16, device=dev)
+
+    def use_small_kernel(self, kernel: small_kernel.SmallKernel) -> str | None:
+        """Serve passes 2..15 of steps of up to small_kernel.SERVE_ROWS streams with `kernel` if
+        it gives this frame's bits here (None); else leave the graphs alone and say why. Checked
+        bitwise at those row counts and every position against the launches it replaces (the
+        frame's code-predictor cache is scratch: nothing lives in it between frames)."""
+        dev = self.out.device
+        gen = torch.Generator(device=dev).manual_seed(1234)
+        table = self.p.predictor_embedding_stack[0]
+        try:
+            for m in range(1, small_kernel.SERVE_ROWS + 1):
+                for k in range(1, self.p.num_passes):
+                    ids = torch.randint(0, table.shape[0], (m,), device=dev, generator=gen)
+                    x = self._cp_in(table[ids].float())
+                    self.cp_k[:, :m].normal_(generator=gen)
+                    self.cp_v[:, :m].normal_(generator=gen)
+                    kv = self.cp_k[:, :m].clone(), self.cp_v[:, :m].clone()
+                    ref = self._cp_stack(k, m, x, False).clone()
+                    ref_kv = self.cp_k[:, :m].clone(), self.cp_v[:, :m].clone()
+                    self.cp_k[:, :m], self.cp_v[:, :m] = kv
+                    self.small = kernel
+                    got = self._cp_stack(k, m, x, False).clone()
+                    self.small = None
+                    for name, a, b in (("hidden", got, ref), ("K cache", self.cp_k[:, :m], ref_kv[0]),
+                                       ("V cache", self.cp_v[:, :m], ref_kv[1])):
+                        same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
+                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+                        if not bool(same.all()):
+                            return (f"its {name} differs from the graphs' at {m} row(s), pass {k + 1} "
+                                    f"({int((~same).sum())} of {same.numel()} values)")
+        finally:
+            self.small = None
+            self.cp_k.zero_()
+            self.cp_v.zero_()
+        self.small = kernel
+        return None
 
     @staticmethod
     def scratch_bytes(params_cp_layers: int, cp_kv_heads: int, cp_head_dim: int, groups: int,
@@ -122,34 +161,47 @@ class FrameStep:
             return x
         return ops.linear(x, self.p.in_proj[0]) + self.p.in_proj[1]
 
-    def _predict(self, b: int, x0: torch.Tensor, draw: tuple) -> None:
-        """x0 [2B, H]: each stream's first-pass rows (positions 0, 1); draw: the streams' sampling
-        settings (do_sample, temperature, top_k, top_p, seed, counter; [B] each). The 15 passes'
-        codes go to out[:B, 1:16] and their error bits (pass k: bit k) into out[:B, 17]."""
+    def _cp_stack(self, k: int, b: int, x: torch.Tensor, final_fp32: bool) -> torch.Tensor:
+        """Pass k's layers for b streams over its input rows x ([2B, Hp] at pass 0, else [B, Hp])
+        -> the final-normed hidden: the small-batch kernel's launch (passes 2..15, b <= SERVE_ROWS,
+        when use_small_kernel took it) or the layers' launches."""
         p, c = self.p, self.consts(b)
         sp = p.predictor
         cfg = sp.cfg
         scale = cfg.head_dim ** -0.5
-        err = p.ids.num_code_groups + 1
         att_dtype = o_input_dtype(sp)
+        first = k == 0
+        if not first and self.small is not None and b <= small_kernel.SERVE_ROWS and not final_fp32:
+            h0 = ops.rms_norm(x, sp.in_norm[0], cfg.rms_norm_eps, torch.float16)
+            out = self.small_h[:b]
+            self.small(x.contiguous(), h0, out, k + 1, self.cp_cos[k + 1], self.cp_sin[k + 1])
+            return out
+        cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
+        if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
+            attend = (lambda i, qkv: glue.cp_attend0(
+                qkv, sp.q_norm[i], sp.k_norm[i], self.cp_cos, self.cp_sin, self.cp_k[i], self.cp_v[i],
+                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
+        elif first:
+            attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
+        elif not self.fused_cp:
+            attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk"], c["off"][k], c["table"], c["lens"][k])
+        else:  # one new position per stream: norm + RoPE + store + attention in one launch
+            attend = (lambda i, qkv: glue.cp_attend(
+                qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
+                cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
+        return stack_forward(x, sp, attend, final_fp32=final_fp32)
+
+    def _predict(self, b: int, x0: torch.Tensor, draw: tuple) -> None:
+        """x0 [2B, H]: each stream's first-pass rows (positions 0, 1); draw: the streams' sampling
+        settings (do_sample, temperature, top_k, top_p, seed, counter; [B] each). The 15 passes'
+        codes go to out[:B, 1:16] and their error bits (pass k: bit k) into out[:B, 17]."""
+        p = self.p
+        err = p.ids.num_code_groups + 1
         x = self._cp_in(x0)  # [2B, Hp]
         for k in range(p.num_passes):
             first = k == 0
-            cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
-            if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
-                attend = (lambda i, qkv: glue.cp_attend0(
-                    qkv, sp.q_norm[i], sp.k_norm[i], self.cp_cos, self.cp_sin, self.cp_k[i], self.cp_v[i],
-                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
-            elif first:
-                attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk0"], c["off0"], c["table0"], c["lens0"])
-            elif not self.fused_cp:
-                attend = paged_attend(sp, cos, sin, self.cp_k, self.cp_v, c["blk"], c["off"][k], c["table"], c["lens"][k])
-            else:  # one new position per stream: norm + RoPE + store + attention in one launch
-                attend = (lambda i, qkv, k=k, cos=cos, sin=sin: glue.cp_attend(
-                    qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
-                    cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
             # the final norm goes to the head only: fp16 when the head's matrix is
-            h = stack_forward(x, sp, attend, final_fp32=p.predictor_heads[k].dtype != torch.float16)
+            h = self._cp_stack(k, b, x, p.predictor_heads[k].dtype != torch.float16)
             hk, head = h.view(b, 2, -1)[:, 1].contiguous() if first else h, p.predictor_heads[k]
             parts = ops.linear_parts(hk, head)  # the sampler adds them, in `linear`'s order
             if self.dump is not None:

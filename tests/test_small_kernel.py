@@ -1,0 +1,92 @@
+"""The small-batch kernel (csrc/small/cp_layers.cu, tts_server/engines/batched/small_kernel.py):
+its C ABI against the Python view of its arguments (the sm_90a check build: CI has nvcc, no GPU),
+the tiled weight layout, the engine's reasons to leave it off, and on a GPU that it serves steps of
+one and two streams with the graphs' bits (and that its start-up check can fail)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_server.engines.batched import checks, small_kernel
+from tts_server.engines.batched.params import prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK_LIB = ROOT / "csrc" / "build" / "check" / "libqwen_small.so"
+
+
+@pytest.fixture(scope="module")
+def check_lib():
+    nvcc = subprocess.run(["which", "nvcc"], capture_output=True).returncode == 0
+    if not nvcc:
+        pytest.skip("needs nvcc (the sm_90a check build)")
+    subprocess.run(["make", "-s", "-C", str(ROOT / "csrc"), "build/check/libqwen_small.so"], check=True,
+                   capture_output=True, timeout=600)
+    return small_kernel.load(CHECK_LIB)
+
+
+def test_abi_matches_the_python_arguments(check_lib):
+    # load() checks the version and sizeof(Args) against the ctypes structure
+    assert check_lib.qsk_max_rows() == small_kernel.MAX_ROWS
+    assert check_lib.qsk_max_layers() == len(small_kernel.Args().L)
+    assert check_lib.qsk_words_len() == 8 * 2 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
+    # one o_proj piece a block: a multiple of 4 blocks, one an SM
+    assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 3)] == [132, 112, 76, -1]
+    a = small_kernel.Args(nl=5, M=3)
+    assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 3 rows: refused before any CUDA call
+
+
+def test_tile_puts_every_weight_where_the_kernel_reads_it():
+    n, k = 32, 1024
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k)
+    t = small_kernel.tile(w)
+    assert t.shape == (n // 16, k // 512, 16, 64, 8)
+    for row, col in ((0, 0), (5, 17), (17, 600), (31, 1023), (9, 511)):
+        r = row % 16
+        chunk = (col % 512) // 8
+        assert t[row // 16, col // 512, r, chunk ^ (r & 7), col % 8] == w[row, col]
+
+
+def test_unsupported_names_the_reason():
+    tiny = prepare(checks.random_weights("cpu", layers=(1, 1)), dtype=torch.bfloat16)
+    assert small_kernel.unsupported(tiny.predictor, tiny.predictor_heads) == "matrices not fp16"
+    w16 = prepare(checks.random_weights("cpu", layers=(1, 1)), dtype=torch.float16)
+    assert small_kernel.unsupported(w16.predictor, w16.predictor_heads) is None
+    w9 = prepare(checks.random_weights("cpu", layers=(1, 9)), dtype=torch.float16)
+    assert small_kernel.unsupported(w9.predictor, w9.predictor_heads) == "9 layers (at most 8)"
+
+
+@pytest.mark.gpu
+def test_gpu_small_kernel_serves_one_and_two_streams_with_the_graphs_bits(monkeypatch):
+    """B = 1 runs passes 2..15 through the kernel (its epoch word advances by one launch a pass),
+    B = 2 and 3 through the graphs; a stream's codes and logits are the same in all three, greedy
+    and sampled. Then the start-up check refuses a kernel that computes something else."""
+    from tts_server.engines.batched.engine import BatchedEngine
+    from tts_server.engines.contract import SamplingConfig
+
+    w = checks.random_weights("cuda")
+    eng = BatchedEngine(w, max_streams=4, max_positions=256, dump_logits=True)
+    assert eng.small_kernel == "on", eng.small_kernel
+    k = eng.frame.small
+    p = checks.random_prompt(0, 12, 1024, device="cuda")
+    for s in (checks.GREEDY, SamplingConfig(seed=7)):
+        before = int(k.sync[1])
+        res = checks.invariance(eng, p, s, sizes=(1, 2, 3), frames=32)
+        assert all(r["codes_equal"] and r["logits_equal"] for r in res.values()), res
+        # 32 frames at B = 1, 14 launches a frame, 64 flags a launch
+        assert (int(k.sync[1]) - before) & 0xFFFFFFFF >= 64 * 14 * 32
+    assert int(k.sync[0]) == 0
+    # a kernel that normalises with another epsilon: the check names the difference, the frame keeps the graphs
+    bad = small_kernel.SmallKernel(eng.p.predictor, eng.frame.cp_k, eng.frame.cp_v)
+    bad.base.eps = bad.base.eps * 4
+    eng.frame.small = None
+    why = eng.frame.use_small_kernel(bad)
+    assert why is not None and "differs from the graphs'" in why, why
+    assert eng.frame.small is None
+    monkeypatch.setenv("TTS_SMALL_KERNEL", "0")
+    off = BatchedEngine(w, max_streams=2, max_positions=256, use_graphs=False)
+    assert off.small_kernel == "off: TTS_SMALL_KERNEL=0" and off.frame.small is None

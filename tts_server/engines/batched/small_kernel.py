@@ -1,0 +1,177 @@
+"""The code predictor's five layers of a pass for one or two streams in one persistent launch
+(csrc/small/cp_layers.cu, `libqwen_small.so`, `make kernel`), with the Triton graphs' bits.
+
+At B <= 2 a frame is a chain of ~830 short launches; each code-predictor layer is seven of them
+(four products, the attention, two residual + RMSNorm). This kernel runs a pass's layers (passes
+2..15: one position, one row a stream) in one launch whose products stream their weights through
+shared memory ahead of use and hand their outputs to the next product as flagged words, with no
+grid barrier (csrc/batched/README.md, "The plan"; BENCHMARKS.md, sessions 37-40). Its arithmetic is
+the Triton kernels' (each product piece one mma.sync chain in the same order, the RMSNorm and the
+attention written out from their Triton 3.6 PTX), so a stream's codes do not depend on which path
+ran. That holds for the Triton version it was written against: `SmallKernel.check` compares the
+two bitwise at start-up, and the engine serves with the graphs alone when they differ.
+
+The kernel is built for the 0.6B code predictor's shapes (hidden 1024, 16 q / 8 kv heads of 128,
+intermediate 3072, fp16 matrices, the down projection's input scaled by 2^-ops.MLP_SHIFT) and
+reads tiled copies of the matrices (`tile`: +157 MB)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from . import ops
+from .params import StackParams
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+LIB_NAME = "libqwen_small.so"
+ABI = 1
+MAX_ROWS = 2  # rows a launch can take
+# rows a launch serves: inside a frame a pass's five layers took 116 µs in the kernel against ~121
+# for the Triton launches at one row, but 136 against ~127 at two (H200, session 40:
+# scripts/gpu_small_timeline.py), so the engine runs steps of one stream through it only
+SERVE_ROWS = 1
+SHAPE = dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072)
+UNIT_COLS = 512  # a tiled unit's columns (csrc/small/common.cuh UC)
+
+
+def library_path() -> Path:
+    return Path(os.environ.get("QSK_LIB", CSRC / LIB_NAME))
+
+
+def tile(w: torch.Tensor) -> torch.Tensor:
+    """[N][K] -> the kernel's tiled copy: [N/16][K/512][16][512], each row's 16-byte chunks at
+    chunk ^ (row & 7) (a 16 KB unit is one bulk copy, and ldmatrix reads it without bank
+    conflicts)."""
+    n, k = w.shape
+    t = w.view(n // 16, 16, k // UNIT_COLS, UNIT_COLS).permute(0, 2, 1, 3).reshape(n // 16, k // UNIT_COLS, 16, 64, 8)
+    r = torch.arange(16, device=w.device)[:, None]
+    j = torch.arange(64, device=w.device)[None, :] ^ (r & 7)
+    return t[:, :, r, j, :].contiguous()
+
+
+class LayerArgs(ctypes.Structure):
+    """cp_layers.cu's Layer."""
+    _fields_ = [("w", ctypes.c_void_p * 5), ("post", ctypes.c_void_p), ("nxt", ctypes.c_void_p),
+                ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("kpool", ctypes.c_void_p),
+                ("vpool", ctypes.c_void_p)]
+
+
+class Args(ctypes.Structure):
+    """cp_layers.cu's Args."""
+    _fields_ = [("L", LayerArgs * 8), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
+                ("h0", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
+                ("sync", ctypes.c_void_p), ("out_h", ctypes.c_void_p), ("timeout_ns", ctypes.c_ulonglong),
+                ("smem", ctypes.c_int), ("xbytes", ctypes.c_int),
+                ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p), ("dbg_o", ctypes.c_void_p),
+                ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p), ("dbg_r", ctypes.c_void_p),
+                ("dbg_h", ctypes.c_void_p), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p)]
+
+
+def tiled_bytes(cfg) -> int:
+    """Device bytes of the tiled fp16 copies (SmallKernel.nbytes), for the memory plan."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return cfg.num_layers * ((q + 2 * kv) * h + h * q + 3 * h * i) * 2 + 4 * (1 << 20)  # + words, sync
+
+
+def load(path: Path | None = None) -> ctypes.CDLL:
+    """The library, its ABI checked (OSError / RuntimeError if missing or another version)."""
+    lib = ctypes.CDLL(str(path or library_path()))
+    if lib.qsk_abi_version() != ABI or lib.qsk_args_size() != ctypes.sizeof(Args):
+        raise RuntimeError(f"{path or library_path()}: ABI {lib.qsk_abi_version()} (args "
+                           f"{lib.qsk_args_size()} B), expected {ABI} ({ctypes.sizeof(Args)} B); rebuild: make kernel")
+    lib.qsk_words_len.restype = ctypes.c_longlong
+    lib.qsk_setup.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.qsk_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.qsk_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+def unsupported(sp: StackParams, heads) -> str | None:
+    """Why this code predictor cannot use the kernel (None: it can)."""
+    cfg = sp.cfg
+    for key, want in SHAPE.items():
+        if getattr(cfg, key) != want:
+            return f"{key} {getattr(cfg, key)} (the kernel is built for {want})"
+    if cfg.num_layers > 8:
+        return f"{cfg.num_layers} layers (at most 8)"
+    mats = [*sp.wqkv, *sp.wo, *sp.gate, *sp.up, *sp.down, *heads]
+    if any(w.dtype != torch.float16 for w in mats):
+        return "matrices not fp16"
+    if ops.MLP_SHIFT != 6:
+        return f"MLP_SHIFT {ops.MLP_SHIFT} (the kernel scales by 2^-6)"
+    return None
+
+
+class SmallKernel:
+    """The kernel over one code predictor's weights and the frame's code-predictor K/V cache
+    (cp_k / cp_v [L][rows][NKV][16][HD] fp32: row m of a launch is row m there)."""
+
+    def __init__(self, sp: StackParams, cp_k: torch.Tensor, cp_v: torch.Tensor, lib: ctypes.CDLL | None = None):
+        self.lib = lib or load()
+        self.sp, dev = sp, cp_k.device
+        cfg = sp.cfg
+        self.nl = cfg.num_layers
+        self.tiled = [[tile(w) for w in (sp.wqkv[i], sp.wo[i], sp.gate[i], sp.up[i], sp.down[i])]
+                      for i in range(self.nl)]
+        self.nbytes = sum(t.numel() * t.element_size() for lw in self.tiled for t in lw)
+        self.words = torch.zeros(int(self.lib.qsk_words_len()), dtype=torch.int64, device=dev)
+        self.sync = torch.zeros(4, dtype=torch.int32, device=dev)  # error, epoch, blocks done
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.blocks = int(self.lib.qsk_grid(sms))
+        if self.blocks < 4:
+            raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel")
+        base = Args(nl=self.nl, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, words=self.words.data_ptr(),
+                    sync=self.sync.data_ptr(), timeout_ns=2_000_000_000)
+        for i in range(self.nl):
+            L = base.L[i]
+            for j, t in enumerate(self.tiled[i]):
+                L.w[j] = t.data_ptr()
+            L.post = sp.post_norm[i].data_ptr()
+            L.nxt = (sp.in_norm[i + 1] if i + 1 < self.nl else sp.final_norm).data_ptr()
+            L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
+            L.kpool, L.vpool = cp_k[i].data_ptr(), cp_v[i].data_ptr()
+        with torch.cuda.device(dev):  # (the kernel's shared-memory attribute is per device)
+            self._check(self.lib.qsk_setup(ctypes.byref(base), self.blocks), "setup")
+        self.base = base
+        self.cp_k, self.cp_v = cp_k, cp_v
+
+    def _check(self, ret: int, what: str) -> None:
+        if ret == -1:
+            raise ValueError(f"small-batch kernel {what}: arguments out of range")
+        if ret == -2:
+            raise RuntimeError(f"small-batch kernel {what}: not enough shared memory on this device")
+        if ret:
+            raise RuntimeError(f"small-batch kernel {what}: {self.lib.qsk_error_string(-ret).decode()}")
+
+    def args(self, x0: torch.Tensor, h0: torch.Tensor, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
+             sin: torch.Tensor) -> Args:
+        m = x0.shape[0]
+        if not 1 <= m <= MAX_ROWS or h0.shape[0] != m or out_h.shape[0] != m:
+            raise ValueError(f"small-batch kernel: {m} rows (1..{MAX_ROWS})")
+        for t, dt in ((x0, torch.float32), (h0, torch.float16), (out_h, torch.float16), (cos, torch.float32),
+                      (sin, torch.float32)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"small-batch kernel: a {t.dtype} input, {dt} contiguous expected")
+        if not 1 <= pos < self.cp_k.shape[3]:
+            raise ValueError(f"small-batch kernel: position {pos}")
+        a = Args.from_buffer_copy(self.base)
+        a.M, a.pos = m, pos
+        a.x0, a.h0, a.out_h, a.cos, a.sin = (t.data_ptr() for t in (x0, h0, out_h, cos, sin))
+        return a
+
+    def launch(self, a: Args) -> None:
+        with torch.cuda.device(self.cp_k.device):
+            stream = torch.cuda.current_stream().cuda_stream
+            self._check(self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
+
+    def __call__(self, x0: torch.Tensor, h0: torch.Tensor, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        """One pass's layers: x0 [M, H] fp32 (the residual entering layer 0) and h0 [M, H] fp16 (its
+        norm) at position pos (the cache holds 0..pos-1; this pass's K/V go to pos) with that
+        position's RoPE rows cos / sin [HD] -> out_h [M, H] fp16, the final norm of the last layer."""
+        self.launch(self.args(x0, h0, out_h, pos, cos, sin))
