@@ -431,6 +431,11 @@ def main() -> None:
 
             bits_ll, ok_ll = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, four hops a layer")
             ok_ll = ok_ll and out_equal()
+            # the first norm made in the kernel (as serving launches it: no h0)
+            args.h0, args.nrm0 = None, layers[0]["nxt"].data_ptr()
+            out_h.fill_(float("nan"))
+            _, ok_n0 = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, the first norm in the kernel")
+            ok_ll = ok_ll and ok_n0 and out_equal()
             # as a CUDA graph replayed (the flags from the epoch word: new at every replay)
             graph_ll, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -447,7 +452,8 @@ def main() -> None:
             wrap = []
             for r in range(3):
                 out_h.fill_(float("nan"))
-                _, ok_r = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, epoch {(int(sync_ll[1]) & 0xFFFFFFFF):#x}")
+                epoch = int(sync_ll[1]) & 0xFFFFFFFF
+                _, ok_r = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, epoch {epoch:#x}")
                 wrap.append(ok_r and out_equal())
             assert int(sync_ll[1]) == 64, f"epoch after the wrap: {int(sync_ll[1])}"
             t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)

@@ -3,7 +3,8 @@
 // kernel; tts_server/engines/batched/small_kernel.py serves it, scripts/gpu_cp_layer_engine.py
 // checks every phase bitwise and times it). No grid barrier: a layer is four dependent products,
 // each one hop:
-//   q|k|v   input: the residual + RMSNorm of the previous layer's down parts (layer 0: given rows)
+//   q|k|v   input: the residual + RMSNorm of the previous layer's down parts (layer 0: given rows,
+//           or the RMSNorm of the residual as tk_gemm._rms_norm_kernel makes it: nrm0)
 //   o_proj  input: the attention of the block's q heads over the q|k|v outputs
 //   gate|up input: the residual + RMSNorm of the o_proj parts
 //   down    input: gate|up's SwiGLU outputs (the block's K piece)
@@ -63,7 +64,8 @@ struct Args {
   Layer L[MAXL];
   int nl, M;
   const float* x0;     // [M][H] the residual entering layer 0
-  const __half* h0;    // [M][H] its normed rows (layer 0's q|k|v input)
+  const __half* h0;    // [M][H] its normed rows (layer 0's q|k|v input), or null: made here with
+  const float* nrm0;   // these norm weights [H] (tk_gemm._rms_norm_kernel's bits, fp16 out)
   const float* cos;    // [HD] the position's RoPE row
   const float* sin;
   unsigned pos;        // the position (the cache holds 0..pos-1)
@@ -157,13 +159,25 @@ __device__ __forceinline__ float bfly_sum(float x, int from) {  // butterflies x
 struct AttIn {
   float q1[2], q2[2], k1[2], k2[2], v1[2], v2[2];
 };
-__device__ __forceinline__ void attend_twin(const AttIn& in, const float* cosv, const float* sinv, const float* qn,
-                                            const float* kn, const float* kvs, float* kdst, float* vdst,
-                                            bool store_kv, int pos, float eps, float scale, float (&o1)[4],
-                                            float (&o2)[4]) {
+// This lane's RoPE and norm weights (elements d0, d0 + 1 of each 64-wide half), loaded once the
+// q|k|v words are there (loaded before the polls they cost registers: slower, session 40).
+struct AttConst {
+  float2 c1, c2, s1, s2, qn1, qn2, kn1, kn2;
+};
+__device__ __forceinline__ AttConst att_const(const float* cosv, const float* sinv, const float* qn, const float* kn) {
+  const int d0 = 2 * (threadIdx.x & 31);
+  auto f2 = [&](const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); };
+  return AttConst{f2(cosv + d0), f2(cosv + 64 + d0), f2(sinv + d0), f2(sinv + 64 + d0),
+                  f2(qn + d0),   f2(qn + 64 + d0),   f2(kn + d0),   f2(kn + 64 + d0)};
+}
+__device__ __forceinline__ void attend_twin(const AttIn& in, const AttConst& w, const float* kvs, float* kdst,
+                                            float* vdst, bool store_kv, int pos, float eps, float scale,
+                                            float (&o1)[4], float (&o2)[4]) {
   const int lane = threadIdx.x & 31, r2 = (lane >> 4) & 1, c16 = lane & 15, d0 = 2 * lane;
-  const float c1[2] = {cosv[d0], cosv[d0 + 1]}, c2[2] = {cosv[64 + d0], cosv[65 + d0]};
-  const float s1[2] = {sinv[d0], sinv[d0 + 1]}, s2[2] = {sinv[64 + d0], sinv[65 + d0]};
+  const float c1[2] = {w.c1.x, w.c1.y}, c2[2] = {w.c2.x, w.c2.y};
+  const float s1[2] = {w.s1.x, w.s1.y}, s2[2] = {w.s2.x, w.s2.y};
+  const float qn1[2] = {w.qn1.x, w.qn1.y}, qn2[2] = {w.qn2.x, w.qn2.y};
+  const float kn1[2] = {w.kn1.x, w.kn1.y}, kn2[2] = {w.kn2.x, w.kn2.y};
   // the RMS of a 128-wide vector held as two halves: per half b * b, then fma a, a; butterflies 16..1
   auto inv_rms = [&](const float (&x1)[2], const float (&x2)[2]) {
     const float a = bfly_sum(__fmaf_rn(x1[0], x1[0], __fmul_rn(x1[1], x1[1])), 16);
@@ -174,8 +188,8 @@ __device__ __forceinline__ void attend_twin(const AttIn& in, const float* cosv, 
   const float rk = inv_rms(in.k1, in.k2);
   float k1r[2], k2r[2];
   for (int e = 0; e < 2; ++e) {
-    const float k1n = __fmul_rn(__fmul_rn(rk, in.k1[e]), kn[d0 + e]);
-    const float k2n = __fmul_rn(__fmul_rn(rk, in.k2[e]), kn[64 + d0 + e]);
+    const float k1n = __fmul_rn(__fmul_rn(rk, in.k1[e]), kn1[e]);
+    const float k2n = __fmul_rn(__fmul_rn(rk, in.k2[e]), kn2[e]);
     k1r[e] = __fmaf_rn(k1n, c1[e], -__fmul_rn(k2n, s1[e]));
     k2r[e] = __fmaf_rn(k1n, s2[e], __fmul_rn(k2n, c2[e]));
   }
@@ -189,8 +203,8 @@ __device__ __forceinline__ void attend_twin(const AttIn& in, const float* cosv, 
   const float rq = inv_rms(in.q1, in.q2);
   float q1r[2], q2r[2];
   for (int e = 0; e < 2; ++e) {
-    const float q1n = __fmul_rn(__fmul_rn(rq, in.q1[e]), qn[d0 + e]);
-    const float q2n = __fmul_rn(__fmul_rn(rq, in.q2[e]), qn[64 + d0 + e]);
+    const float q1n = __fmul_rn(__fmul_rn(rq, in.q1[e]), qn1[e]);
+    const float q2n = __fmul_rn(__fmul_rn(rq, in.q2[e]), qn2[e]);
     q1r[e] = __fmaf_rn(q1n, c1[e], -__fmul_rn(q2n, s1[e]));
     q2r[e] = __fmaf_rn(q2n, c2[e], __fmul_rn(q1n, s2[e]));
   }
@@ -311,7 +325,11 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
       uint2 v[24];
 #pragma unroll
       for (int k = 0; k < 24; ++k) off[k] = ((k >> 2) * M + m) * H + 8 * gt + 2 * (k & 3);
+      // (the norm's weights are loaded after the polls: loaded before them, they held 8 registers
+      // across the polls, the chains spilled more and a frame was 2.5% slower, session 40)
       poll_many<24>(w, off, 4 * parts, flag, v, a);
+      const float4 nw0 = __ldg(reinterpret_cast<const float4*>(nw + 8 * gt));
+      const float4 nw1 = __ldg(reinterpret_cast<const float4*>(nw + 8 * gt) + 1);
       polled();
       float e[8];
 #pragma unroll
@@ -329,8 +347,9 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
       for (int i = 0; i < 8; ++i) e[i] = __fadd_rn(e[i], r[i]), r[i] = e[i];
       const float rr = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(a.eps, mean_square(e, red[grp], H, gt, 2u + grp))));
       __half hv[8];
+      const float wv[8] = {nw0.x, nw0.y, nw0.z, nw0.w, nw1.x, nw1.y, nw1.z, nw1.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) hv[i] = __float2half_rn(__fmul_rn(__fmul_rn(e[i], rr), nw[8 * gt + i]));
+      for (int i = 0; i < 8; ++i) hv[i] = __float2half_rn(__fmul_rn(__fmul_rn(e[i], rr), wv[i]));
       *reinterpret_cast<uint4*>(smem + (size_t)m * xrs + 16 * gt) = *reinterpret_cast<const uint4*>(hv);
       if (dbg == 2 * a.nl - 1 && b == 0 && a.out_h)  // the final norm: the launch's output
         *reinterpret_cast<uint4*>(a.out_h + (size_t)m * H + 8 * gt) = *reinterpret_cast<const uint4*>(hv);
@@ -371,7 +390,24 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
       auto slot = [&](int s) { return __popc(pieces & ((1u << s) - 1u)); };
 
       // ---- staging: this product's inputs in shared memory, rows 0..M-1 of each piece it has
-      if (p == P_QKV && l == 0) {
+      if (p == P_QKV && l == 0 && !a.h0) {
+        // the residual's RMSNorm as tk_gemm._rms_norm_kernel computes it (fp16 out, Triton 3.6: as
+        // add_rms without the parts, the square root IEEE; the twin of scripts/dot_bits.cu)
+        const int m = grp;
+        if (m < M) {
+          const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.nrm0 + 8 * gt));
+          const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.nrm0 + 8 * gt) + 1);
+          const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+          float e[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) e[i] = resid[m * H + 8 * gt + i];
+          const float rr = div_full(1.0f, __fsqrt_rn(__fadd_rn(a.eps, mean_square(e, red[grp], H, gt, 2u + grp))));
+          __half hv[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) hv[i] = __float2half_rn(__fmul_rn(__fmul_rn(e[i], rr), wv[i]));
+          *reinterpret_cast<uint4*>(smem + (size_t)m * xrs + 16 * gt) = *reinterpret_cast<const uint4*>(hv);
+        }
+      } else if (p == P_QKV && l == 0) {
         for (int i = tid; i < M * (H / 8); i += WARPS * 32) {
           const int m = i / (H / 8), c = i % (H / 8);
           *reinterpret_cast<uint4*>(smem + (size_t)m * xrs + 16 * c) =
@@ -412,6 +448,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
                         (NH + NKV + kvh) * HD + d0, (NH + NKV + kvh) * HD + 64 + d0};
           uint2 v[6];
           poll_many<6>(qw, off, 6, flag_of(fb, l, P_QKV), v, a);
+          const AttConst wc = att_const(a.cos, a.sin, L.qn, L.kn);
           AttIn in;
           float* dsts[6] = {in.q1, in.q2, in.k1, in.k2, in.v1, in.v2};
           float* qg = a.qkv_g ? a.qkv_g + (size_t)(l * M + m) * QKV : nullptr;
@@ -423,7 +460,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
           asm volatile("cp.async.wait_all;" ::: "memory");
           asm volatile("bar.sync %0, 64;" ::"r"(2 + (warp >> 1)) : "memory");  // the pair's copies both there
           float o1[4], o2[4];
-          attend_twin(in, a.cos, a.sin, L.qn, L.kn, kvs, L.kpool + base + (size_t)pos * HD,
+          attend_twin(in, wc, kvs, L.kpool + base + (size_t)pos * HD,
                       L.vpool + base + (size_t)pos * HD, (hh & 1) == 0, pos, a.eps, a.scale, o1, o2);
           if (r2 == 0) {  // (both halves hold the outputs)
             __half ho[8];
@@ -568,7 +605,7 @@ int staged_bytes(int blocks) {
 // The C ABI (tts_server/engines/batched/small_kernel.py). Errors: a CUDA error negated, -1 for
 // arguments out of range, -2 when shared memory is short. args: an Args (a pointer to void: a type of
 // internal linkage in the signature would hide the symbol).
-extern "C" int qsk_abi_version() { return 1; }
+extern "C" int qsk_abi_version() { return 2; }
 extern "C" int qsk_args_size() { return (int)sizeof(Args); }
 extern "C" long long qsk_words_len() { return (long long)WORDS_LEN; }
 extern "C" int qsk_max_rows() { return MAXM; }
@@ -597,7 +634,7 @@ extern "C" int qsk_setup(void* args, int blocks) {
 extern "C" int qsk_run(const void* args, int blocks, void* stream) {
   const Args& a = *static_cast<const Args*>(args);
   if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < 4 || blocks % 4 || a.smem <= 0 || !a.out_h ||
-      !a.words || !a.sync)
+      !a.words || !a.sync || (!a.h0 && !a.nrm0))
     return -1;
   void* kargs[] = {const_cast<Args*>(&a)};
   const cudaError_t e = cudaLaunchCooperativeKernel((const void*)cp_layers_kernel, blocks, THREADS, kargs, a.smem,

@@ -172,9 +172,8 @@ class FrameStep:
         att_dtype = o_input_dtype(sp)
         first = k == 0
         if not first and self.small is not None and b <= small_kernel.SERVE_ROWS and not final_fp32:
-            h0 = ops.rms_norm(x, sp.in_norm[0], cfg.rms_norm_eps, torch.float16)
-            out = self.small_h[:b]
-            self.small(x.contiguous(), h0, out, k + 1, self.cp_cos[k + 1], self.cp_sin[k + 1])
+            out = self.small_h[:b]  # (the kernel makes the first norm, rms_norm's bits)
+            self.small(x.contiguous(), None, out, k + 1, self.cp_cos[k + 1], self.cp_sin[k + 1])
             return out
         cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
         if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer

@@ -2,14 +2,15 @@
 (csrc/small/cp_layers.cu, `libqwen_small.so`, `make kernel`), with the Triton graphs' bits.
 
 At B <= 2 a frame is a chain of ~830 short launches; each code-predictor layer is seven of them
-(four products, the attention, two residual + RMSNorm). This kernel runs a pass's layers (passes
-2..15: one position, one row a stream) in one launch whose products stream their weights through
-shared memory ahead of use and hand their outputs to the next product as flagged words, with no
-grid barrier (csrc/batched/README.md, "The plan"; BENCHMARKS.md, sessions 37-40). Its arithmetic is
-the Triton kernels' (each product piece one mma.sync chain in the same order, the RMSNorm and the
-attention written out from their Triton 3.6 PTX), so a stream's codes do not depend on which path
-ran. That holds for the Triton version it was written against: `SmallKernel.check` compares the
-two bitwise at start-up, and the engine serves with the graphs alone when they differ.
+(four products, the attention, two residual + RMSNorm). This kernel runs a pass's first norm and
+layers (passes 2..15: one position, one row a stream) in one launch whose products stream their
+weights through shared memory ahead of use and hand their outputs to the next product as flagged
+words, with no grid barrier (csrc/batched/README.md, "The plan"; BENCHMARKS.md, sessions 37-40).
+Its arithmetic is the Triton kernels' (each product piece one mma.sync chain in the same order,
+the RMSNorms and the attention written out from their Triton 3.6 PTX), so a stream's codes do not
+depend on which path ran. That holds for the Triton version it was written against:
+`FrameStep.use_small_kernel` compares the two bitwise at start-up, and the engine serves with the
+graphs alone when they differ.
 
 The kernel is built for the 0.6B code predictor's shapes (hidden 1024, 16 q / 8 kv heads of 128,
 intermediate 3072, fp16 matrices, the down projection's input scaled by 2^-ops.MLP_SHIFT) and
@@ -28,11 +29,12 @@ from .params import StackParams
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_small.so"
-ABI = 1
+ABI = 2
 MAX_ROWS = 2  # rows a launch can take
 # rows a launch serves: inside a frame a pass's five layers took 116 µs in the kernel against ~121
 # for the Triton launches at one row, but 136 against ~127 at two (H200, session 40:
-# scripts/gpu_small_timeline.py), so the engine runs steps of one stream through it only
+# scripts/gpu_small_timeline.py), so the engine runs steps of one stream through it only (which
+# also makes the pass's first norm, another launch less: a pass ~115 µs, a B = 1 frame 2.83 ms)
 SERVE_ROWS = 1
 SHAPE = dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072)
 UNIT_COLS = 512  # a tiled unit's columns (csrc/small/common.cuh UC)
@@ -63,7 +65,8 @@ class LayerArgs(ctypes.Structure):
 class Args(ctypes.Structure):
     """cp_layers.cu's Args."""
     _fields_ = [("L", LayerArgs * 8), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
-                ("h0", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
+                ("h0", ctypes.c_void_p), ("nrm0", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
                 ("sync", ctypes.c_void_p), ("out_h", ctypes.c_void_p), ("timeout_ns", ctypes.c_ulonglong),
                 ("smem", ctypes.c_int), ("xbytes", ctypes.c_int),
@@ -148,20 +151,21 @@ class SmallKernel:
         if ret:
             raise RuntimeError(f"small-batch kernel {what}: {self.lib.qsk_error_string(-ret).decode()}")
 
-    def args(self, x0: torch.Tensor, h0: torch.Tensor, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
+    def args(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
              sin: torch.Tensor) -> Args:
         m = x0.shape[0]
-        if not 1 <= m <= MAX_ROWS or h0.shape[0] != m or out_h.shape[0] != m:
+        if not 1 <= m <= MAX_ROWS or (h0 is not None and h0.shape[0] != m) or out_h.shape[0] != m:
             raise ValueError(f"small-batch kernel: {m} rows (1..{MAX_ROWS})")
         for t, dt in ((x0, torch.float32), (h0, torch.float16), (out_h, torch.float16), (cos, torch.float32),
                       (sin, torch.float32)):
-            if t.dtype != dt or not t.is_contiguous():
+            if t is not None and (t.dtype != dt or not t.is_contiguous()):
                 raise ValueError(f"small-batch kernel: a {t.dtype} input, {dt} contiguous expected")
         if not 1 <= pos < self.cp_k.shape[3]:
             raise ValueError(f"small-batch kernel: position {pos}")
         a = Args.from_buffer_copy(self.base)
         a.M, a.pos = m, pos
-        a.x0, a.h0, a.out_h, a.cos, a.sin = (t.data_ptr() for t in (x0, h0, out_h, cos, sin))
+        a.x0, a.out_h, a.cos, a.sin = (t.data_ptr() for t in (x0, out_h, cos, sin))
+        a.h0, a.nrm0 = (h0.data_ptr(), None) if h0 is not None else (None, self.sp.in_norm[0].data_ptr())
         return a
 
     def launch(self, a: Args) -> None:
@@ -169,9 +173,10 @@ class SmallKernel:
             stream = torch.cuda.current_stream().cuda_stream
             self._check(self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
 
-    def __call__(self, x0: torch.Tensor, h0: torch.Tensor, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
+    def __call__(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
-        """One pass's layers: x0 [M, H] fp32 (the residual entering layer 0) and h0 [M, H] fp16 (its
-        norm) at position pos (the cache holds 0..pos-1; this pass's K/V go to pos) with that
-        position's RoPE rows cos / sin [HD] -> out_h [M, H] fp16, the final norm of the last layer."""
+        """One pass's layers: x0 [M, H] fp32 (the residual entering layer 0) and h0 [M, H] fp16
+        (its norm; None: the kernel makes it, with the stack's first norm weights) at position pos
+        (the cache holds 0..pos-1; this pass's K/V go to pos) with that position's RoPE rows cos /
+        sin [HD] -> out_h [M, H] fp16, the final norm of the last layer."""
         self.launch(self.args(x0, h0, out_h, pos, cos, sin))
