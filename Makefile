@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml
 		$(MAKE) kernel; fi
 	touch $(STAMP)
 
+# On a GPU machine the CUDA libraries are brought up to date first (a no-op when built; a checkout
+# set up before csrc/small/ existed gets libqwen_small.so, the small-batch kernel, this way).
 serve: setup
+	@if [ -n "$(NVCC)" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(MAKE) -s kernel; fi
 	$(BIN)/tts-server --host $(HOST) --port $(PORT) --model $(MODEL) --engine $(ENGINE)
 
 test: setup check-protos lint-protos kernel-check proxy-tools
