@@ -1,7 +1,7 @@
 """The small-batch kernel (csrc/small/cp_layers.cu, tts_server/engines/batched/small_kernel.py):
 its C ABI against the Python view of its arguments (the sm_90a check build: CI has nvcc, no GPU),
 the tiled weight layout, the engine's reasons to leave it off, and on a GPU that it serves steps of
-one and two streams with the graphs' bits (and that its start-up check can fail)."""
+one stream with the graphs' bits (and that its start-up check can fail)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_unsupported_names_the_reason():
 
 
 @pytest.mark.gpu
-def test_gpu_small_kernel_serves_one_and_two_streams_with_the_graphs_bits(monkeypatch):
+def test_gpu_small_kernel_serves_one_stream_with_the_graphs_bits(monkeypatch):
     """B = 1 runs passes 2..15 through the kernel (its epoch word advances by one launch a pass),
     B = 2 and 3 through the graphs; a stream's codes and logits are the same in all three, greedy
     and sampled. Then the start-up check refuses a kernel that computes something else."""

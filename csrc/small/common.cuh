@@ -1,8 +1,8 @@
-// Device code shared by issue 16's persistent-kernel experiments (scripts/products_engine.cu,
-// scripts/layer_engine.cu, scripts/stream_bw.cu) and their bit checks (scripts/dot_bits.cu): timers,
-// mbarrier waits and arrivals, the weight streams' bulk copies, the products' mma.sync chains over
-// shared-memory weight tiles (the Triton graphs' arithmetic: one chain per K piece, 16-column steps
-// in order, from zero), and the pieces of Triton 3.6's RMSNorm.
+// Device code shared by the small-batch kernel (csrc/small/cp_layers.cu) and issue 16's
+// persistent-kernel experiments (scripts/products_engine.cu, scripts/stream_bw.cu) and bit checks
+// (scripts/dot_bits.cu): timers, mbarrier waits and arrivals, the weight streams' bulk copies, the
+// products' mma.sync chains over shared-memory weight tiles (the Triton graphs' arithmetic: one
+// chain per K piece, 16-column steps in order, from zero), and the pieces of Triton 3.6's RMSNorm.
 #pragma once
 #include <cuda_fp16.h>
 #include <cstdint>

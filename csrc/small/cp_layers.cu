@@ -51,7 +51,7 @@ __host__ __device__ __forceinline__ int words_before(int p) {
 constexpr int WORDS_ROW_LAYER = QKV + 4 * H + INTER + 6 * H;  // 17,408
 
 struct Layer {
-  const __half* w[5];  // tiled copies (products_engine.cu's): q|k|v, o_proj, gate, up, down
+  const __half* w[5];  // tiled copies (small_kernel.tile): q|k|v, o_proj, gate, up, down
   const float* post;   // the RMSNorm weights after o_proj and after down [H]
   const float* nxt;
   const float* qn;     // the attention's q / k norm weights [HD]
