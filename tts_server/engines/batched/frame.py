@@ -108,6 +108,7 @@ class FrameStep:
         dev = self.out.device
         gen = torch.Generator(device=dev).manual_seed(1234)
         table = self.p.predictor_embedding_stack[0]
+        self.small = None  # (the reference: the launches)
         try:
             for m in range(1, small_kernel.SERVE_ROWS + 1):
                 for k in range(1, self.p.num_passes):
@@ -119,9 +120,7 @@ class FrameStep:
                     ref = self._cp_stack(k, m, x, False).clone()
                     ref_kv = self.cp_k[:, :m].clone(), self.cp_v[:, :m].clone()
                     self.cp_k[:, :m], self.cp_v[:, :m] = kv
-                    self.small = kernel
-                    got = self._cp_stack(k, m, x, False).clone()
-                    self.small = None
+                    got = self._small_pass(kernel, k, m, x).clone()
                     for name, a, b in (("hidden", got, ref), ("K cache", self.cp_k[:, :m], ref_kv[0]),
                                        ("V cache", self.cp_v[:, :m], ref_kv[1])):
                         same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
@@ -130,7 +129,6 @@ class FrameStep:
                             return (f"its {name} differs from the graphs' at {m} row(s), pass {k + 1} "
                                     f"({int((~same).sum())} of {same.numel()} values)")
         finally:
-            self.small = None
             self.cp_k.zero_()
             self.cp_v.zero_()
         self.small = kernel
@@ -165,16 +163,14 @@ class FrameStep:
         """Pass k's layers for b streams over its input rows x ([2B, Hp] at pass 0, else [B, Hp])
         -> the final-normed hidden: the small-batch kernel's launch (passes 2..15, b <= SERVE_ROWS,
         when use_small_kernel took it) or the layers' launches."""
+        first = k == 0
+        if not first and self.small is not None and b <= small_kernel.SERVE_ROWS and not final_fp32:
+            return self._small_pass(self.small, k, b, x)
         p, c = self.p, self.consts(b)
         sp = p.predictor
         cfg = sp.cfg
         scale = cfg.head_dim ** -0.5
         att_dtype = o_input_dtype(sp)
-        first = k == 0
-        if not first and self.small is not None and b <= small_kernel.SERVE_ROWS and not final_fp32:
-            out = self.small_h[:b]  # (the kernel makes the first norm, rms_norm's bits)
-            self.small(x.contiguous(), None, out, k + 1, self.cp_cos[k + 1], self.cp_sin[k + 1])
-            return out
         cos, sin = (c["cos0"], c["sin0"]) if first else (self.cp_cos[k + 1:k + 2], self.cp_sin[k + 1:k + 2])
         if first and self.fused_cp:  # positions 0 and 1: two query rows per stream, one launch per layer
             attend = (lambda i, qkv: glue.cp_attend0(
@@ -189,6 +185,13 @@ class FrameStep:
                 qkv, sp.q_norm[i], sp.k_norm[i], cos, sin, self.cp_k[i], self.cp_v[i], k + 1, cfg.num_heads,
                 cfg.num_kv_heads, cfg.rms_norm_eps, scale, att_dtype))
         return stack_forward(x, sp, attend, final_fp32=final_fp32)
+
+    def _small_pass(self, kernel: small_kernel.SmallKernel, k: int, b: int, x: torch.Tensor) -> torch.Tensor:
+        """Pass k (>= 1) of b streams through `kernel`, its first norm included -> the final-normed
+        hidden [b, Hp] fp16 (small_h's rows)."""
+        out = self.small_h[:b]
+        kernel(x.contiguous(), None, out, k + 1, self.cp_cos[k + 1], self.cp_sin[k + 1])
+        return out
 
     def _predict(self, b: int, x0: torch.Tensor, draw: tuple) -> None:
         """x0 [2B, H]: each stream's first-pass rows (positions 0, 1); draw: the streams' sampling
