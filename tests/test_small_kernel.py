@@ -33,11 +33,11 @@ def test_abi_matches_the_python_arguments(check_lib):
     # load() checks the version and sizeof(Args) against the ctypes structure
     assert check_lib.qsk_max_rows() == small_kernel.MAX_ROWS
     assert check_lib.qsk_max_layers() == len(small_kernel.Args().L)
-    assert check_lib.qsk_words_len() == 8 * 2 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
+    assert check_lib.qsk_words_len() == 8 * 1 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
     # one o_proj piece a block: a multiple of 4 blocks, one an SM
     assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 3)] == [132, 112, 76, -1]
-    a = small_kernel.Args(nl=5, M=3)
-    assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 3 rows: refused before any CUDA call
+    a = small_kernel.Args(nl=5, M=2)
+    assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 2 rows: refused before any CUDA call
 
 
 def test_tile_puts_every_weight_where_the_kernel_reads_it():

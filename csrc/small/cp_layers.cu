@@ -1,5 +1,5 @@
-// The code predictor's layers for a pass of M <= 2 rows at one position (passes 2..15 of a frame of
-// one or two streams) in one persistent launch, with the Triton graphs' bits (issue 16's small-batch
+// The code predictor's layers for a pass of one row at one position (passes 2..15 of a frame of
+// one stream) in one persistent launch, with the Triton graphs' bits (issue 16's small-batch
 // kernel; tts_server/engines/batched/small_kernel.py serves it, scripts/gpu_cp_layer_engine.py
 // checks every phase bitwise and times it). No grid barrier: a layer is four dependent products,
 // each one hop:
@@ -20,7 +20,7 @@
 // into shared memory while the words are on their way (session 39, H200: a layer at one row 24.2
 // µs, a graph of the Triton launches 27.3; the kernel's own PTX as a device function took 29.0).
 // Its K/V writes are identical from every block that makes them. The products: a producer warp
-// streams tiled weight units (tile() in small_kernel.py) through a ring of NU, 8 consumer warps run
+// streams tiled weight units (tile() in small_kernel.py) through a ring of NU, 7 consumer warps run
 // each task as one mma.sync chain per K piece. Block 0 ends the launch with the last layer's
 // residual + final norm (out_h).
 #include <cuda_fp16.h>
@@ -33,7 +33,15 @@ namespace {
 
 constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, QKV = 4096, QD = 2048, INTER = 3072;
 constexpr int MAXL = 8;  // layers a launch
-constexpr int MAXM = 2;  // rows: one RMSNorm program (4 warps) a row
+// One row: its RMSNorm is one 128-thread program (warps 0-3), its attention four warps (one a query
+// head of the block's piece). Seven consumer warps and the producer make a 256-thread block, two
+// warps on each of the SM's register quadrants: ptxas gives it 221 registers a thread and spills
+// nothing (session 41, H200: a layer 22.2 -> 19.2 µs; a 9-warp block, which two rows need, puts
+// three warps on a quadrant, caps them at 168 registers and spilled; two rows were slower than
+// the graphs anyway, session 40). A block has at most 3 tasks a product at one row.
+constexpr int MAXM = 1;
+constexpr int CW = 7;  // consumer warps (warp CW is the producer)
+constexpr int BLOCK = (CW + 1) * 32;
 constexpr int R = 8;     // staged input rows (one 8-row mma tile)
 enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DN = 3 };
 
@@ -106,20 +114,29 @@ __device__ __forceinline__ void fail(const Args& a, unsigned code) {
 }
 
 // N pairs of LL words, pair k at w + off[k] (16-byte aligned), once every word carries `flag`: all
-// loads of a round issued together (one L2 round trip a round, not one a pair), the whole round
-// again until every flag is there.
+// loads of a round issued together (one L2 round trip a round, not one a pair); after the first
+// round only the pairs still missing are loaded again (a predicated load: a pair already there
+// keeps its words), so that a block waiting for the last writers does not keep reading what came
+// (session 41, H200: 19.2 -> 19.0 µs a layer). `out` holds zeros at the call.
 template <int N>
 __device__ __forceinline__ void poll_many(const unsigned long long* w, const int (&off)[N], int n, unsigned flag,
                                           uint2 (&out)[N], const Args& a) {
+  static_assert(N <= 32, "a round's pairs are the bits of a word");
+  uint32_t need = ~0u;
   for (uint32_t round = 0;; ++round) {
+    const uint32_t cur = need;
     bool all = true;
+    need = 0;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       if (k >= n) break;
-      unsigned long long w0, w1;
-      asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(w + off[k]) : "memory");
+      unsigned long long w0 = (unsigned long long)flag << 32 | out[k].x, w1 = (unsigned long long)flag << 32 | out[k].y;
+      asm volatile("{ .reg .pred p; setp.ne.b32 p, %3, 0; @p ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2]; }"
+                   : "+l"(w0), "+l"(w1) : "l"(w + off[k]), "r"(cur & (1u << k)) : "memory");
       out[k] = make_uint2((unsigned)w0, (unsigned)w1);
-      all = all && (unsigned)(w0 >> 32) == flag && (unsigned)(w1 >> 32) == flag;
+      const bool ok = (unsigned)(w0 >> 32) == flag && (unsigned)(w1 >> 32) == flag;
+      all = all && ok;
+      need |= ok ? 0u : 1u << k;
     }
     if (all) return;
     if ((round & 63u) == 63u && *reinterpret_cast<volatile unsigned*>(a.sync) != 0) asm volatile("trap;");
@@ -130,7 +147,7 @@ __device__ __forceinline__ void put_word(unsigned long long* w, unsigned payload
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(w), "l"(((unsigned long long)flag << 32) | payload)
                : "memory");
 }
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"r"(WARPS * 32) : "memory"); }
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"r"(CW * 32) : "memory"); }
 
 __device__ __forceinline__ float ex2_approx(float x) {
   float r;
@@ -264,7 +281,7 @@ __device__ __forceinline__ void attend_twin(const AttIn& in, const AttConst& w, 
 
 }  // namespace
 
-__global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_constant__ Args a) {
+__global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_constant__ Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full[NU], empty[NU];
   __shared__ float red[2][4];
@@ -276,7 +293,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
   if (threadIdx.x == 0) ring_init(full, empty, NU);
   __syncthreads();
 
-  if (warp == WARPS) {  // the producer: lane 0 issues each task's units in the consumers' order
+  if (warp == CW) {  // the producer: lane 0 issues each task's units in the consumers' order
     if (lane != 0) return;
     uint32_t seq = 0;
     const uint64_t policy = evict_first_policy();
@@ -303,15 +320,15 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
     return;
   }
 
-  // consumers (warps 0..7): the epoch (the last launch's last block set it) and the residual
+  // consumers (warps 0..CW-1): the epoch (the last launch's last block set it) and the residual
   // entering layer 0
   if (tid == 0) epoch_s = *reinterpret_cast<volatile unsigned*>(a.sync + 1);
-  for (int i = tid; i < M * H; i += WARPS * 32) resid[i] = a.x0[i];
+  for (int i = tid; i < M * H; i += CW * 32) resid[i] = a.x0[i];
   consumer_sync();
   const unsigned fb = epoch_s;
   const uint32_t xs = smem_u32(smem);
   uint32_t seq = 0;
-  const int grp = warp >> 2, gt = tid & 127;  // RMSNorm: warps 0-3 row 0, warps 4-7 row 1
+  const int grp = warp >> 2, gt = tid & 127;  // RMSNorm: warps 0-3 row 0 (warps 4..: none)
 
   // The RMSNorm after a product with `parts` K pieces (its LL words at `w`, parts [parts][M][H]) into
   // the block's residual and, fp16, row m of the staged inputs (one 1,024-column piece, stride xrs);
@@ -322,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
     if (m < M) {
       // the thread's 8 values of each part: 4 word pairs a part, all polled in one round
       int off[24];
-      uint2 v[24];
+      uint2 v[24] = {};
 #pragma unroll
       for (int k = 0; k < 24; ++k) off[k] = ((k >> 2) * M + m) * H + 8 * gt + 2 * (k & 3);
       // (the norm's weights are loaded after the polls: loaded before them, they held 8 registers
@@ -408,7 +425,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
           *reinterpret_cast<uint4*>(smem + (size_t)m * xrs + 16 * gt) = *reinterpret_cast<const uint4*>(hv);
         }
       } else if (p == P_QKV && l == 0) {
-        for (int i = tid; i < M * (H / 8); i += WARPS * 32) {
+        for (int i = tid; i < M * (H / 8); i += CW * 32) {
           const int m = i / (H / 8), c = i % (H / 8);
           *reinterpret_cast<uint4*>(smem + (size_t)m * xrs + 16 * c) =
               __ldcg(reinterpret_cast<const uint4*>(a.h0 + (size_t)m * H) + c);
@@ -421,8 +438,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
         add_rms(src, after_o ? 4 : 6, after_o ? flag_of(fb, l, P_O) : flag_of(fb, l - 1, P_DN),
                 after_o ? L.post : a.L[l - 1].nxt, xrs, after_o ? 2 * l : 2 * l - 1, [&] { mark(0); });
       } else if (p == P_O) {
-        // the attention of the block's piece s (its q heads 4s .. 4s + 3) by attend_twin: warp w runs
-        // row w / 4, head 4s + w % 4; warps 2k and 2k + 1 share kv head 2s + k, whose cached K/V they
+        // the attention of the block's piece s (its q heads 4s .. 4s + 3) by attend_twin: warp w < 4
+        // runs head 4s + w (warps w / 4 >= M: none); warps 2k and 2k + 1 share kv head 2s + k, whose cached K/V they
         // copy into shared memory (half each, cp.async) while the q|k|v words are on their way
         if (__popc(pieces) != 1) fail(a, 5u);  // (one piece a block: G a multiple of 4)
         const int s = __ffs(pieces) - 1, m = warp >> 2, hh = warp & 3, kk = hh >> 1;
@@ -446,7 +463,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
           const unsigned long long* qw = lw + (size_t)M * words_before(P_QKV) + (size_t)m * QKV;
           int off[6] = {h * HD + d0, h * HD + 64 + d0, (NH + kvh) * HD + d0, (NH + kvh) * HD + 64 + d0,
                         (NH + NKV + kvh) * HD + d0, (NH + NKV + kvh) * HD + 64 + d0};
-          uint2 v[6];
+          uint2 v[6] = {};
           poll_many<6>(qw, off, 6, flag_of(fb, l, P_QKV), v, a);
           const AttConst wc = att_const(a.cos, a.sin, L.qn, L.kn);
           AttIn in;
@@ -484,10 +501,10 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
         for (int s = 0; s < S; ++s) {
           if (!(pieces >> s & 1u)) continue;
           unsigned char* dst = smem + (size_t)slot(s) * R * xrs;
-          for (int i = tid; i < M * (sh.piece / 8); i += WARPS * 32) {
+          for (int i = tid; i < M * (sh.piece / 8); i += CW * 32) {
             const int m = i / (sh.piece / 8), c = i % (sh.piece / 8);
             int off[4];
-            uint2 v[4];
+            uint2 v[4] = {};
 #pragma unroll
             for (int k = 0; k < 4; ++k) off[k] = m * INTER + s * sh.piece + 8 * c + 2 * k;
             poll_many<4>(gw, off, 4, gf, v, a);
@@ -502,13 +519,13 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
       consumer_sync();
       mark(3);
 
-      // ---- the tasks: warp j % 8 takes the block's j-th
+      // ---- the tasks: warp j % CW takes the block's j-th
       unsigned long long* ow = lw + (size_t)M * words_before(p);
       int j = 0, tile = t_b - gq, s = s_b - gr;
       for (int task = b; task < T; task += G, ++j, seq += upt) {
         tile += gq, s += gr;
         if (s >= S) s -= S, tile += 1;
-        if ((j & 7) != warp) continue;
+        if (j % CW != warp) continue;
         if (j == 0) mark(7);
         bool ok = true;
         for (int i = 0; i < upt; ++i) {
@@ -575,7 +592,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_layers_kernel(const __grid_cons
   if (last_s) {
     const bool wrap = fb >= EPOCH_WRAP;
     if (wrap) {
-      for (size_t i = tid; i < WORDS_LEN; i += WARPS * 32) a.words[i] = 0ull;
+      for (size_t i = tid; i < WORDS_LEN; i += CW * 32) a.words[i] = 0ull;
       consumer_sync();
     }
     if (tid == 0) {
@@ -605,7 +622,7 @@ int staged_bytes(int blocks) {
 // The C ABI (tts_server/engines/batched/small_kernel.py). Errors: a CUDA error negated, -1 for
 // arguments out of range, -2 when shared memory is short. args: an Args (a pointer to void: a type of
 // internal linkage in the signature would hide the symbol).
-extern "C" int qsk_abi_version() { return 2; }
+extern "C" int qsk_abi_version() { return 3; }
 extern "C" int qsk_args_size() { return (int)sizeof(Args); }
 extern "C" long long qsk_words_len() { return (long long)WORDS_LEN; }
 extern "C" int qsk_max_rows() { return MAXM; }
@@ -637,7 +654,7 @@ extern "C" int qsk_run(const void* args, int blocks, void* stream) {
       !a.words || !a.sync || (!a.h0 && !a.nrm0))
     return -1;
   void* kargs[] = {const_cast<Args*>(&a)};
-  const cudaError_t e = cudaLaunchCooperativeKernel((const void*)cp_layers_kernel, blocks, THREADS, kargs, a.smem,
+  const cudaError_t e = cudaLaunchCooperativeKernel((const void*)cp_layers_kernel, blocks, BLOCK, kargs, a.smem,
                                                     (cudaStream_t)stream);
   return e == cudaSuccess ? 0 : -(int)e;
 }

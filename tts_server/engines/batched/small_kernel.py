@@ -29,13 +29,15 @@ from .params import StackParams
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_small.so"
-ABI = 2
-MAX_ROWS = 2  # rows a launch can take
-# rows a launch serves: inside a frame a pass's five layers took 116 µs in the kernel against ~121
-# for the Triton launches at one row, but 136 against ~127 at two (H200, session 40:
-# scripts/gpu_small_timeline.py), so the engine runs steps of one stream through it only (which
-# also makes the pass's first norm, another launch less: a pass ~115 µs, a B = 1 frame 2.83 ms)
-SERVE_ROWS = 1
+ABI = 3
+# rows a launch takes (qsk_max_rows) and serves: one. Inside a frame a pass's five layers took 116 µs
+# in the 9-warp kernel against ~121 for the Triton launches at one row, but 136 against ~127 at two
+# (H200, session 40: scripts/gpu_small_timeline.py); built for one row (7 consumer warps: no
+# register spills) a pass takes ~99 µs (session 41: a B = 1 frame 2.82 -> 2.59 ms). So steps of one
+# stream run through it (it also makes the pass's first norm, another launch less), larger steps
+# through the graphs.
+MAX_ROWS = 1
+SERVE_ROWS = MAX_ROWS
 SHAPE = dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072)
 UNIT_COLS = 512  # a tiled unit's columns (csrc/small/common.cuh UC)
 
