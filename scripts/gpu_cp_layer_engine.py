@@ -6,8 +6,8 @@ Triton graphs' bits, two ways:
    ahead, and the three row phases (the attention at one position, the residual + RMSNorm after
    o_proj and after down) as the Triton kernels' own PTX made device functions
    (`scripts/ptx_func.py`); a grid barrier between phases (any M <= 16);
-2. the serving kernel, `csrc/small/cp_layers.cu` (M <= 2): four LL hops a layer, the row work
-   redone by every block that needs it (the RMSNorm and the attention as twins of the Triton
+2. the serving kernel, `csrc/small/cp_layers.cu` (M <= its qsk_max_rows(): one): four LL hops a
+   layer, the row work redone by every block that needs it (the RMSNorm and the attention as twins of the Triton
    kernels), the launch's flags from an epoch word it advances; checked also as a CUDA graph
    replayed three times and across the epoch's wrap.
 
@@ -16,10 +16,13 @@ launches the frame makes (`tk_gemm.linear`, `tk_glue.cp_attend`, `linear_parts`,
 `swiglu`), each variant from reset outputs, then times L layers inside the kernel (the first
 block's start to the last block's end, globaltimer; median of 7 launches) against a CUDA graph of
 those launches (20 replays, less an empty graph's), and prints the mean span of each phase kind
-over the blocks and, for the serving kernel, thread 0's marks inside each hop. Writes
-$OUT/cp_layer_engine.json.
+over the blocks and, for the serving kernel, thread 0's marks inside each hop and how late the last
+block ends each hop. Writes $OUT/cp_layer_engine.json and, for the serving kernel, the raw marks and
+hop starts of one launch ($OUT/ll_trace.npz). QSK_SRC: another source to build as the serving
+kernel (a variant), QSK_NVCCFLAGS: more nvcc flags (-lineinfo for ncu); --only-ll: the serving
+kernel alone.
 
-  PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 2 4 8] [--layers 5]
+  PYTHONPATH=. python3 scripts/gpu_cp_layer_engine.py --out $OUT [--ms 1 2 4 8] [--layers 5] [--only-ll]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import struct
 import subprocess
@@ -104,7 +108,7 @@ class RowKernel:
 
 
 # cp_layers.cu's trace marks
-LL_MARKS = ("polled", "unpacked", "attended", "staged", "weights", "warp0_done", "done", "picked")
+LL_MARKS = ("polled", "first_round", "attended", "staged", "weights", "warp0_done", "done", "picked")
 EPOCH_WRAP = 0xFFFFFF00  # cp_layers.cu's: a launch of this epoch or later zeroes the words, then epoch 0
 
 
@@ -147,8 +151,9 @@ extern "C" __device__ void row_call(int kind, const void* const* a, const unsign
 def build_small() -> ctypes.CDLL:
     """csrc/small/cp_layers.cu as the serving build makes it (csrc/Makefile's flags)."""
     lib = Path(tempfile.mkdtemp()) / "libqwen_small.so"
+    src = os.environ.get("QSK_SRC", str(ROOT / "csrc" / "small" / "cp_layers.cu"))  # (a variant's source)
     subprocess.run(["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90a,code=sm_90a",
-                    "-shared", "-o", str(lib), str(ROOT / "csrc" / "small" / "cp_layers.cu")], check=True)
+                    *os.environ.get("QSK_NVCCFLAGS", "").split(), "-shared", "-o", str(lib), src], check=True)
     return small_kernel.load(lib)
 
 
@@ -304,11 +309,13 @@ def checked(launch, err: torch.Tensor, mine: Buffers, ref: Buffers, pools: list,
     return bits, ok
 
 
-def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) -> tuple[float, dict]:
+def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7, skew: bool = False) -> tuple[float, dict]:
     """µs per layer inside the kernel (the first block's start to the last block's end, median of
     runs) and each phase kind's span (its start to the next phase's start, mean over blocks, median
-    over phases and runs)."""
-    per_layer, per_kind = [], {}
+    over phases and runs). skew: also print, per kind, how much later than the mean block the last
+    block ends it (µs, mean over phases and runs) and the mean end (µs after the mean) of blocks
+    0-59, 60-119 and 120 on."""
+    per_layer, per_kind, late = [], {}, {}
     for _ in range(runs):
         launch()  # (the K/V cache is rewritten at the same position with the same values)
         torch.cuda.synchronize()
@@ -317,10 +324,19 @@ def spans(launch, t0s: torch.Tensor, kinds: list, layers: int, runs: int = 7) ->
         d = (t[:, 1:] - t[:, :-1]).astype(np.float64) / 1e3  # [G, phases]
         for j, kind in enumerate(kinds):
             per_kind.setdefault(kind, []).append(float(d[:, j].mean()))
+            end = t[:, j + 1].astype(np.float64) / 1e3
+            end -= end.mean()
+            late.setdefault(kind, []).append([end.max(), end[:60].mean(), end[60:120].mean(), end[120:].mean()])
+    if skew:
+        for kind, v in late.items():
+            m = np.mean(v, axis=0)
+            print(f"  end skew {kind:8s} last {m[0]:.2f} µs after the mean; blocks 0-59 {m[1]:+.2f}, 60-119 "
+                  f"{m[2]:+.2f}, 120- {m[3]:+.2f}", flush=True)
     return statistics.median(per_layer), {k: round(statistics.median(v), 3) for k, v in per_kind.items()}
 
 
-def ll_marks(launch, args: small_kernel.Args, trace: torch.Tensor, label: str) -> dict:
+def ll_marks(launch, args: small_kernel.Args, trace: torch.Tensor, label: str, t0s: torch.Tensor | None = None,
+             out: str | None = None) -> dict:
     """One launch with thread 0's marks in every product (cp_layers.cu's trace): µs since the
     product's start by kind, means over blocks and the layers after the first (None: not marked)."""
     trace.zero_()
@@ -328,6 +344,8 @@ def ll_marks(launch, args: small_kernel.Args, trace: torch.Tensor, label: str) -
     launch()
     torch.cuda.synchronize()
     args.trace = None
+    if out is not None:  # the raw marks and hop starts of this launch (for per-block analyses)
+        np.savez(Path(out, "ll_trace.npz"), trace=trace.cpu().numpy(), t0s=t0s.cpu().numpy())
     tr = trace.cpu().numpy().astype(np.float64)[:, 4:] / 1e3
     marks = {}
     for j, kind in enumerate(("qkv", "o", "gate_up", "down")):
@@ -344,6 +362,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4, 8], help="row counts")
+    ap.add_argument("--only-ll", action="store_true",
+                    help="the serving kernel only (not the row phases + grid barriers build; e.g. under ncu)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -355,20 +375,22 @@ def main() -> None:
     sync = torch.zeros(4, dtype=torch.int32, device=dev)
     stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
 
-    # the row kernels' specialisations (M = 1's arguments; every M specialises alike)
-    m0 = 1
-    pools0 = [(torch.randn(m0, NKV, BS, HD, device=dev, generator=gen),) * 2 for _ in range(a.layers)]
-    b0 = Buffers(m0, a.layers, dev, torch.randn(m0, H, device=dev), torch.zeros(m0, H, dtype=torch.float16,
-                                                                                device=dev), pools0)
-    rows = {"attend": RowKernel("attend", tk_glue._cp_attend_kernel, attend_args(b0, layers[0], 0, cos, sin),
-                                dict(ATTEND_KW, **pdl.kw()), attend_grid(m0)),
-            "add_rms4": RowKernel("add_rms4", tk_glue._add_rms_kernel, add_rms_args(b0, 0, b0.op[0],
-                                                                                  layers[0]["post"], m0),
-                                  dict(add_rms_kw(4), **pdl.kw()), (m0,)),
-            "add_rms6": RowKernel("add_rms6", tk_glue._add_rms_kernel, add_rms_args(b0, 1, b0.dp[0],
-                                                                                  layers[0]["nxt"], m0),
-                                  dict(add_rms_kw(6), **pdl.kw()), (m0,))}
-    so = build(list(rows.values()))
+    rows: dict = {}
+    if not a.only_ll:  # (their PTX: not in a carried Triton cache, which keeps the binaries only)
+        # the row kernels' specialisations (M = 1's arguments; every M specialises alike)
+        m0 = 1
+        pools0 = [(torch.randn(m0, NKV, BS, HD, device=dev, generator=gen),) * 2 for _ in range(a.layers)]
+        b0 = Buffers(m0, a.layers, dev, torch.randn(m0, H, device=dev), torch.zeros(m0, H, dtype=torch.float16,
+                                                                                    device=dev), pools0)
+        rows = {"attend": RowKernel("attend", tk_glue._cp_attend_kernel, attend_args(b0, layers[0], 0, cos, sin),
+                                    dict(ATTEND_KW, **pdl.kw()), attend_grid(m0)),
+                "add_rms4": RowKernel("add_rms4", tk_glue._add_rms_kernel, add_rms_args(b0, 0, b0.op[0],
+                                                                                      layers[0]["post"], m0),
+                                      dict(add_rms_kw(4), **pdl.kw()), (m0,)),
+                "add_rms6": RowKernel("add_rms6", tk_glue._add_rms_kernel, add_rms_args(b0, 1, b0.dp[0],
+                                                                                      layers[0]["nxt"], m0),
+                                      dict(add_rms_kw(6), **pdl.kw()), (m0,))}
+    so = build(list(rows.values())) if rows else None
     small = build_small()
     results = []
     for m in a.ms:
@@ -382,24 +404,25 @@ def main() -> None:
 
         # (1) products_engine.cu with row phases, grid barriers between phases
         mine = Buffers(m, a.layers, dev, x0, h0, pools)
-        table, kinds = engine_phases(mine, layers, tiled, rows, cos, sin, m)
-        t0s = torch.zeros(sms, len(kinds) + 1, dtype=torch.int64, device=dev)
+        if so is not None:
+            table, kinds = engine_phases(mine, layers, tiled, rows, cos, sin, m)
+            t0s = torch.zeros(sms, len(kinds) + 1, dtype=torch.int64, device=dev)
 
-        def engine():
-            sync.zero_()
-            ret = so.products_engine_run(ctypes.addressof(table), len(kinds), m, ctypes.c_void_p(sync.data_ptr()),
-                                         sms, 2_000_000_000, 0, 0, 1, None, 0, None, ctypes.c_void_p(t0s.data_ptr()),
-                                         None, None, 0, stream())
-            assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
-                                                        else "arguments"))
+            def engine():
+                sync.zero_()
+                ret = so.products_engine_run(ctypes.addressof(table), len(kinds), m, ctypes.c_void_p(sync.data_ptr()),
+                                             sms, 2_000_000_000, 0, 0, 1, None, 0, None, ctypes.c_void_p(t0s.data_ptr()),
+                                             None, None, 0, stream())
+                assert ret > 0, (f"launch error {ret}: " + (so.products_engine_error_string(-ret).decode() if ret < -2
+                                                            else "arguments"))
 
-        bits, ok = checked(engine, sync[2], mine, ref, pools, f"M={m} row phases + grid barriers")
-        t_engine, phase_us = spans(engine, t0s, kinds, a.layers)
-        rec.update(barriers={"bitwise": bits, "bits_equal": ok, "us_per_layer": round(t_engine, 3),
-                             "phase_span_us_mean": phase_us})
+            bits, ok = checked(engine, sync[2], mine, ref, pools, f"M={m} row phases + grid barriers")
+            t_engine, phase_us = spans(engine, t0s, kinds, a.layers)
+            rec.update(barriers={"bitwise": bits, "bits_equal": ok, "us_per_layer": round(t_engine, 3),
+                                 "phase_span_us_mean": phase_us})
 
-        # (2) the serving kernel, csrc/small/cp_layers.cu: four LL hops a layer (M <= 2)
-        if m <= 2:
+        # (2) the serving kernel, csrc/small/cp_layers.cu: four LL hops a layer (M <= qsk_max_rows())
+        if m <= small.qsk_max_rows():
             ll = Buffers(m, a.layers, dev, x0, h0, pools)
             outs = ll.contiguous(m, a.layers)
             out_h = torch.full((m, H), float("nan"), dtype=torch.float16, device=dev)
@@ -456,9 +479,9 @@ def main() -> None:
                 _, ok_r = checked(engine_ll, sync_ll[0], ll, ref, pools, f"M={m} LL, epoch {epoch:#x}")
                 wrap.append(ok_r and out_equal())
             assert int(sync_ll[1]) == 64, f"epoch after the wrap: {int(sync_ll[1])}"
-            t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers)
+            t_ll, phase_ll = spans(engine_ll, t0s_ll, kinds_ll, a.layers, skew=True)
             trace = torch.zeros(blocks, len(kinds_ll), 8, dtype=torch.int32, device=dev)
-            marks = ll_marks(engine_ll, args, trace, "serving kernel")
+            marks = ll_marks(engine_ll, args, trace, "serving kernel", t0s_ll, a.out)
             t_graph_ll = timed(graph_ll.replay)
             print(f"  M={m} serving kernel: bits {'EQUAL' if ok_ll else 'DIFFER'} (out_h too), graph replays "
                   f"{replays}, across the epoch wrap {wrap}; {t_ll:.2f} µs a layer inside the kernel, "
