@@ -34,8 +34,8 @@ def test_abi_matches_the_python_arguments(check_lib):
     assert check_lib.qsk_max_rows() == small_kernel.MAX_ROWS
     assert check_lib.qsk_max_layers() == len(small_kernel.Args().L)
     assert check_lib.qsk_words_len() == 8 * 1 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
-    # one o_proj piece a block: a multiple of 4 blocks, one an SM
-    assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 3)] == [132, 112, 76, -1]
+    # one o_proj piece a block: a multiple of 4 blocks, one an SM, one at least a down tile (64)
+    assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 67, 63, 3)] == [132, 112, 76, 64, -1, -1]
     a = small_kernel.Args(nl=5, M=2)
     assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 2 rows: refused before any CUDA call
 

@@ -7,7 +7,8 @@
 //           or the RMSNorm of the residual as tk_gemm._rms_norm_kernel makes it: nrm0)
 //   o_proj  input: the attention of the block's q heads over the q|k|v outputs
 //   gate|up input: the residual + RMSNorm of the o_proj parts
-//   down    input: gate|up's SwiGLU outputs (the block's K piece)
+//   down    input: gate|up's SwiGLU outputs (all of them: one block a 16-row tile, its six K pieces
+//           on six warps, publishing their sum)
 // Every product's outputs go out as LL words {32-bit payload, flag} (no fence, no barrier: a word
 // carries its own flag, new for every product of every launch); the next product's staging polls
 // exactly the words it needs. A launch's flags come from an epoch word in device memory (sync[1]),
@@ -35,13 +36,21 @@ constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, QKV = 4096, QD = 2048, INTER
 constexpr int MAXL = 8;  // layers a launch
 // One row: its RMSNorm is one 128-thread program (warps 0-3), its attention four warps (one a query
 // head of the block's piece). Seven consumer warps and the producer make a 256-thread block, two
-// warps on each of the SM's register quadrants: ptxas gives it 221 registers a thread and spills
+// warps on each of the SM's register quadrants: ptxas gives it ~250 registers a thread and spills
 // nothing (session 41, H200: a layer 22.2 -> 19.2 µs; a 9-warp block, which two rows need, puts
 // three warps on a quadrant, caps them at 168 registers and spilled; two rows were slower than
 // the graphs anyway, session 40). A block has at most 3 tasks a product at one row.
 constexpr int MAXM = 1;
 constexpr int CW = 7;  // consumer warps (warp CW is the producer)
 constexpr int BLOCK = (CW + 1) * 32;
+// The down product: one block a 16-row tile (blocks G - DN_TILES ..), its six K pieces on warps 0-5,
+// publishing their sum in add_rms's order (the same bits), so that the next RMSNorm polls one word
+// an element (8 KB a block at one row) instead of six; gate|up's fp16 outputs go out two a word, so
+// that a down block polls 12 KB (session 41, H200: a layer 19.0 -> 18.1 µs; with the parts summed
+// but one fp16 a word, the down blocks' 24 KB staging made the down hop 2 µs later and cost what
+// the norm gained)
+constexpr int DN_TILES = H / 16, DN_PIECES = INTER / 512;
+__device__ __forceinline__ int down_tile(int b, int G) { return b - (G - DN_TILES); }  // < 0: none
 constexpr int R = 8;     // staged input rows (one 8-row mma tile)
 enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DN = 3 };
 
@@ -52,7 +61,9 @@ __host__ __device__ __forceinline__ Shape shape_of(int p) {
   return p == P_QKV ? Shape{QKV, H, 1024} : p == P_O ? Shape{H, QD, 512} : p == P_GU ? Shape{INTER, H, 1024}
                                                                           : Shape{H, INTER, 512};
 }
-// where product p's output words ([parts][M][N]) start in a layer's words, over M
+// where product p's output words start in a layer's words, over M: q|k|v [M][4096], o_proj's four
+// parts [4][M][1024], gate|up [M][3072] (its first half used: two fp16 a word), down's summed parts
+// [M][1024] (room for six)
 __host__ __device__ __forceinline__ int words_before(int p) {
   return p == P_QKV ? 0 : p == P_O ? QKV : p == P_GU ? QKV + 4 * H : QKV + 4 * H + INTER;
 }
@@ -286,6 +297,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
   __shared__ __align__(8) unsigned long long full[NU], empty[NU];
   __shared__ float red[2][4];
   __shared__ unsigned epoch_s, last_s;
+  __shared__ float dsum[DN_PIECES][16];  // the down tile's pieces (row 0)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int G = gridDim.x, b = blockIdx.x, M = a.M;
   unsigned char* ring = smem + (a.smem - NU * UNIT);
@@ -301,6 +313,19 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
       for (int p = 0; p < 4; ++p) {
         const Shape sh = shape_of(p);
         const int S = sh.K / sh.piece, T = (sh.N / 16) * S, per = sh.piece / UC;
+        if (p == P_DN) {  // the block's tile, all six pieces (one unit each)
+          const int tile = down_tile(b, G);
+          for (int s = 0; tile >= 0 && s < DN_PIECES; ++s, ++seq) {
+            const int u = seq % NU;
+            if (seq >= (uint32_t)NU && !mbar_wait_err(smem_u32(empty + u), ((seq / NU) - 1) & 1u, a.sync,
+                                                       a.timeout_ns))
+              asm volatile("trap;");
+            expect_bytes(smem_u32(full + u), 16 * UC * 2);
+            const size_t unit = ((size_t)tile * (sh.K / UC) + (size_t)s) * (16 * UC);
+            bulk_copy(smem_u32(ring + (size_t)u * UNIT), a.L[l].w[4] + unit, 16 * UC * 2, smem_u32(full + u), policy);
+          }
+          continue;
+        }
         for (int task = b; task < T; task += G) {
           const int tile = task / S, s = task % S;
           for (int half = 0; half < (p == P_GU ? 2 : 1); ++half) {
@@ -435,7 +460,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
         const unsigned long long* src = after_o ? lw + (size_t)M * words_before(P_O)
                                                 : a.words + (size_t)(l - 1) * M * WORDS_ROW_LAYER +
                                                       (size_t)M * words_before(P_DN);
-        add_rms(src, after_o ? 4 : 6, after_o ? flag_of(fb, l, P_O) : flag_of(fb, l - 1, P_DN),
+        // (o_proj's four parts; down's six come summed)
+        add_rms(src, after_o ? 4 : 1, after_o ? flag_of(fb, l, P_O) : flag_of(fb, l - 1, P_DN),
                 after_o ? L.post : a.L[l - 1].nxt, xrs, after_o ? 2 * l : 2 * l - 1, [&] { mark(0); });
       } else if (p == P_O) {
         // the attention of the block's piece s (its q heads 4s .. 4s + 3) by attend_twin: warp w < 4
@@ -495,34 +521,71 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
           mark(0);
         }
         mark(2);
-      } else {  // down: gate|up's outputs of the block's pieces, one fp16 a word
+      } else if (down_tile(b, G) >= 0) {  // down: every gate|up output (the tile takes all six pieces), two fp16 a word
         const unsigned long long* gw = lw + (size_t)M * words_before(P_GU);
-        const unsigned gf = flag_of(fb, l, P_GU);
-        for (int s = 0; s < S; ++s) {
-          if (!(pieces >> s & 1u)) continue;
-          unsigned char* dst = smem + (size_t)slot(s) * R * xrs;
-          for (int i = tid; i < M * (sh.piece / 8); i += CW * 32) {
-            const int m = i / (sh.piece / 8), c = i % (sh.piece / 8);
-            int off[4];
-            uint2 v[4] = {};
+        constexpr int GROUPS = INTER / 8, PER_T = (GROUPS + CW * 32 - 1) / (CW * 32);  // 8-column groups (one row)
+        int off[2 * PER_T];  // (two fp16 a word)
+        uint2 v[2 * PER_T] = {};
+        int n = 0;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) off[k] = m * INTER + s * sh.piece + 8 * c + 2 * k;
-            poll_many<4>(gw, off, 4, gf, v, a);
-            unsigned hv[4];
+        for (int q = 0; q < PER_T; ++q) {
+          const int i = tid + q * CW * 32;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) hv[k] = (v[k].x & 0xFFFFu) | (v[k].y << 16);
-            *reinterpret_cast<uint4*>(dst + (size_t)m * xrs + 16 * c) = make_uint4(hv[0], hv[1], hv[2], hv[3]);
-          }
+          for (int k = 0; k < 2; ++k) off[2 * q + k] = i < GROUPS ? 4 * i + 2 * k : 0;
+          if (i < GROUPS) n += 2;
+        }
+        poll_many<2 * PER_T>(gw, off, n, flag_of(fb, l, P_GU), v, a);
+#pragma unroll
+        for (int q = 0; q < PER_T; ++q) {
+          const int i = tid + q * CW * 32, c = i % (sh.piece / 8);
+          if (i >= GROUPS) continue;
+          *reinterpret_cast<uint4*>(smem + (size_t)(i / (sh.piece / 8)) * R * xrs + 16 * c) =
+              make_uint4(v[2 * q].x, v[2 * q].y, v[2 * q + 1].x, v[2 * q + 1].y);
         }
         mark(0);
       }
       consumer_sync();
       mark(3);
 
-      // ---- the tasks: warp j % CW takes the block's j-th
       unsigned long long* ow = lw + (size_t)M * words_before(p);
+      if (p == P_DN) {  // the block's tile: piece s on warp s, then their sum in order (warp 0)
+        const int dt = down_tile(b, G);
+        if (dt >= 0 && warp < DN_PIECES) {
+          const int s = warp;
+          if (s == 0) mark(7);
+          if (!mbar_wait_err(smem_u32(full + (seq + s) % NU), ((seq + s) / NU) & 1u, a.sync, a.timeout_ns))
+            asm volatile("trap;");
+          if (s == 0) mark(4);
+          float d[2][4] = {}, e[2][4] = {};
+          const int g = lane >> 2, t = lane & 3;
+          const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int sw = (lrow & 7) | ((lane >> 4) << 3);
+          const uint32_t w0 = smem_u32(ring + (size_t)((seq + s) % NU) * UNIT) + (uint32_t)(lrow * UC * 2);
+          chain(false, false, w0, w0, w0, w0, xs + (uint32_t)(s * R * xrs + g * xrs + 4 * t), xrs, 1, d, e, 0u, 0u,
+                sw);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(smem_u32(empty + (seq + s) % NU));
+          if (t == 0) {  // row 0: rows g and g + 8 of the tile, times 2^6 (undoing the input's scale: exact)
+            dsum[s][g] = __fmul_rn(d[0][0], 64.0f), dsum[s][g + 8] = __fmul_rn(d[0][2], 64.0f);
+            if (a.dbg_down) {
+              a.dbg_down[((size_t)l * DN_PIECES + s) * H + 16 * dt + g] = dsum[s][g];
+              a.dbg_down[((size_t)l * DN_PIECES + s) * H + 16 * dt + g + 8] = dsum[s][g + 8];
+            }
+          }
+          asm volatile("bar.sync 6, %0;" ::"r"(DN_PIECES * 32) : "memory");
+          if (warp == 0 && lane < 16) {  // add_rms's order: ((p0 + p1) + p2) .. + p5
+            float v = dsum[0][lane];
+#pragma unroll
+            for (int q = 1; q < DN_PIECES; ++q) v = __fadd_rn(v, dsum[q][lane]);
+            put_word(ow + 16 * dt + lane, __float_as_uint(v), flag);
+          }
+          if (s == 0) mark(5);
+        }
+        if (dt >= 0) seq += DN_PIECES;
+      }
+      // ---- the tasks: warp j % CW takes the block's j-th
       int j = 0, tile = t_b - gq, s = s_b - gr;
-      for (int task = b; task < T; task += G, ++j, seq += upt) {
+      for (int task = p == P_DN ? T : b; task < T; task += G, ++j, seq += upt) {
         tile += gq, s += gr;
         if (s >= S) s -= S, tile += 1;
         if (j % CW != warp) continue;
@@ -550,19 +613,29 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
             if (per == 2 && !(i & 1)) continue;  // released by the chain
             mbar_arrive(smem_u32(empty + (seq + i) % NU));
           }
+        if (p == P_GU) {
+          // tk_gemm's SwiGLU epilogue, then times 2^-6 rounded to fp16 (the down's scaled input); two
+          // adjacent outputs a word: lane 4 (g + 1) + t holds output n + 1 of lane 4 g + t's n
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int n = 16 * tile + g + (jj >= 2 ? 8 : 0), m = 2 * t + (jj & 1);
-          if (m >= M) continue;
-          const float v = d[0][jj];
-          if (p == P_GU) {  // tk_gemm's SwiGLU epilogue, then times 2^-6 rounded to fp16 (the down's scaled input)
+          for (int jj = 0; jj < 4; ++jj) {
+            const int n = 16 * tile + g + (jj >= 2 ? 8 : 0), m = 2 * t + (jj & 1);
+            const float v = d[0][jj];
             float ex;
             asm("ex2.approx.f32 %0, %1;" : "=f"(ex) : "f"(__fmul_rn(__fsub_rn(0.f, v), __int_as_float(0x3FB8AA3B))));
             const __half hv = __float2half_rn(__fmul_rn(__fmul_rn(e[0][jj], div_full(v, __fadd_rn(ex, 1.0f))),
                                                         0.015625f));
-            put_word(ow + (size_t)m * INTER + n, (unsigned)__half_as_ushort(hv), flag);
+            const unsigned lo = __half_as_ushort(hv), hi = __shfl_down_sync(0xffffffffu, lo, 4);
+            if (m >= M) continue;
+            if (!(g & 1)) put_word(ow + ((size_t)m * INTER + n) / 2, lo | hi << 16, flag);
             if (a.dbg_inner) a.dbg_inner[((size_t)l * M + m) * INTER + n] = hv;
-          } else if (p == P_QKV) {
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4 && p != P_GU; ++jj) {
+          const int n = 16 * tile + g + (jj >= 2 ? 8 : 0), m = 2 * t + (jj & 1);
+          if (m >= M) continue;
+          const float v = d[0][jj];
+          if (p == P_QKV) {
             put_word(ow + (size_t)m * QKV + n, __float_as_uint(v), flag);
           } else {  // o_proj / down parts (down: times 2^6, undoing its input's scale: exact)
             const float o = p == P_DN ? __fmul_rn(v, 64.0f) : v;
@@ -580,7 +653,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
   if (a.t0s && tid == 0) a.t0s[(size_t)b * (4 * a.nl + 1) + 4 * a.nl] = gtime();
   if (b == 0) {  // the last layer's residual and normed rows (norm 2 nl - 1): out_h
     const int l = a.nl - 1;
-    add_rms(a.words + (size_t)l * M * WORDS_ROW_LAYER + (size_t)M * words_before(P_DN), 6, flag_of(fb, l, P_DN),
+    add_rms(a.words + (size_t)l * M * WORDS_ROW_LAYER + (size_t)M * words_before(P_DN), 1, flag_of(fb, l, P_DN),
             a.L[l].nxt, H * 2 + 16, 2 * l + 1, [] {});
   }
   // the last block out advances the epoch for the next launch (stream order makes it visible
@@ -609,6 +682,10 @@ int staged_bytes(int blocks) {
   for (int p = 0; p < 4; ++p) {
     const Shape sh = shape_of(p);
     const int S = sh.K / sh.piece, T = (sh.N / 16) * S;
+    if (p == P_DN) {
+      xbytes = std::max(xbytes, DN_PIECES * R * (sh.piece * 2 + 16));
+      continue;
+    }
     for (int b = 0; b < blocks; ++b) {
       unsigned seen = 0;
       for (int task = b; task < T; task += blocks) seen |= 1u << (task % S);
@@ -627,13 +704,14 @@ extern "C" int qsk_args_size() { return (int)sizeof(Args); }
 extern "C" long long qsk_words_len() { return (long long)WORDS_LEN; }
 extern "C" int qsk_max_rows() { return MAXM; }
 extern "C" int qsk_max_layers() { return MAXL; }
-// The grid for `sms` multiprocessors: a multiple of 4 (one o_proj piece a block), one block an SM.
-extern "C" int qsk_grid(int sms) { return sms >= 4 ? sms / 4 * 4 : -1; }
+// The grid for `sms` multiprocessors: a multiple of 4 (one o_proj piece a block), one block an SM,
+// at least one block a down tile; -1: too few.
+extern "C" int qsk_grid(int sms) { return sms / 4 * 4 >= DN_TILES ? sms / 4 * 4 : -1; }
 // Before the first launch (outside a graph capture): the shared memory carve-up into args (smem,
 // xbytes) for this grid and the kernel's shared-memory attribute.
 extern "C" int qsk_setup(void* args, int blocks) {
   Args& a = *static_cast<Args*>(args);
-  if (blocks < 4 || blocks % 4) return -1;
+  if (blocks < DN_TILES || blocks % 4) return -1;
   int dev = 0, optin = 0;
   cudaFuncAttributes fa;
   cudaError_t e = cudaGetDevice(&dev);
@@ -650,7 +728,7 @@ extern "C" int qsk_setup(void* args, int blocks) {
 // programmatic dependent of the kernel before it, or plain, the frames took the same time (session 40).
 extern "C" int qsk_run(const void* args, int blocks, void* stream) {
   const Args& a = *static_cast<const Args*>(args);
-  if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < 4 || blocks % 4 || a.smem <= 0 || !a.out_h ||
+  if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < DN_TILES || blocks % 4 || a.smem <= 0 || !a.out_h ||
       !a.words || !a.sync || (!a.h0 && !a.nrm0))
     return -1;
   void* kargs[] = {const_cast<Args*>(&a)};
