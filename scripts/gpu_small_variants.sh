@@ -6,9 +6,11 @@
 # NCU: variants to profile once more under Nsight Compute (warp states, the SASS with its stall
 # samples), where the machine's runtime lets ncu read the counters. FRAMES: variants whose library
 # then serves a B = 1 frame (gpu_small_timeline.py, graph replays and the profiler's view), with
-# one run of the graphs alone first.
+# one run of the graphs alone first. TESTS: GPU test files, run with the library of TEST_VARIANT
+# (default HEAD: csrc's build) serving them (QSK_LIB), e.g. tests/test_small_kernel.py: the engine's
+# start-up check and a stream alone through the kernel against B = 2 and 3 through the graphs.
 #   VARIANTS="HEAD .variants/vB/cp_layers.cu" NCU=HEAD FRAMES="HEAD .variants/vB/cp_layers.cu" \
-#     bash scripts/gpu_small_variants.sh
+#     TESTS=tests/test_small_kernel.py TEST_VARIANT=.variants/vB/cp_layers.cu bash scripts/gpu_small_variants.sh
 source "$(dirname "$0")/gpu_env.sh"
 VARIANTS=${VARIANTS:-HEAD}
 src_of() { [ "$1" = HEAD ] && echo "$ROOT/csrc/small/cp_layers.cu" || echo "$ROOT/$1"; }
@@ -48,8 +50,14 @@ if [ -n "${FRAMES:-}" ]; then
   done
   rm -rf "$OUT/libs"
 fi
-[ -n "${TESTS:-}" ] && { PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q \
-  -m gpu $TESTS -p no:cacheprovider > "$OUT/tests.log" 2>&1; echo "tests rc $?"; tail -6 "$OUT/tests.log"; }
+if [ -n "${TESTS:-}" ]; then
+  tv=${TEST_VARIANT:-HEAD}
+  nvcc -O3 -std=c++17 -Xcompiler -fPIC -gencode arch=compute_90a,code=sm_90a -shared -o /tmp/qsk-test.so \
+    "$(src_of "$tv")" || echo "build $(name_of "$tv") failed"
+  QSK_LIB=/tmp/qsk-test.so PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_TIMEOUT:-300}" $PY -m pytest \
+    -q -m gpu $TESTS -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  echo "tests ($(name_of "$tv")) rc $?"; tail -6 "$OUT/tests.log"
+fi
 save_triton_cache
 # everything in one archive (the device tool brings back a few files only)
 (cd "$OUT" && tar czf /tmp/results.tgz --exclude='*.ncu-rep' --exclude=triton-cache.tgz . \
