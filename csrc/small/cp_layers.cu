@@ -309,36 +309,31 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
     if (lane != 0) return;
     uint32_t seq = 0;
     const uint64_t policy = evict_first_policy();
+    // the next ring unit: 16 KB of `w` from element `unit` on, once the consumers released the slot
+    auto issue = [&](const __half* w, size_t unit) {
+      const int u = seq % NU;
+      if (seq >= (uint32_t)NU && !mbar_wait_err(smem_u32(empty + u), ((seq / NU) - 1) & 1u, a.sync, a.timeout_ns))
+        asm volatile("trap;");
+      expect_bytes(smem_u32(full + u), 16 * UC * 2);
+      bulk_copy(smem_u32(ring + (size_t)u * UNIT), w + unit, 16 * UC * 2, smem_u32(full + u), policy);
+      ++seq;
+    };
     for (int l = 0; l < a.nl; ++l)
       for (int p = 0; p < 4; ++p) {
         const Shape sh = shape_of(p);
         const int S = sh.K / sh.piece, T = (sh.N / 16) * S, per = sh.piece / UC;
         if (p == P_DN) {  // the block's tile, all six pieces (one unit each)
           const int tile = down_tile(b, G);
-          for (int s = 0; tile >= 0 && s < DN_PIECES; ++s, ++seq) {
-            const int u = seq % NU;
-            if (seq >= (uint32_t)NU && !mbar_wait_err(smem_u32(empty + u), ((seq / NU) - 1) & 1u, a.sync,
-                                                       a.timeout_ns))
-              asm volatile("trap;");
-            expect_bytes(smem_u32(full + u), 16 * UC * 2);
-            const size_t unit = ((size_t)tile * (sh.K / UC) + (size_t)s) * (16 * UC);
-            bulk_copy(smem_u32(ring + (size_t)u * UNIT), a.L[l].w[4] + unit, 16 * UC * 2, smem_u32(full + u), policy);
-          }
+          for (int s = 0; tile >= 0 && s < DN_PIECES; ++s)
+            issue(a.L[l].w[4], ((size_t)tile * (sh.K / UC) + (size_t)s) * (16 * UC));
           continue;
         }
         for (int task = b; task < T; task += G) {
           const int tile = task / S, s = task % S;
           for (int half = 0; half < (p == P_GU ? 2 : 1); ++half) {
             const __half* w = a.L[l].w[p == P_QKV ? 0 : p == P_O ? 1 : p == P_GU ? 2 + half : 4];
-            for (int kc = 0; kc < per; ++kc, ++seq) {
-              const int u = seq % NU;
-              if (seq >= (uint32_t)NU && !mbar_wait_err(smem_u32(empty + u), ((seq / NU) - 1) & 1u, a.sync,
-                                                         a.timeout_ns))
-                asm volatile("trap;");
-              expect_bytes(smem_u32(full + u), 16 * UC * 2);
-              const size_t unit = ((size_t)tile * (sh.K / UC) + (size_t)s * per + kc) * (16 * UC);
-              bulk_copy(smem_u32(ring + (size_t)u * UNIT), w + unit, 16 * UC * 2, smem_u32(full + u), policy);
-            }
+            for (int kc = 0; kc < per; ++kc)
+              issue(w, ((size_t)tile * (sh.K / UC) + (size_t)s * per + kc) * (16 * UC));
           }
         }
       }
