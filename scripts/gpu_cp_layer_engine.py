@@ -442,7 +442,9 @@ def main() -> None:
                     L.w[j] = tiled[lw[key].data_ptr()].data_ptr()
                 L.post, L.nxt, L.qn, L.kn = (lw[k].data_ptr() for k in ("post", "nxt", "qn", "kn"))
                 L.kpool, L.vpool = ll.kp[i].data_ptr(), ll.vp[i].data_ptr()
-            assert small.qsk_setup(ctypes.byref(args), blocks) == 0
+            rc = small.qsk_setup(ctypes.byref(args), blocks)
+            print(f"  serving kernel: grid {blocks} blocks ({sms} SMs), setup {rc}", flush=True)
+            assert rc == 0, f"qsk_setup returned {rc}"
 
             def engine_ll():
                 ret = small.qsk_run(ctypes.byref(args), blocks, stream())

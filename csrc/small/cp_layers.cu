@@ -632,13 +632,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
           const float v = d[0][jj];
           if (p == P_QKV) {
             put_word(ow + (size_t)m * QKV + n, __float_as_uint(v), flag);
-          } else {  // o_proj's parts (p == P_DN has its own path above and never comes here; removing
-                    // this branch's down terms changes ptxas's allocation: 254 -> 176 registers, not
-                    // measured yet, so it stays as measured)
-            const float o = p == P_DN ? __fmul_rn(v, 64.0f) : v;
-            put_word(ow + ((size_t)s * M + m) * H + n, __float_as_uint(o), flag);
-            float* dbg = p == P_O ? a.dbg_o : a.dbg_down;
-            if (dbg) dbg[(((size_t)l * S + s) * M + m) * H + n] = o;
+          } else {  // o_proj's part s (the down product has its own path above)
+            put_word(ow + ((size_t)s * M + m) * H + n, __float_as_uint(v), flag);
+            if (a.dbg_o) a.dbg_o[(((size_t)l * S + s) * M + m) * H + n] = v;
           }
         }
         mark(5);
