@@ -3,7 +3,8 @@
 way (TTS_SMALL_KERNEL), B streams at mixed contexts, graph replays of the frame under the torch
 profiler; from the last replay's kernels (device timestamps): the predict half's kernels by name
 (count, total µs), the gaps between consecutive kernels (total, and around cp_layers_kernel), and
-one code-predictor pass's span (from a draw's end to the next draw's end).
+one code-predictor pass's span (from a draw's end to the next draw's end); the kernels in order
+(seq-<label>.json: start and duration in µs from the replay's first kernel, name).
 
   PYTHONPATH=. python3 scripts/gpu_small_timeline.py --out $OUT [--sizes 1 2]
 """
@@ -66,6 +67,11 @@ def timeline(eng: BatchedEngine, slots: list[int], out: Path, label: str) -> dic
                gaps_around_small_us=around[:8], small_kernel_us=small[:15],
                top=[(k, c, round(t, 1)) for k, (c, t) in top])
     print(json.dumps(rec), flush=True)
+    # the replay's kernels in order (µs from its first kernel's start: start, duration, name), so
+    # that a pass's critical path (a launch's end to the next one's start) can be read off
+    t0 = last[0]["ts"]
+    (out / f"seq-{label}.json").write_text(json.dumps(
+        [(round(e["ts"] - t0, 2), round(e["dur"], 2), e["name"][:40]) for e in last]))
     path.unlink()
     return rec
 
