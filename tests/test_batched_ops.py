@@ -168,6 +168,9 @@ def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:
     assert codes.dtype == torch.int32 and fin.dtype == torch.bool
     assert torch.equal(fin.cpu(), rfin) and not rfin[3:6].any() and rfin[6]
     assert torch.equal(codes.cpu(), rcodes), (codes.cpu() != rcodes).nonzero().flatten().tolist()
+    # the noise made before the PDL wait (as the frame draws): the same codes
+    ecodes, efin = ops.sample_tokens(*[c.to(dev) for c in case], 2, early=True)
+    assert torch.equal(ecodes.cpu(), rcodes) and torch.equal(efin.cpu(), rfin)
 
 
 def check_sampling_parts_embed(ops, dev: str, b: int = 24, v: int = 300, h: int = 40) -> None:
@@ -199,6 +202,12 @@ def check_sampling_parts_embed(ops, dev: str, b: int = 24, v: int = 300, h: int 
         expect[:b, 2] = codes.cpu()
         expect[:b, 4] |= (~fin.cpu()).to(torch.int32) << 1
         assert torch.equal(out.cpu(), expect) and torch.equal(icodes.cpu(), codes.cpu()), impl
+        if impl is ops:  # as the frame draws: partial products, a table, into, the noise made early
+            out[:, 2] = 7
+            ecodes, efin, erows = impl.sample_tokens(parts.to(d), *args, 4, table.to(d), into=(out, 2, 4, 1),
+                                                     early=True)
+            assert torch.equal(ecodes.cpu(), codes.cpu()) and torch.equal(erows.cpu(), rows.cpu())
+            assert torch.equal(out.cpu(), expect)
 
 
 def check_predict_inputs(dev: str) -> None:

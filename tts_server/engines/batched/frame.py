@@ -211,8 +211,9 @@ class FrameStep:
             more = k + 1 < p.num_passes
             # the draw into out (code, error bit), and with it the next pass's input row: the
             # drawn code's embedding
+            # (early: predict_inputs wrote the draw's settings, launches before the head)
             drawn = ops.sample_tokens(parts, *draw, k + 1, p.predictor_embedding_stack[k] if more else None,
-                                      into=(self.out, k + 1, err, k))
+                                      into=(self.out, k + 1, err, k), early=True)
             if more:
                 x = self._cp_in(drawn[2])
 
@@ -258,9 +259,10 @@ class FrameStep:
             self.dump[:b, g - 1, :logits.shape[1]] = logits
         ops.talker_process_(logits, s.seen[rows], fg[2], gate, ids.eos, ids.suppress_start, ids.min_new_tokens)
         # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]; the
-        # draw index: prefill drew 0, frame f draws f + 1
+        # draw index: prefill drew 0, frame f draws f + 1 (early: advance_inputs wrote its
+        # settings, launches before the head)
         nxt, _ = ops.sample_tokens(logits, ig[0], fg[0], ig[1], fg[1], seed, counter, 0,
-                                   into=(self.out, g, g + 1, TALKER_BAD_BIT))
+                                   into=(self.out, g, g + 1, TALKER_BAD_BIT), early=True)
         # commit (padding rows all point at the scratch slot, whose step fields stay 0)
         glue.advance_commit(rows, nxt, hidden, s.ints, s.past_hidden, s.seen, s.scratch,
                             (POS, CODE0, N_SAMPLED, TEXT_STEP))

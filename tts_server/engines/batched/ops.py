@@ -112,17 +112,20 @@ def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Ten
 
 def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                  counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None, into: tuple | None = None):
+                  counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None, into: tuple | None = None,
+                  early: bool = False):
     """logits [B, V] fp32, or `linear_parts`' partial products [P, B, V] (summed in part order,
     as `linear` sums them); do_sample/top_k [B] int32; temperature/top_p [B] fp32; seed/counter
     [B] int64; stream int -> (codes [B] int32 in [0, V), finite [B] bool). finite is False where
     the row holds a NaN or +inf or is all -inf (-inf masks from talker_process_ are fine).
     embed: a [V', H] table (V' >= V); then (codes, finite, embed[codes] [B, H] fp32), the
     lookup done in the same launch. into: (out [>= B, C] int32, col, err_col, bit): also
-    out[:B, col] = codes and out[:B, err_col] |= 1 << bit where a row is not finite."""
+    out[:B, col] = codes and out[:B, err_col] |= 1 << bit where a row is not finite. early: the
+    caller wrote do_sample, seed and counter at least two launches before this one, so that under
+    PDL the draw makes its noise before it waits for the logits (the same codes either way)."""
     if _use_triton(logits):
         return _kernels().sample_tokens(logits, do_sample, temperature, top_k, top_p, seed,
-                                        counter, stream, embed, into)
+                                        counter, stream, embed, into, early)
     return ops_ref.sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter,
                                  stream, embed, into)
 

@@ -99,18 +99,47 @@ def _mass_cut_key(key, e, budget):
 
 
 @triton.jit
+def _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM: tl.constexpr, INTERPRET: tl.constexpr):
+    # row b's Gumbel noise for token ids offs: 32 hashed bits per (row key, token id), fp64
+    seed = tl.load(seed_ptr + b)
+    ctr = tl.load(ctr_ptr + b)
+    h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (seed >> 32).to(tl.uint32))
+    h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
+    h = _mix32(h ^ (ctr >> 32).to(tl.uint32))
+    h = _mix32(h ^ STREAM)
+    r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
+    u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
+    if INTERPRET:  # the interpreter has no libdevice; numpy's fp64 log there
+        return -tl.log(-tl.log(u))
+    else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
+        return -libdevice.log(-libdevice.log(u))
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
                    fin_ptr, tab_ptr, emb_ptr, out_ptr, V, stride_l, stride_p, out_stride, out_col, err_col, bit,
                    STREAM: tl.constexpr, BLOCK_V: tl.constexpr, PARTS: tl.constexpr, H: tl.constexpr,
                    HP2: tl.constexpr, EMBED: tl.constexpr, INTO: tl.constexpr, INTERPRET: tl.constexpr,
-                   GDC: tl.constexpr):
-    pdl.enter(GDC)
+                   EARLY: tl.constexpr, GDC: tl.constexpr):
     # one program per row b: logits[b, :V] (the sum of PARTS partial products, added in part
     # order as tk_gemm's split sum) -> code[b] int32 in [0, V), finite[b] uint8; EMBED: also
     # emb[b] = tab[code[b]] as fp32 (the next code-predictor pass's input row); INTO: also
     # out[b, out_col] = code[b], and out[b, err_col] |= 1 << bit where the row is not finite
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
+    if EARLY:
+        # the noise depends on the row's do_sample, seed and counter only, which the caller wrote
+        # at least two launches before this one: under PDL every kernel waits for its predecessor
+        # before it lets its successor start, so while this program runs the launch before ours
+        # has passed its wait, the one before that has finished, and those inputs are visible.
+        # So the fp64 logarithms run here, while the logits are still being made (the same
+        # values as after the wait)
+        if tl.load(ds_ptr + b) != 0:
+            g = _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM, INTERPRET)
+        else:
+            g = tl.zeros([BLOCK_V], dtype=tl.float64)
+    pdl.enter(GDC)
     valid = offs < V
     ninf = float("-inf")
     x = tl.load(logits_ptr + b * stride_l + offs, mask=valid, other=ninf)
@@ -136,19 +165,8 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
             cut = _mass_cut_key(key, e, (1.0 - top_p) * tl.sum(e, axis=0))
             s = tl.where((key <= cut) & (s < mx), ninf, s)
         # Gumbel-max draw, 32 hashed bits per (row key, token id), scored in fp64
-        seed = tl.load(seed_ptr + b)
-        ctr = tl.load(ctr_ptr + b)
-        h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
-        h = _mix32(h ^ (seed >> 32).to(tl.uint32))
-        h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
-        h = _mix32(h ^ (ctr >> 32).to(tl.uint32))
-        h = _mix32(h ^ STREAM)
-        r = _mix32(_mix32(offs.to(tl.uint32) + h) ^ h)
-        u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10
-        if INTERPRET:  # the interpreter has no libdevice; numpy's fp64 log there
-            g = -tl.log(-tl.log(u))
-        else:  # fp64 log from libdevice (__nv_log), the function torch's CUDA log uses
-            g = -libdevice.log(-libdevice.log(u))
+        if not EARLY:
+            g = _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM, INTERPRET)
         code = tl.argmax(s.to(tl.float64) + g, axis=0, tie_break_left=True)
     code = tl.minimum(tl.maximum(code, 0), V - 1)
     tl.store(code_ptr + b, code.to(tl.int32))
@@ -163,10 +181,12 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
         tl.store(emb_ptr + b * H + dh, row.to(tl.float32), mask=dh < H)
 
 
-def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None, into=None):
+def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None, into=None,
+                  early=False):
     """logits [B, V] fp32, or partial products [P, B, V] added in order -> (codes [B] int32,
     finite [B] bool), and with embed (a [V', H] table) also embed[codes] as [B, H] fp32; into:
-    (out, col, err_col, bit), written as well; see ops.sample_tokens."""
+    (out, col, err_col, bit), written as well; early: the noise made before the PDL wait; see
+    ops.sample_tokens."""
     parts = logits if logits.dim() == 3 else logits[None]
     p, b, v = parts.shape
     assert parts.dtype == torch.float32 and parts.stride(2) == 1 and (p == 1 or parts.stride(0) == b * parts.stride(1))
@@ -182,7 +202,8 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
                          i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, out, v,
                          parts.stride(1), parts.stride(0), out.stride(0), col, err_col, bit, STREAM=int(stream),
                          BLOCK_V=triton.next_power_of_2(v), PARTS=p, H=h, HP2=triton.next_power_of_2(h),
-                         EMBED=embed is not None, INTO=into is not None, INTERPRET=_INTERPRET, num_warps=8,
+                         EMBED=embed is not None, INTO=into is not None, INTERPRET=_INTERPRET, EARLY=bool(early),
+                         num_warps=8,
                          **pdl.kw())
     if embed is not None:
         return codes, fin.view(torch.bool), emb
