@@ -63,7 +63,9 @@ def kw() -> dict:
 @triton.jit
 def enter(GDC: tl.constexpr):
     """First statement of every engine kernel: wait for the predecessor's results, then let the
-    successor launch (it waits for ours in turn)."""
+    successor launch (it waits for ours in turn). Because every kernel waits before it lets the
+    next one start, what was written two launches back or earlier is visible before the wait:
+    tk_sample's draw (early=True) makes its noise from such inputs ahead of it."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
