@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Same-call A/B of programmatic dependent launch in the batched engine (tts_server/engines/batched/pdl.py):
 variants off (TTS_PDL=0) / the default (frame graphs of B <= graphs.PDL_MAX_ROWS) / every bucket /
-rowsN (frame graphs of B <= N) / pfN (the prefill graphs of <= N rows),
+rowsN (frame graphs of B <= N) / pfN (the prefill graphs of <= N rows) / swN (the draw's program
+with N warps: tk_sample.NUM_WARPS),
 each a fresh engine with its graphs captured under that setting (the GEMMs' weight tiles loaded
 before the PDL wait were measured slower with this script: benchmarks/results/h100-gemm-preload-ab-*).
 Per variant: graph-replay frame time at B 1 / 8 / 64 / 256 (mixed contexts, median of
@@ -49,6 +50,8 @@ VARIANTS.update({name: ({"TTS_PDL": "1"}, None) for name in PREFILL_ROWS})
 VARIANTS["kvminor"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "0", "TTS_ATTN_TC_TERMS": "2"}, None)
 # and with 3 bf16 parts of q and of the softmax weights instead of 2 (tk_attention.TC_TERMS)
 VARIANTS["terms3"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "1", "TTS_ATTN_TC_TERMS": "3"}, None)
+# the draw's program with 2, 4 or 16 warps instead of 8 (tk_sample.NUM_WARPS)
+VARIANTS.update({f"sw{n}": ({"TTS_PDL": "1", "TTS_SAMPLE_WARPS": str(n)}, None) for n in (2, 4, 8, 16)})
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}
@@ -123,7 +126,9 @@ def main() -> None:
     sigs = {}
     from tts_server.engines.batched import graphs, prefill
 
-    default_rows, default_prefill = graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS
+    from tts_server.engines.batched import tk_sample
+
+    default_rows, default_prefill, default_warps = graphs.PDL_MAX_ROWS, prefill.PDL_MAX_ROWS, tk_sample.NUM_WARPS
     for name in args.variants.split(","):
         env, rows = VARIANTS[name]
         for key in VARIANT_ONLY:
@@ -131,6 +136,7 @@ def main() -> None:
         os.environ.update(env)
         graphs.PDL_MAX_ROWS = default_rows if rows is None else rows
         prefill.PDL_MAX_ROWS = PREFILL_ROWS.get(name, default_prefill)
+        tk_sample.NUM_WARPS = int(os.environ.get("TTS_SAMPLE_WARPS", default_warps))
         log(f"== {name} {env} PDL_MAX_ROWS={graphs.PDL_MAX_ROWS} prefill {prefill.PDL_MAX_ROWS}")
         try:
             res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters,

@@ -15,6 +15,9 @@ from . import pdl
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# warps of a draw's program (one program a row). The same at every B: the top-p mass is a float
+# sum whose order follows the program's layout (the other reductions are exact)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -203,7 +206,7 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
                          parts.stride(1), parts.stride(0), out.stride(0), col, err_col, bit, STREAM=int(stream),
                          BLOCK_V=triton.next_power_of_2(v), PARTS=p, H=h, HP2=triton.next_power_of_2(h),
                          EMBED=embed is not None, INTO=into is not None, INTERPRET=_INTERPRET, EARLY=bool(early),
-                         num_warps=8,
+                         num_warps=NUM_WARPS,
                          **pdl.kw())
     if embed is not None:
         return codes, fin.view(torch.bool), emb
