@@ -80,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--sizes", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--max-streams", type=int, default=8)
     ap.add_argument("--modes", nargs="*", default=["off", "on"], help="off: the graphs alone (TTS_SMALL_KERNEL=0)")
     a = ap.parse_args()
     out = Path(a.out)
@@ -87,7 +88,7 @@ def main() -> None:
     recs = []
     for mode in a.modes:
         os.environ["TTS_SMALL_KERNEL"] = "0" if mode == "off" else "1"
-        eng = BatchedEngine(w, max_streams=8, max_positions=2048)
+        eng = BatchedEngine(w, max_streams=max(a.max_streams, *a.sizes), max_positions=2048)
         print(f"{mode}: small kernel {eng.small_kernel}", flush=True)
         for b in a.sizes:
             slots = fake_admit(eng, checks.mixed_lengths(b), margin=128)
