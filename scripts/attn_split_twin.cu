@@ -1,0 +1,181 @@
+// A CUDA twin of the talker's decode attention split (tk_attention._attn_split_tc_kernel with
+// bf16 pools, 16-position pages, 64-position splits, 2 query heads a kv head padded to 16 rows, 2
+// bf16 terms, 4 warps), meant to give its bits, so that a small-batch launch can run the talker's
+// attention too (issue 16: the talker's layers in an LL launch). Written from Triton 3.6's PTX for
+// sm_90a of that configuration (compiled offline: benchmarks/results/h200-s42/ptx/), which does:
+//   s = scale * (q_hi K^T + q_lo K^T)  mma.sync m16n8k16 bf16 chains over d: 8 steps of q_hi, then
+//       8 of q_lo, one accumulator (q_hi = bf16(q) to nearest even, q_lo = bf16(q - q_hi))
+//   s = -inf where the position is past the length; m = the row's max (exact in any order)
+//   p = ex2.approx(((s - m) * log2(e)))  (mul by 0x3FB8AA3B, ex2.approx.f32 without ftz)
+//   l = the row's sum of p in Triton's reduction order: a warp holds columns c = 8w + 2t + {0, 1}
+//       and c + 32 (the mma layout's warps along N at 8 columns, repeated at 32), in a thread
+//       ((p[c] + p[c + 1]) + p[c + 32]) + p[c + 33], across the quad's lanes (x0 + x2) + (x1 + x3)
+//       (butterflies 2 then 1), across the warps (v0 + v2) + (v1 + v3)
+//   acc = p_hi V + p_lo V  4 steps over the 64 positions each, one accumulator
+// K and V past the length load as zeros (Triton's masked loads), so that p = 0 there multiplies a
+// zero, not whatever the page holds. Every operand value is what Triton's fragments hold (the mma
+// instruction, its operands and the chain's order are the same), so the bits are the same; the
+// fragments here are loaded straight from global memory instead of through shared memory.
+// scripts/gpu_attn_twin.py compares it with the Triton kernel bitwise (needs a GPU).
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int HD = 128, BLOCK = 16, PPS = 4, SPLIT = PPS * BLOCK, G = 2;
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float ex2_approx(float x) {
+  float r;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ uint32_t pack(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+// the two bf16 terms of x: hi = bf16(x), lo = bf16(x - hi), both to nearest even
+__device__ __forceinline__ void split2(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(__fsub_rn(x, __bfloat162float(hi)));
+}
+
+// One split (64 positions from sp * 64) of one row and kv head, run by the block's 4 warps: q
+// [G][HD] fp32 (the kv head's query heads), the row's page table, its length n -> m [G], l [G],
+// acc [G][HD] (unnormalised), each at its own stride.
+__device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, const __nv_bfloat16* vpool,
+                                const int* table, int nkv, int kvh, int sp, int n, float scale, float* m_out,
+                                float* l_out, float* acc_out, int ml_stride, int acc_stride) {
+  __shared__ float red[2][64];                  // [max, sum][row * 4 + warp] (rows 0..15)
+  __shared__ __nv_bfloat16 ph[2][G][SPLIT];     // p's two terms, rows 0..G-1
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  // the address of position j's (0..63) row of K or V, or null past the length
+  auto kv_row = [&](const __nv_bfloat16* pool, int j) -> const __nv_bfloat16* {
+    const int pos = sp * SPLIT + j;
+    if (pos >= n) return nullptr;
+    const long long page = table[sp * PPS + j / BLOCK];
+    return pool + ((page * nkv + kvh) * BLOCK + j % BLOCK) * HD;
+  };
+  auto ld2 = [](const __nv_bfloat16* row, int d) -> uint32_t {
+    return row ? *reinterpret_cast<const uint32_t*>(row + d) : 0u;
+  };
+
+  // ---- s: rows g (< G: the query heads) and g + 8 (padding, zero) of the warp's two 8-position tiles
+  float s[2][4] = {};
+  const __nv_bfloat16* krow[2] = {kv_row(kpool, 8 * w + g), kv_row(kpool, 32 + 8 * w + g)};
+  for (int term = 0; term < 2; ++term)
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t a[4] = {0u, 0u, 0u, 0u};
+      if (g < G) {
+        const float* qr = q + g * HD + 16 * kk + 2 * t;
+        __nv_bfloat16 h0, l0, h1, l1, h8, l8, h9, l9;
+        split2(qr[0], h0, l0), split2(qr[1], h1, l1), split2(qr[8], h8, l8), split2(qr[9], h9, l9);
+        a[0] = term == 0 ? pack(h0, h1) : pack(l0, l1);
+        a[2] = term == 0 ? pack(h8, h9) : pack(l8, l9);
+      }
+      for (int r = 0; r < 2; ++r)
+        mma_bf16(s[r], a, ld2(krow[r], 16 * kk + 2 * t), ld2(krow[r], 16 * kk + 2 * t + 8));
+    }
+  // scale, mask: c0, c1 at positions 2t, 2t + 1 of the tile (row g), c2, c3 the same (row g + 8)
+  float v[2][4];
+  for (int r = 0; r < 2; ++r)
+    for (int e = 0; e < 4; ++e) {
+      const int j = 32 * r + 8 * w + 2 * t + (e & 1);
+      v[r][e] = sp * SPLIT + j < n ? __fmul_rn(scale, s[r][e]) : -__int_as_float(0x7f800000);
+    }
+  // ---- the rows' max: in the thread, across the quad, across the warps (exact in any order)
+  float mx[2] = {fmaxf(fmaxf(fmaxf(v[0][0], v[0][1]), v[1][0]), v[1][1]),
+                 fmaxf(fmaxf(fmaxf(v[0][2], v[0][3]), v[1][2]), v[1][3])};
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+  }
+  if (t == 0) red[0][4 * g + w] = mx[0], red[0][4 * (g + 8) + w] = mx[1];
+  __syncthreads();
+  float m[2];
+  for (int h = 0; h < 2; ++h) {
+    const float* rr = red[0] + 4 * (g + 8 * h);
+    m[h] = fmaxf(fmaxf(rr[0], rr[2]), fmaxf(rr[1], rr[3]));
+  }
+  // ---- p and the rows' sums in Triton's order
+  const float LOG2E = __int_as_float(0x3FB8AA3B);
+  float p[2][4];
+  for (int r = 0; r < 2; ++r)
+    for (int e = 0; e < 4; ++e) p[r][e] = ex2_approx(__fmul_rn(__fsub_rn(v[r][e], m[e >> 1]), LOG2E));
+  float sm[2] = {__fadd_rn(__fadd_rn(__fadd_rn(p[0][0], p[0][1]), p[1][0]), p[1][1]),
+                 __fadd_rn(__fadd_rn(__fadd_rn(p[0][2], p[0][3]), p[1][2]), p[1][3])};
+  for (int h = 0; h < 2; ++h) {
+    sm[h] = __fadd_rn(sm[h], __shfl_xor_sync(0xffffffffu, sm[h], 2));
+    sm[h] = __fadd_rn(sm[h], __shfl_xor_sync(0xffffffffu, sm[h], 1));
+  }
+  if (t == 0) red[1][4 * g + w] = sm[0], red[1][4 * (g + 8) + w] = sm[1];
+  // p's terms for the second product (rows < G)
+  if (g < G)
+    for (int r = 0; r < 2; ++r)
+      for (int e = 0; e < 2; ++e) {
+        const int j = 32 * r + 8 * w + 2 * t + e;
+        split2(p[r][e], ph[0][g][j], ph[1][g][j]);
+      }
+  __syncthreads();
+  if (threadIdx.x < G) {  // rows 0..G-1: m and l
+    const int row = threadIdx.x;
+    const float* rr = red[1] + 4 * row;
+    const float* rm = red[0] + 4 * row;
+    m_out[row * ml_stride] = fmaxf(fmaxf(rm[0], rm[2]), fmaxf(rm[1], rm[3]));
+    l_out[row * ml_stride] = __fadd_rn(__fadd_rn(rr[0], rr[2]), __fadd_rn(rr[1], rr[3]));
+  }
+  // ---- acc: the warp's four 8-column tiles of d (8w + 32r), 4 steps of 16 positions a term
+  float acc[4][4] = {};
+  for (int term = 0; term < 2; ++term)
+    for (int kk = 0; kk < SPLIT / 16; ++kk) {
+      uint32_t a[4] = {0u, 0u, 0u, 0u};
+      if (g < G) {
+        const __nv_bfloat16* pr = ph[term][g] + 16 * kk + 2 * t;
+        a[0] = pack(pr[0], pr[1]);
+        a[2] = pack(pr[8], pr[9]);
+      }
+      const __nv_bfloat16* vr[4];
+      for (int i = 0; i < 4; ++i) vr[i] = kv_row(vpool, 16 * kk + 2 * t + (i & 1) + (i >> 1) * 8);
+      for (int r = 0; r < 4; ++r) {
+        const int d = 8 * w + 32 * r + g;
+        __nv_bfloat16 e[4];
+        for (int i = 0; i < 4; ++i) e[i] = vr[i] ? vr[i][d] : __float2bfloat16_rn(0.0f);
+        mma_bf16(acc[r], a, pack(e[0], e[1]), pack(e[2], e[3]));
+      }
+    }
+  if (g < G)
+    for (int r = 0; r < 4; ++r) {
+      float* o = acc_out + (size_t)g * acc_stride + 8 * w + 32 * r + 2 * t;
+      o[0] = acc[r][0], o[1] = acc[r][1];
+    }
+}
+
+// The Triton kernel's grid and outputs at one split a program: program (b, kv head, c) -> m, l
+// [B][NH][NSPLIT], acc [B][NH][NSPLIT][HD] for the query heads kvh * G .. (unused splits: untouched)
+__global__ void __launch_bounds__(128) attn_split_twin_kernel(const float* q, const __nv_bfloat16* kpool,
+                                                              const __nv_bfloat16* vpool, const int* table,
+                                                              const int* lens, float* m, float* l, float* acc,
+                                                              float scale, int max_blocks, int nsplit, int nkv) {
+  const int b = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z, n = lens[b];
+  if (sp * SPLIT >= n) return;
+  const int nh = nkv * G, row0 = b * nh + kvh * G;
+  attn_split_twin(q + (size_t)row0 * HD, kpool, vpool, table + (size_t)b * max_blocks, nkv, kvh, sp, n, scale,
+                  m + (size_t)row0 * nsplit + sp, l + (size_t)row0 * nsplit + sp,
+                  acc + ((size_t)row0 * nsplit + sp) * HD, nsplit, nsplit * HD);
+}
+
+}  // namespace
+
+extern "C" int attn_split_twin_run(const float* q, const void* kpool, const void* vpool, const int* table,
+                                   const int* lens, float* m, float* l, float* acc, float scale, int batch,
+                                   int max_blocks, int nsplit, int nkv, void* stream) {
+  attn_split_twin_kernel<<<dim3(batch, nkv, nsplit), 128, 0, (cudaStream_t)stream>>>(
+      q, static_cast<const __nv_bfloat16*>(kpool), static_cast<const __nv_bfloat16*>(vpool), table, lens, m, l, acc,
+      scale, max_blocks, nsplit, nkv);
+  return (int)cudaGetLastError();
+}

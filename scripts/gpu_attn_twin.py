@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Does scripts/attn_split_twin.cu give the bits of the talker's decode attention split
+(tk_attention._attn_split_tc_kernel, bf16 pools)? Both run on the same inputs (rows at lengths
+that end inside a page, on a split's edge and past several splits, pages in a shuffled order),
+the Triton kernel at one split a program and again at B = 64's configuration (4 splits a program,
+2 stages: the same bits by design), then m, l and acc of every used split compared bitwise.
+Prints the counts that differ (and the first few), exits 1 if any does. Needs a GPU (sm_90).
+
+  PYTHONPATH=. python3 scripts/gpu_attn_twin.py [--out $OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tts_server.engines.batched import tk_attention as ta  # noqa: E402
+
+NKV, G, HD, BLOCK, MAX_BLOCKS = 8, 2, 128, 16, 128  # the talker's kv heads, pages of 16, 2,048 positions
+PPS = 4  # 64-position splits
+
+
+def build(out: Path) -> ctypes.CDLL:
+    so = out / "attn_split_twin.so"
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-gencode",
+                    "arch=compute_90a,code=sm_90a", "-o", str(so), str(ROOT / "scripts" / "attn_split_twin.cu")],
+                   check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.attn_split_twin_run.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    return lib
+
+
+def inputs(lens: list[int], seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b = len(lens)
+    pages = b * MAX_BLOCKS + 1
+    kp = (torch.randn(pages, NKV, BLOCK, HD, device="cuda", generator=gen) * 1.5).to(torch.bfloat16)
+    vp = torch.randn(pages, NKV, BLOCK, HD, device="cuda", generator=gen).to(torch.bfloat16)
+    # pages past a row's length hold NaN: a twin that reads them (instead of zeros) shows
+    table = torch.randperm(pages - 1, device="cuda", generator=gen)[:b * MAX_BLOCKS].view(b, MAX_BLOCKS).int() + 1
+    for i, n in enumerate(lens):
+        last = table[i, (n - 1) // BLOCK]
+        kp[last, :, (n - 1) % BLOCK + 1:] = float("nan")
+        vp[last, :, (n - 1) % BLOCK + 1:] = float("nan")
+    # q after its norm and RoPE: O(1) values, the two query heads of each kv head
+    q = torch.randn(b, NKV * G, HD, device="cuda", generator=gen) * 2.0
+    return dict(q=q, k=kp, v=vp, table=table, lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+
+
+def triton_split(x: dict, scale: float, spp: int, stages: int) -> tuple:
+    b = x["q"].shape[0]
+    nsplit = MAX_BLOCKS // PPS
+    m = torch.full((b, NKV * G, nsplit), float("nan"), device="cuda")
+    l = torch.full_like(m, float("nan"))
+    acc = torch.full((b, NKV * G, nsplit, HD), float("nan"), device="cuda")
+    ta._attn_split_tc_kernel[(b, NKV, -(-nsplit // spp))](
+        x["q"], x["k"], x["v"], x["table"], x["lens"], m, l, acc, scale, MAX_BLOCKS, nsplit, NKV=NKV, G=G,
+        BLOCK=BLOCK, PPS=PPS, HD=HD, SPP=spp, QR=16, TERMS=2, STAGES=stages, INTERPRET=False, num_warps=4,
+        GDC=False, KV_MAJOR=False)
+    return m, l, acc
+
+
+def twin_split(lib, x: dict, scale: float) -> tuple:
+    b = x["q"].shape[0]
+    nsplit = MAX_BLOCKS // PPS
+    m = torch.full((b, NKV * G, nsplit), float("nan"), device="cuda")
+    l = torch.full_like(m, float("nan"))
+    acc = torch.full((b, NKV * G, nsplit, HD), float("nan"), device="cuda")
+    err = lib.attn_split_twin_run(x["q"].data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["table"].data_ptr(),
+                                  x["lens"].data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(), scale, b,
+                                  MAX_BLOCKS, nsplit, NKV, torch.cuda.current_stream().cuda_stream)
+    assert err == 0, f"CUDA error {err}"
+    return m, l, acc
+
+
+def compare(name: str, ref: tuple, got: tuple, lens: list[int]) -> dict:
+    used = torch.zeros(len(lens), MAX_BLOCKS // PPS, dtype=torch.bool, device="cuda")
+    for i, n in enumerate(lens):
+        used[i, :-(-n // (PPS * BLOCK))] = True
+    rec = {}
+    for what, a, b in zip(("m", "l", "acc"), ref, got):
+        mask = used[:, None, :].expand(a.shape[:3])
+        if a.dim() == 4:
+            mask = mask[..., None].expand(a.shape)
+        a, b = a[mask], b[mask]
+        diff = a.view(torch.int32) != b.view(torch.int32)
+        rec[what] = dict(values=int(a.numel()), differ=int(diff.sum()))
+        if diff.any():
+            idx = diff.nonzero().flatten()[:4]
+            rec[what]["first"] = [(float(a[i]), float(b[i])) for i in idx]
+            rel = ((a - b).abs() / a.abs().clamp_min(1e-30))[diff]
+            rec[what]["max_rel"] = float(rel.max())
+    print(f"{name}: " + ", ".join(f"{k} {v['differ']} of {v['values']} differ" for k, v in rec.items()), flush=True)
+    for k, v in rec.items():
+        if v["differ"]:
+            print(f"   {k}: first (triton, twin) {v['first']}, max rel {v['max_rel']:.3g}")
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    out = Path(ap.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    lib = build(out)
+    scale = HD ** -0.5
+    res = {}
+    cases = {"one row, 517": [517], "short rows": [1, 2, 15, 16, 17, 63, 64, 65],
+             "long rows": [128, 500, 1000, 2047, 2048, 129, 777, 300]}
+    for name, lens in cases.items():
+        x = inputs(lens, seed=len(res))
+        ref = triton_split(x, scale, 1, 1)
+        res[name] = compare(name, ref, twin_split(lib, x, scale), lens)
+        res[name + " (B = 64's 4 splits a program, 2 stages)"] = compare(
+            name + ", triton spp 4 vs spp 1", ref, triton_split(x, scale, 4, 2), lens)
+    (out / "attn_twin.json").write_text(json.dumps(res, indent=1))
+    bad = sum(v["differ"] for r in res.values() for v in r.values())
+    print("all bitwise equal" if not bad else f"{bad} values differ")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
