@@ -1,4 +1,4 @@
-// A CUDA twin of the talker's decode attention split (tk_attention._attn_split_tc_kernel with
+// CUDA twins of the talker's decode attention split (tk_attention._attn_split_tc_kernel with
 // bf16 pools, 16-position pages, 64-position splits, 2 query heads a kv head padded to 16 rows, 2
 // bf16 terms, 4 warps), meant to give its bits, so that a small-batch launch can run the talker's
 // attention too (issue 16: the talker's layers in an LL launch). Written from Triton 3.6's PTX for
@@ -16,8 +16,10 @@
 // zero, not whatever the page holds. Every operand value is what Triton's fragments hold (the mma
 // instruction, its operands and the chain's order are the same), so the bits are the same; the
 // fragments here are loaded straight from global memory instead of through shared memory.
-// scripts/gpu_attn_twin.py compares it with the Triton kernel bitwise (needs a GPU).
+// Also the merge of the splits (_attn_combine_kernel, fp16 out, below). scripts/gpu_attn_twin.py
+// compares both with the Triton kernels bitwise (needs a GPU).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 
 namespace {
@@ -155,6 +157,36 @@ __device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, cons
     }
 }
 
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The merge of one (row, head)'s used splits in split order (tk_attention._attn_combine_kernel, fp16
+// out; its PTX: m' = max(m, m_s), a = ex2((m - m') log2 e), a_s = ex2((m_s - m') log2 e), l' =
+// fma(l, a, a_s * l_s), acc' = fma(acc, a, a_s * acc_s), out = fp16_rn(div.full(acc, l)); no
+// splits: zeros) by one warp, 4 dims a lane (element-wise: any lane may take any dims).
+__device__ void attn_combine_twin(const float* m, const float* l, const float* acc, int used, __half* out) {
+  const int lane = threadIdx.x & 31;
+  const float LOG2E = __int_as_float(0x3FB8AA3B);
+  float mm = -__int_as_float(0x7f800000), ll = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < used; ++s) {
+    const float ms = m[s], mn = fmaxf(mm, ms);
+    const float a_old = ex2_approx(__fmul_rn(__fsub_rn(mm, mn), LOG2E));
+    const float a_new = ex2_approx(__fmul_rn(__fsub_rn(ms, mn), LOG2E));
+    ll = __fmaf_rn(ll, a_old, __fmul_rn(a_new, l[s]));
+    const float4 v = *reinterpret_cast<const float4*>(acc + (size_t)s * HD + 4 * lane);
+    a[0] = __fmaf_rn(a[0], a_old, __fmul_rn(a_new, v.x));
+    a[1] = __fmaf_rn(a[1], a_old, __fmul_rn(a_new, v.y));
+    a[2] = __fmaf_rn(a[2], a_old, __fmul_rn(a_new, v.z));
+    a[3] = __fmaf_rn(a[3], a_old, __fmul_rn(a_new, v.w));
+    mm = mn;
+  }
+  if (used <= 0) ll = 1.0f;
+  for (int i = 0; i < 4; ++i) out[4 * lane + i] = used > 0 ? __float2half_rn(div_full(a[i], ll)) : __float2half_rn(0.0f);
+}
+
 // The Triton kernel's grid and outputs at one split a program: program (b, kv head, c) -> m, l
 // [B][NH][NSPLIT], acc [B][NH][NSPLIT][HD] for the query heads kvh * G .. (unused splits: untouched)
 __global__ void __launch_bounds__(128) attn_split_twin_kernel(const float* q, const __nv_bfloat16* kpool,
@@ -169,7 +201,22 @@ __global__ void __launch_bounds__(128) attn_split_twin_kernel(const float* q, co
                   acc + ((size_t)row0 * nsplit + sp) * HD, nsplit, nsplit * HD);
 }
 
+// program (b, h) of the combine: the used splits of row b, head h -> out [B][NH][HD] fp16
+__global__ void __launch_bounds__(32) attn_combine_twin_kernel(const float* m, const float* l, const float* acc,
+                                                               const int* lens, __half* out, int nh, int nsplit) {
+  const int b = blockIdx.x, h = blockIdx.y, used = (lens[b] + SPLIT - 1) / SPLIT;
+  const size_t base = (size_t)(b * nh + h) * nsplit;
+  attn_combine_twin(m + base, l + base, acc + base * HD, used, out + (size_t)(b * nh + h) * HD);
+}
+
 }  // namespace
+
+extern "C" int attn_combine_twin_run(const float* m, const float* l, const float* acc, const int* lens, void* out,
+                                     int batch, int nh, int nsplit, void* stream) {
+  attn_combine_twin_kernel<<<dim3(batch, nh), 32, 0, (cudaStream_t)stream>>>(m, l, acc, lens,
+                                                                             static_cast<__half*>(out), nh, nsplit);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int attn_split_twin_run(const float* q, const void* kpool, const void* vpool, const int* table,
                                    const int* lens, float* m, float* l, float* acc, float scale, int batch,

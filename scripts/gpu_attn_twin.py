@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Does scripts/attn_split_twin.cu give the bits of the talker's decode attention split
-(tk_attention._attn_split_tc_kernel, bf16 pools)? Both run on the same inputs (rows at lengths
-that end inside a page, on a split's edge and past several splits, pages in a shuffled order),
-the Triton kernel at one split a program and again at B = 64's configuration (4 splits a program,
-2 stages: the same bits by design), then m, l and acc of every used split compared bitwise.
+"""Do scripts/attn_split_twin.cu's twins give the bits of the talker's decode attention split
+(tk_attention._attn_split_tc_kernel, bf16 pools) and of its merge (_attn_combine_kernel, fp16
+out)? Both run on the same inputs (rows at lengths that end inside a page, on a split's edge and
+past several splits, pages in a shuffled order), the Triton kernel at one split a program and
+again at B = 64's configuration (4 splits a program,
+2 stages: the same bits by design), then m, l and acc of every used split compared bitwise, and
+the merged fp16 rows: the twin's merge of the Triton splits, and the twins end to end.
 Prints the counts that differ (and the first few), exits 1 if any does. Needs a GPU (sm_90).
 
   PYTHONPATH=. python3 scripts/gpu_attn_twin.py [--out $OUT]
@@ -36,7 +38,40 @@ def build(out: Path) -> ctypes.CDLL:
                    check=True)
     lib = ctypes.CDLL(str(so))
     lib.attn_split_twin_run.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    lib.attn_combine_twin_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     return lib
+
+
+def triton_combine(split: tuple, lens: torch.Tensor) -> torch.Tensor:
+    m, l, acc = split
+    b, nh, nsplit = m.shape
+    out = torch.full((b, nh, HD), float("nan"), dtype=torch.float16, device="cuda")
+    ta._attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=PPS * BLOCK, HD=HD, HD_P2=HD,
+                                     num_warps=1, GDC=False)
+    return out
+
+
+def twin_combine(lib, split: tuple, lens: torch.Tensor) -> torch.Tensor:
+    m, l, acc = split
+    b, nh, nsplit = m.shape
+    out = torch.full((b, nh, HD), float("nan"), dtype=torch.float16, device="cuda")
+    err = lib.attn_combine_twin_run(m.data_ptr(), l.data_ptr(), acc.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
+                                    nh, nsplit, torch.cuda.current_stream().cuda_stream)
+    assert err == 0, f"CUDA error {err}"
+    return out
+
+
+def compare_out(name: str, a: torch.Tensor, b: torch.Tensor) -> dict:
+    diff = a.view(torch.int16) != b.view(torch.int16)
+    rec = {"out": dict(values=int(a.numel()), differ=int(diff.sum()))}
+    if diff.any():
+        idx = diff.flatten().nonzero().flatten()[:4]
+        rec["out"]["first"] = [(float(a.flatten()[i]), float(b.flatten()[i])) for i in idx]
+        rec["out"]["max_rel"] = float(((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-30))[diff].max())
+    print(f"{name}: out {rec['out']['differ']} of {rec['out']['values']} differ", flush=True)
+    if diff.any():
+        print(f"   out: first (triton, twin) {rec['out']['first']}, max rel {rec['out']['max_rel']:.3g}")
+    return rec
 
 
 def inputs(lens: list[int], seed: int = 0) -> dict:
@@ -119,7 +154,13 @@ def main() -> None:
     for name, lens in cases.items():
         x = inputs(lens, seed=len(res))
         ref = triton_split(x, scale, 1, 1)
-        res[name] = compare(name, ref, twin_split(lib, x, scale), lens)
+        got = twin_split(lib, x, scale)
+        res[name] = compare(name, ref, got, lens)
+        ref_out = triton_combine(ref, x["lens"])
+        res[name + ", combine"] = compare_out(name + ", combine of the Triton splits", ref_out,
+                                              twin_combine(lib, ref, x["lens"]))
+        res[name + ", split + combine"] = compare_out(name + ", the twins' split + combine", ref_out,
+                                                      twin_combine(lib, got, x["lens"]))
         res[name + " (B = 64's 4 splits a program, 2 stages)"] = compare(
             name + ", triton spp 4 vs spp 1", ref, triton_split(x, scale, 4, 2), lens)
     (out / "attn_twin.json").write_text(json.dumps(res, indent=1))
