@@ -16,8 +16,9 @@
 // zero, not whatever the page holds. Every operand value is what Triton's fragments hold (the mma
 // instruction, its operands and the chain's order are the same), so the bits are the same; the
 // fragments here are loaded straight from global memory instead of through shared memory.
-// Also the merge of the splits (_attn_combine_kernel, fp16 out, below). scripts/gpu_attn_twin.py
-// compares both with the Triton kernels bitwise (needs a GPU).
+// Also the merge of the splits (_attn_combine_kernel, fp16 out) and the q / k norm + RoPE + K/V
+// store before them (tk_glue._qk_rope_store_kernel), below. scripts/gpu_attn_twin.py compares
+// each with its Triton kernel bitwise (needs a GPU).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
@@ -187,6 +188,41 @@ __device__ void attn_combine_twin(const float* m, const float* l, const float* a
   for (int i = 0; i < 4; ++i) out[4 * lane + i] = used > 0 ? __float2half_rn(div_full(a[i], ll)) : __float2half_rn(0.0f);
 }
 
+__device__ __forceinline__ float sqrt_approx_ftz(float x) {
+  float r;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+// the sum of squares of v over a Triton warp's 32 elements as its PTX reduces them: a lane's fma
+// of its own square with lane ^ 16's rounded square, then butterflies 8, 4, 2, 1; lane 0's value
+__device__ __forceinline__ float warp_sumsq(float v) {
+  float y = __fmaf_rn(v, v, __shfl_xor_sync(0xffffffffu, __fmul_rn(v, v), 16));
+  for (int m = 8; m >= 1; m >>= 1) y = __fadd_rn(y, __shfl_xor_sync(0xffffffffu, y, m));
+  return __shfl_sync(0xffffffffu, y, 0);
+}
+
+// A head's q / k RMSNorm + RoPE as tk_glue._qk_rope_store_kernel computes it (its Triton 3.6 PTX,
+// 4 warps: halves x1 = x[0:64], x2 = x[64:128]; each half's sum of squares as warp 0's 32 + warp
+// 1's 32 (warp_sumsq each); r = div.full(1, sqrt.approx.ftz(eps + div.full(sum1 + sum2, 128)));
+// xn = (r x) w; y1 = fma(x1n, c1, -(x2n s1)), y2 = fma(x2n, c2, x1n s2)) by one warp: lane l gets
+// dims l, l + 32 (y[0], y[1]) and 64 + l, 96 + l (y[2], y[3]).
+__device__ void qk_norm_rope_twin(const float* x, const float* w, const float* cs, const float* sn, float eps,
+                                  float (&y)[4]) {
+  const int lane = threadIdx.x & 31;
+  float a[2][2], sum[2];
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 2; ++k) a[h][k] = x[64 * h + 32 * k + lane];
+    sum[h] = __fadd_rn(warp_sumsq(a[h][0]), warp_sumsq(a[h][1]));
+  }
+  const float r = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(eps, div_full(__fadd_rn(sum[0], sum[1]), 128.0f))));
+  for (int k = 0; k < 2; ++k) {
+    const int d = 32 * k + lane;
+    const float x1 = __fmul_rn(__fmul_rn(r, a[0][k]), w[d]), x2 = __fmul_rn(__fmul_rn(r, a[1][k]), w[64 + d]);
+    y[k] = __fmaf_rn(x1, cs[d], -__fmul_rn(x2, sn[d]));
+    y[2 + k] = __fmaf_rn(x2, cs[64 + d], __fmul_rn(x1, sn[64 + d]));
+  }
+}
+
 // The Triton kernel's grid and outputs at one split a program: program (b, kv head, c) -> m, l
 // [B][NH][NSPLIT], acc [B][NH][NSPLIT][HD] for the query heads kvh * G .. (unused splits: untouched)
 __global__ void __launch_bounds__(128) attn_split_twin_kernel(const float* q, const __nv_bfloat16* kpool,
@@ -209,7 +245,43 @@ __global__ void __launch_bounds__(32) attn_combine_twin_kernel(const float* m, c
   attn_combine_twin(m + base, l + base, acc + base * HD, used, out + (size_t)(b * nh + h) * HD);
 }
 
+// program (m, head) of tk_glue._qk_rope_store_kernel (bf16 pools, 16-position pages): q heads ->
+// q_out [M][NH][HD] fp32; kv heads -> K (normed, roped) and V at pool[blk[m]][kvh][off[m]], bf16
+__global__ void __launch_bounds__(32) qk_rope_store_twin_kernel(const float* qkv, const float* qn, const float* kn,
+                                                                const float* cs, const float* sn, int cs_stride,
+                                                                float* q_out, __nv_bfloat16* kpool,
+                                                                __nv_bfloat16* vpool, const long long* blk,
+                                                                const long long* off, float eps, int nh, int nkv) {
+  const int m = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31;
+  const float* row = qkv + (size_t)m * (nh + 2 * nkv) * HD;
+  float y[4];
+  qk_norm_rope_twin(row + (size_t)h * HD, h < nh ? qn : kn, cs + (size_t)m * cs_stride, sn + (size_t)m * cs_stride,
+                    eps, y);
+  const int dims[4] = {lane, 32 + lane, 64 + lane, 96 + lane};
+  if (h < nh) {
+    for (int i = 0; i < 4; ++i) q_out[((size_t)m * nh + h) * HD + dims[i]] = y[i];
+  } else {
+    const int kvh = h - nh;
+    const size_t base = (((size_t)blk[m] * nkv + kvh) * BLOCK + (size_t)off[m]) * HD;
+    const float* v = row + (size_t)(nh + nkv + kvh) * HD;
+    for (int i = 0; i < 4; ++i) {
+      kpool[base + dims[i]] = __float2bfloat16_rn(y[i]);
+      vpool[base + dims[i]] = __float2bfloat16_rn(v[dims[i]]);
+    }
+  }
+}
+
 }  // namespace
+
+extern "C" int qk_rope_store_twin_run(const float* qkv, const float* qn, const float* kn, const float* cs,
+                                      const float* sn, int cs_stride, float* q_out, void* kpool, void* vpool,
+                                      const long long* blk, const long long* off, float eps, int rows, int nh, int nkv,
+                                      void* stream) {
+  qk_rope_store_twin_kernel<<<dim3(rows, nh + nkv), 32, 0, (cudaStream_t)stream>>>(
+      qkv, qn, kn, cs, sn, cs_stride, q_out, static_cast<__nv_bfloat16*>(kpool), static_cast<__nv_bfloat16*>(vpool),
+      blk, off, eps, nh, nkv);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int attn_combine_twin_run(const float* m, const float* l, const float* acc, const int* lens, void* out,
                                      int batch, int nh, int nsplit, void* stream) {

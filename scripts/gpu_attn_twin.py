@@ -5,7 +5,8 @@ out)? Both run on the same inputs (rows at lengths that end inside a page, on a 
 past several splits, pages in a shuffled order), the Triton kernel at one split a program and
 again at B = 64's configuration (4 splits a program,
 2 stages: the same bits by design), then m, l and acc of every used split compared bitwise, and
-the merged fp16 rows: the twin's merge of the Triton splits, and the twins end to end.
+the merged fp16 rows: the twin's merge of the Triton splits, and the twins end to end; and the
+q / k norm + RoPE + K/V store before them (tk_glue._qk_rope_store_kernel) against its twin.
 Prints the counts that differ (and the first few), exits 1 if any does. Needs a GPU (sm_90).
 
   PYTHONPATH=. python3 scripts/gpu_attn_twin.py [--out $OUT]
@@ -39,7 +40,46 @@ def build(out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.attn_split_twin_run.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     lib.attn_combine_twin_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    lib.qk_rope_store_twin_run.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+                                           + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p])
     return lib
+
+
+def check_rope_store(lib, rows: int = 5, seed: int = 7) -> dict:
+    """tk_glue._qk_rope_store_kernel against its twin: q [M, NH, HD] fp32 and the K/V rows it stores
+    (bf16 pools), at positions with their own RoPE rows, bitwise."""
+    from tts_server.engines.batched import tk_glue
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nh, eps = NKV * G, 1e-6
+    qkv = torch.randn(rows, (nh + 2 * NKV) * HD, device="cuda", generator=gen) * 3.0
+    qn = 1.0 + 0.1 * torch.randn(HD, device="cuda", generator=gen)
+    kn = 1.0 + 0.1 * torch.randn(HD, device="cuda", generator=gen)
+    pos = torch.randint(0, 2048, (rows,), device="cuda", generator=gen).float()
+    inv = 1e6 ** (-torch.arange(0, HD, 2, device="cuda").float() / HD)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1).contiguous(), torch.cat([ang.sin(), ang.sin()], 1).contiguous()
+    pages = rows + 3
+    blk = torch.randperm(pages, device="cuda", generator=gen)[:rows].long()
+    off = torch.randint(0, BLOCK, (rows,), device="cuda", generator=gen).long()
+    pools = [torch.zeros(pages, NKV, BLOCK, HD, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    q_ref = torch.full((rows, nh, HD), float("nan"), device="cuda")
+    tk_glue._qk_rope_store_kernel[(rows, nh + NKV)](qkv, qn, kn, cos, sin, cos.stride(0), q_ref, pools[0], pools[1],
+                                                    blk, off, eps, NH=nh, NKV=NKV, BS=BLOCK, HALF=HD // 2, GDC=False)
+    q_twin = torch.full_like(q_ref, float("nan"))
+    err = lib.qk_rope_store_twin_run(qkv.data_ptr(), qn.data_ptr(), kn.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                     cos.stride(0), q_twin.data_ptr(), pools[2].data_ptr(), pools[3].data_ptr(),
+                                     blk.data_ptr(), off.data_ptr(), eps, rows, nh, NKV,
+                                     torch.cuda.current_stream().cuda_stream)
+    assert err == 0, f"CUDA error {err}"
+    rec = {}
+    for what, a, b in (("q", q_ref, q_twin), ("K pool", pools[0], pools[2]), ("V pool", pools[1], pools[3])):
+        ints = torch.int32 if a.dtype == torch.float32 else torch.int16
+        diff = a.view(ints) != b.view(ints)
+        rec[what] = dict(values=int(a.numel()), differ=int(diff.sum()))
+    print("q / k norm + RoPE + store: " + ", ".join(f"{k} {v['differ']} of {v['values']} differ"
+                                                    for k, v in rec.items()), flush=True)
+    return rec
 
 
 def triton_combine(split: tuple, lens: torch.Tensor) -> torch.Tensor:
@@ -148,7 +188,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     lib = build(out)
     scale = HD ** -0.5
-    res = {}
+    res = {"q / k norm + RoPE + store": check_rope_store(lib)}
     cases = {"one row, 517": [517], "short rows": [1, 2, 15, 16, 17, 63, 64, 65],
              "long rows": [128, 500, 1000, 2047, 2048, 129, 777, 300]}
     for name, lens in cases.items():

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tts_server.engines.batched import tk_attention as ta  # noqa: E402
+from tts_server.engines.batched import tk_attention as ta, tk_glue  # noqa: E402
 
 print("triton", triton.__version__)
 target = GPUTarget("cuda", 90, 32)
@@ -50,3 +50,10 @@ sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "len_ptr": "*i32"
        "NSPLIT": "i32"}
 build(ta._attn_combine_kernel, sig, dict(SPLIT_LEN=64, HD=128, HD_P2=128, GDC=True),
       ["m_ptr", "l_ptr", "acc_ptr", "len_ptr", "out_ptr", "NH", "NSPLIT"], "attn_combine_b1", 1)
+# q / k norm + RoPE + the K/V store (tk_glue.qk_rope_store, the default 4 warps): bf16 pools
+sig = {"qkv_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+       "cos_stride": "i32", "q_out_ptr": "*fp32", "k_pool_ptr": "*bf16", "v_pool_ptr": "*bf16", "blk_ptr": "*i64",
+       "off_ptr": "*i64", "eps": "fp32"}
+build(tk_glue._qk_rope_store_kernel, sig, dict(NH=16, NKV=8, BS=16, HALF=64, GDC=True),
+      ["qkv_ptr", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_pool_ptr", "v_pool_ptr", "blk_ptr",
+       "off_ptr"], "qk_rope_store_b1", 4)
