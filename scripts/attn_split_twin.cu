@@ -48,6 +48,20 @@ __device__ __forceinline__ void split2(float x, __nv_bfloat16& hi, __nv_bfloat16
   lo = __float2bfloat16_rn(__fsub_rn(x, __bfloat162float(hi)));
 }
 
+// A row's four values in a lane, ((a op b) op c) op d, then across its quad (butterflies 2, 1):
+// the first two steps of Triton's row reductions over the mma layout (every lane must call it)
+template <class Op>
+__device__ __forceinline__ float quad_reduce(float a, float b, float c, float d, Op op) {
+  float x = op(op(op(a, b), c), d);
+  x = op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+}
+// the last: the four warps' partials of a row (rr[w]) as (v0 op v2) op (v1 op v3)
+template <class Op>
+__device__ __forceinline__ float warps_reduce(const float* rr, Op op) {
+  return op(op(rr[0], rr[2]), op(rr[1], rr[3]));
+}
+
 // One split (64 positions from sp * 64) of one row and kv head, run by the block's 4 warps: q
 // [G][HD] fp32 (the kv head's query heads), the row's page table, its length n -> m [G], l [G],
 // acc [G][HD] (unnormalised), each at its own stride.
@@ -92,31 +106,23 @@ __device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, cons
       v[r][e] = sp * SPLIT + j < n ? __fmul_rn(scale, s[r][e]) : -__int_as_float(0x7f800000);
     }
   // ---- the rows' max: in the thread, across the quad, across the warps (exact in any order)
-  float mx[2] = {fmaxf(fmaxf(fmaxf(v[0][0], v[0][1]), v[1][0]), v[1][1]),
-                 fmaxf(fmaxf(fmaxf(v[0][2], v[0][3]), v[1][2]), v[1][3])};
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+  const auto fmax = [](float x, float y) { return fmaxf(x, y); };
+  const auto fadd = [](float x, float y) { return __fadd_rn(x, y); };
+  for (int h = 0; h < 2; ++h) {  // h: row g, then row g + 8 (c0, c1 / c2, c3 of each tile)
+    const float x = quad_reduce(v[0][2 * h], v[0][2 * h + 1], v[1][2 * h], v[1][2 * h + 1], fmax);
+    if (t == 0) red[0][4 * (g + 8 * h) + w] = x;
   }
-  if (t == 0) red[0][4 * g + w] = mx[0], red[0][4 * (g + 8) + w] = mx[1];
   __syncthreads();
-  float m[2];
-  for (int h = 0; h < 2; ++h) {
-    const float* rr = red[0] + 4 * (g + 8 * h);
-    m[h] = fmaxf(fmaxf(rr[0], rr[2]), fmaxf(rr[1], rr[3]));
-  }
+  const float m[2] = {warps_reduce(red[0] + 4 * g, fmax), warps_reduce(red[0] + 4 * (g + 8), fmax)};
   // ---- p and the rows' sums in Triton's order
   const float LOG2E = __int_as_float(0x3FB8AA3B);
   float p[2][4];
   for (int r = 0; r < 2; ++r)
     for (int e = 0; e < 4; ++e) p[r][e] = ex2_approx(__fmul_rn(__fsub_rn(v[r][e], m[e >> 1]), LOG2E));
-  float sm[2] = {__fadd_rn(__fadd_rn(__fadd_rn(p[0][0], p[0][1]), p[1][0]), p[1][1]),
-                 __fadd_rn(__fadd_rn(__fadd_rn(p[0][2], p[0][3]), p[1][2]), p[1][3])};
   for (int h = 0; h < 2; ++h) {
-    sm[h] = __fadd_rn(sm[h], __shfl_xor_sync(0xffffffffu, sm[h], 2));
-    sm[h] = __fadd_rn(sm[h], __shfl_xor_sync(0xffffffffu, sm[h], 1));
+    const float x = quad_reduce(p[0][2 * h], p[0][2 * h + 1], p[1][2 * h], p[1][2 * h + 1], fadd);
+    if (t == 0) red[1][4 * (g + 8 * h) + w] = x;
   }
-  if (t == 0) red[1][4 * g + w] = sm[0], red[1][4 * (g + 8) + w] = sm[1];
   // p's terms for the second product (rows < G)
   if (g < G)
     for (int r = 0; r < 2; ++r)
@@ -127,10 +133,8 @@ __device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, cons
   __syncthreads();
   if (threadIdx.x < G) {  // rows 0..G-1: m and l
     const int row = threadIdx.x;
-    const float* rr = red[1] + 4 * row;
-    const float* rm = red[0] + 4 * row;
-    m_out[row * ml_stride] = fmaxf(fmaxf(rm[0], rm[2]), fmaxf(rm[1], rm[3]));
-    l_out[row * ml_stride] = __fadd_rn(__fadd_rn(rr[0], rr[2]), __fadd_rn(rr[1], rr[3]));
+    m_out[row * ml_stride] = warps_reduce(red[0] + 4 * row, fmax);
+    l_out[row * ml_stride] = warps_reduce(red[1] + 4 * row, fadd);
   }
   // ---- acc: the warp's four 8-column tiles of d (8w + 32r), 4 steps of 16 positions a term
   float acc[4][4] = {};

@@ -131,12 +131,16 @@ def inputs(lens: list[int], seed: int = 0) -> dict:
     return dict(q=q, k=kp, v=vp, table=table, lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
 
 
-def triton_split(x: dict, scale: float, spp: int, stages: int) -> tuple:
-    b = x["q"].shape[0]
+def split_outputs(b: int) -> tuple:
+    """m, l [B, NH, NSPLIT] and acc [B, NH, NSPLIT, HD], all NaN (a value never written shows)."""
     nsplit = MAX_BLOCKS // PPS
     m = torch.full((b, NKV * G, nsplit), float("nan"), device="cuda")
-    l = torch.full_like(m, float("nan"))
-    acc = torch.full((b, NKV * G, nsplit, HD), float("nan"), device="cuda")
+    return m, torch.full_like(m, float("nan")), torch.full((b, NKV * G, nsplit, HD), float("nan"), device="cuda")
+
+
+def triton_split(x: dict, scale: float, spp: int, stages: int) -> tuple:
+    b, nsplit = x["q"].shape[0], MAX_BLOCKS // PPS
+    m, l, acc = split_outputs(b)
     ta._attn_split_tc_kernel[(b, NKV, -(-nsplit // spp))](
         x["q"], x["k"], x["v"], x["table"], x["lens"], m, l, acc, scale, MAX_BLOCKS, nsplit, NKV=NKV, G=G,
         BLOCK=BLOCK, PPS=PPS, HD=HD, SPP=spp, QR=16, TERMS=2, STAGES=stages, INTERPRET=False, num_warps=4,
@@ -145,11 +149,8 @@ def triton_split(x: dict, scale: float, spp: int, stages: int) -> tuple:
 
 
 def twin_split(lib, x: dict, scale: float) -> tuple:
-    b = x["q"].shape[0]
-    nsplit = MAX_BLOCKS // PPS
-    m = torch.full((b, NKV * G, nsplit), float("nan"), device="cuda")
-    l = torch.full_like(m, float("nan"))
-    acc = torch.full((b, NKV * G, nsplit, HD), float("nan"), device="cuda")
+    b, nsplit = x["q"].shape[0], MAX_BLOCKS // PPS
+    m, l, acc = split_outputs(b)
     err = lib.attn_split_twin_run(x["q"].data_ptr(), x["k"].data_ptr(), x["v"].data_ptr(), x["table"].data_ptr(),
                                   x["lens"].data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(), scale, b,
                                   MAX_BLOCKS, nsplit, NKV, torch.cuda.current_stream().cuda_stream)
