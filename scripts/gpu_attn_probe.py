@@ -3,7 +3,8 @@
 split kernel and its combine timed apart, against a kernel that walks the same programs and pages
 but only loads K/V (the access pattern's own memory bound) and the split kernel with 3 instead of 2
 bf16 parts (its tensor-core share); with --sections spp, splits per program and stages at
-B = 4..128. Graph replays, median us per layer, K/V GB/s.
+B = 4..128; with --sections walk, what holds the B = 64 walk back; with --sections strided,
+programs striding over a row's splits. Graph replays, median us per layer, K/V GB/s.
 
   PYTHONPATH=. python3 scripts/gpu_attn_probe.py --out $OUT
 """
@@ -141,7 +142,8 @@ def spp_case() -> dict:
     4,096-position tables (the server's default), with each (splits per program, stages): graph
     replay us, each output checked bitwise against the default's."""
     out = {}
-    default = ta.SPP_BY_B
+    default, default_stride = ta.SPP_BY_B, ta.STRIDE_BY_B
+    ta.STRIDE_BY_B = ((1 << 30, 0),)  # SPP runs
     try:
         for b in (4, 8, 16, 32, 64, 128):
             lengths = mixed_lengths(b)
@@ -157,7 +159,107 @@ def spp_case() -> dict:
             out[b] = row
             log(f"spp B={b}", json.dumps(row))
     finally:
-        ta.SPP_BY_B = default
+        ta.SPP_BY_B, ta.STRIDE_BY_B = default, default_stride
+    return out
+
+
+def walk_case() -> dict:
+    """What holds the B = 64 mixed decode attention at ~2.9 TB/s (ncu, session 43: both the split
+    kernel and its loads-only walk, at 3 and 6 programs an SM): the loads-only walk and the split
+    kernel with the grid's programs that find no split cut off (z = the longest row's programs
+    instead of the table's), with the pages in order instead of shuffled, with every row 500
+    long (no raggedness), and with other splits per program. us per layer, K/V GB/s."""
+    b = 64
+    out = {}
+    pps, warps = ta.attn_config(2, BLOCK)
+    max_blocks = 4096 // BLOCK
+    nsplit = triton.cdiv(max_blocks, pps)
+    qr = max(16, triton.next_power_of_2(NH // NKV))
+    for label, lengths, shuffle in (("mixed", mixed_lengths(b), True), ("mixed_in_order", mixed_lengths(b), False),
+                                    ("all500", [500] * b, True)):
+        q, kp, vp, bt, lens = attn_inputs(b, lengths, max_blocks, seed=b)
+        if not shuffle:
+            need = [-(-n // BLOCK) for n in lengths]
+            at = 1
+            for i, k in enumerate(need):
+                bt[i, :k] = torch.arange(at, at + k, dtype=torch.int32, device="cuda")
+                at += k
+        kv_bytes = sum(lengths) * NKV * HD * 2 * 2
+        m = torch.empty((b, NH, nsplit), dtype=torch.float32, device="cuda")
+        l = torch.empty_like(m)
+        acc = torch.empty((b, NH, nsplit, HD), dtype=torch.float32, device="cuda")
+        used = -(-max(lengths) // (pps * BLOCK))
+        row = {}
+        for spp, stages in ((4, 2), (1, 1), (2, 2), (8, 2), (16, 2)):
+            for cut in (False, True):
+                z = triton.cdiv(used if cut else nsplit, spp)
+                lo = torch.empty((b, NKV, z, HD), dtype=torch.float32, device="cuda")
+
+                def loads():
+                    _loads_only_kernel[(b, NKV, z)](kp, vp, bt, lens, lo, max_blocks, NKV=NKV, BLOCK=BLOCK, PPS=pps,
+                                                    HD=HD, SPP=spp, STAGES=stages, num_warps=warps)
+
+                def split():
+                    ta._attn_split_tc_kernel[(b, NKV, z)](q, kp, vp, bt, lens, m, l, acc, 0.088, max_blocks, nsplit,
+                                                         NKV=NKV, G=NH // NKV, BLOCK=BLOCK, PPS=pps, HD=HD, SPP=spp,
+                                                         QR=qr, TERMS=ta.TC_TERMS, STAGES=stages, INTERPRET=False,
+                                                         num_warps=warps, GDC=False, KV_MAJOR=False)
+                for name, fn in (("loads", loads), ("split", split)):
+                    key = f"{name}|spp{spp}_st{stages}|z{z}"
+                    try:
+                        us = graph_us(fn)
+                        row[key] = dict(us=round(us, 2), GBps=round(kv_bytes / us / 1e3, 1))
+                    except Exception as e:  # noqa: BLE001
+                        row[key] = dict(error=repr(e)[:200])
+        out[label] = row
+        log(f"walk {label}", json.dumps(row))
+    return out
+
+
+def strided_case() -> dict:
+    """The split kernel with its programs striding over a row's splits (STRIDED: program c takes
+    splits c, c + Z, ...) against the default (SPP consecutive splits a program), at B = 1..256
+    mixed and B = 256 at 1,000 positions, 4,096-position tables: split + merge us (graph replays),
+    each merged output checked bitwise against the default's."""
+    out = {}
+    pps, warps = ta.attn_config(2, BLOCK)
+    max_blocks = 4096 // BLOCK
+    nsplit = triton.cdiv(max_blocks, pps)
+    qr = max(16, triton.next_power_of_2(NH // NKV))
+    for b, ctx in ((1, "mixed"), (16, "mixed"), (32, "mixed"), (64, "mixed"), (128, "mixed"), (256, "mixed"),
+                   (256, "1000")):
+        lengths = mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
+        q, kp, vp, bt, lens = attn_inputs(b, lengths, max_blocks, seed=b)
+        kv_bytes = sum(lengths) * NKV * HD * 2 * 2
+        ref = ops.paged_attention(q, kp, vp, bt, lens, 0.088)
+        m = torch.empty((b, NH, nsplit), dtype=torch.float32, device="cuda")
+        l = torch.empty_like(m)
+        acc = torch.empty((b, NH, nsplit, HD), dtype=torch.float32, device="cuda")
+        o = torch.empty((b, NH, HD), dtype=torch.float32, device="cuda")
+        row = {"default": round(graph_us(lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088)), 2),
+               "default_spp": list(ta.splits_per_program(b))}
+        for z in (4, 8, 16, 32):
+            for stages in (1, 2):
+                for kv_major in ((False, True) if b >= 128 else (False,)):
+                    def run():
+                        g = (NKV, b, z) if kv_major else (b, NKV, z)
+                        ta._attn_split_tc_kernel[g](q, kp, vp, bt, lens, m, l, acc, 0.088, max_blocks, nsplit, NKV=NKV,
+                                                    G=NH // NKV, BLOCK=BLOCK, PPS=pps, HD=HD, SPP=1, QR=qr,
+                                                    TERMS=ta.TC_TERMS, STAGES=stages, INTERPRET=False, num_warps=warps,
+                                                    GDC=False, KV_MAJOR=kv_major, STRIDED=True)
+                        ta._attn_combine_kernel[(b, NH)](m, l, acc, lens, o, NH, nsplit, SPLIT_LEN=pps * BLOCK, HD=HD,
+                                                         HD_P2=HD, num_warps=1, GDC=False)
+                    key = f"z{z}_st{stages}" + ("_kvmajor" if kv_major else "")
+                    try:
+                        run()
+                        same = torch.equal(o, ref)
+                        us = graph_us(run)
+                        row[key] = round(us, 2) if same else f"NOT EQUAL ({us:.2f})"
+                    except Exception as e:  # noqa: BLE001
+                        row[key] = repr(e)[:200]
+        row["kv_MB"] = round(kv_bytes / 1e6, 1)
+        out[f"B{b}|{ctx}"] = row
+        log(f"strided B{b}|{ctx}", json.dumps(row))
     return out
 
 
@@ -171,6 +273,10 @@ def main() -> None:
         res["cp_attend"] = cp_attend_case()
     if "spp" in a.sections.split(","):
         res["spp"] = spp_case()
+    if "walk" in a.sections.split(","):
+        res["walk"] = walk_case()
+    if "strided" in a.sections.split(","):
+        res["strided"] = strided_case()
     if "decode" not in a.sections.split(","):
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "attn_probe_parts.json").write_text(json.dumps(res, indent=1))

@@ -90,7 +90,7 @@ def attn_inputs(b: int, lengths: list[int], max_blocks: int, seed: int):
 
 def attention() -> dict:
     res: dict = {"cases": {}}
-    default_spp = tk_attention.SPP_BY_B
+    default_spp, default_stride = tk_attention.SPP_BY_B, tk_attention.STRIDE_BY_B
     variants = [("cuda_cores", False, None, 64, 4, 1)]
     sweep = ((64, (1, 4, 8), (4,), (1, 2, 3)), (128, (1, 2, 4), (4, 8), (1, 2)))
     if os.environ.get("ATTN_SWEEP") == "long":  # longer walks per program at 64-position splits
@@ -112,8 +112,10 @@ def attention() -> dict:
             for name, tc, spp, split, warps, stages in variants:
                 tk_attention.TENSOR_CORES = tc
                 tk_attention.OVERRIDE[2] = (split, warps)
-                if spp is not None:
+                tk_attention.STRIDE_BY_B = default_stride
+                if spp is not None:  # SPP runs (the strided walk off)
                     tk_attention.SPP_BY_B = ((1 << 30, spp, stages),)
+                    tk_attention.STRIDE_BY_B = ((1 << 30, 0),)
                 try:
                     us = graph_us(lambda: ops.paged_attention(q, kp, vp, bt, lens, 0.088))
                     row[name] = dict(us=round(us, 2), GBps=round(kv_bytes / us / 1e3, 1))
@@ -124,7 +126,7 @@ def attention() -> dict:
             best = min((v["us"], k) for k, v in row.items() if "us" in v)
             log(key, "cuda cores", row["cuda_cores"], "best", best)
     tk_attention.OVERRIDE.pop(2, None)
-    tk_attention.SPP_BY_B = default_spp
+    tk_attention.SPP_BY_B, tk_attention.STRIDE_BY_B = default_spp, default_stride
     # accuracy vs fp64 and bits across SPP, on a mixed batch of 17 rows (one empty)
     lengths = [0] + mixed_lengths(16)
     q, kp, vp, bt, lens = attn_inputs(17, lengths, 32, seed=5)
@@ -134,7 +136,7 @@ def attention() -> dict:
     for name, tc, spp, st in (("cuda_cores", False, 1, 1), ("tc_spp1", True, 1, 1), ("tc_spp4_st2", True, 4, 2),
                               ("tc_spp8_st2", True, 8, 2), ("tc_spp8_st1", True, 8, 1)):
         tk_attention.TENSOR_CORES = tc
-        tk_attention.SPP_BY_B = ((1 << 30, spp, st),)
+        tk_attention.SPP_BY_B, tk_attention.STRIDE_BY_B = ((1 << 30, spp, st),), ((1 << 30, 0),)
         out = ops.paged_attention(q, kp, vp, bt, lens, 0.088)
         acc[name] = float((out - ref).abs().max() / ref.abs().max())
         if tc:
@@ -142,7 +144,7 @@ def attention() -> dict:
     acc["tc_bitwise_across_spp"] = all(torch.equal(outs[0], o) for o in outs[1:])
     # one row alone vs inside B = 64 (SPP 1 vs 4 by the default table)
     tk_attention.TENSOR_CORES = True
-    tk_attention.SPP_BY_B = default_spp
+    tk_attention.SPP_BY_B, tk_attention.STRIDE_BY_B = default_spp, default_stride
     q64, kp64, vp64, bt64, lens64 = attn_inputs(64, mixed_lengths(64), 32, seed=6)
     full = ops.paged_attention(q64, kp64, vp64, bt64, lens64, 0.088)
     alone = ops.paged_attention(q64[7:8], kp64, vp64, bt64[7:8], lens64[7:8], 0.088)

@@ -39,6 +39,7 @@ def main() -> None:
 
         spp = int(sys.argv[sys.argv.index("--spp") + 1])
         tk_attention.SPP_BY_B = ((1 << 30, spp, 2 if spp > 1 else 1),)
+        tk_attention.STRIDE_BY_B = ((1 << 30, 0),)  # SPP runs, not the strided walk
         step = 40
     weights = checks.random_weights("cuda", layers=layers)
     engine = BatchedEngine(weights, max_streams=8, max_positions=512, use_graphs=False)

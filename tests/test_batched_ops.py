@@ -111,20 +111,24 @@ def check_accuracy(ops, dev: str) -> dict:
 
 
 def check_attention_program_order(ops, dev: str) -> None:
-    """The decode attention's (kv head, row) program order (large B) computes the same bits as the
-    (row, kv head) order: the same programs, launched in another order."""
-    from tts_server.engines.batched import tk_attention
+    """The decode attention's walks compute the same bits: (kv head, row) program order (large B)
+    as (row, kv head), and a row's splits taken by Z programs in turn (STRIDED, Z = 1, 2, 3) as
+    in runs of SPP (1, 2): the same splits, each computed alone, in another order."""
+    from tts_server.engines.batched import tk_attention as ta
 
     case = attn_case(5, 4, 2, 32, 8, 7, [0, 1, 13, 56, 40], 11, dev, torch.bfloat16)
-    before = tk_attention.KV_MAJOR_MIN_B
+    before = ta.KV_MAJOR_MIN_B, ta.SPP_BY_B, ta.STRIDE_BY_B
     try:
-        outs = []
-        for min_b in (1 << 30, 1):
-            tk_attention.KV_MAJOR_MIN_B = min_b
-            outs.append(ops.paged_attention(*case, 0.17))
+        outs = {}
+        for min_b, spp, z in ((1 << 30, 1, 0), (1, 1, 0), (1 << 30, 2, 0), (1 << 30, 1, 1), (1 << 30, 1, 2),
+                              (1, 1, 3)):
+            ta.KV_MAJOR_MIN_B, ta.SPP_BY_B, ta.STRIDE_BY_B = min_b, ((1 << 30, spp, 2),), ((1 << 30, z),)
+            outs[(min_b, spp, z)] = ops.paged_attention(*case, 0.17)
     finally:
-        tk_attention.KV_MAJOR_MIN_B = before
-    assert torch.equal(outs[0], outs[1])
+        ta.KV_MAJOR_MIN_B, ta.SPP_BY_B, ta.STRIDE_BY_B = before
+    first = outs[(1 << 30, 1, 0)]
+    for key, out in outs.items():
+        assert torch.equal(first, out), key
 
 
 def check_talker_process(ops, dev: str) -> None:

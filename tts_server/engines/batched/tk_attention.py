@@ -47,6 +47,17 @@ TC_TERMS = 2
 # B = 128 0.3-0.4% slower, B <= 64 within 0.2%. TTS_ATTN_KV_MAJOR=0 (read per call): never.
 KV_MAJOR_MIN_B = 129
 SPP_BY_B: tuple[tuple[int, int, int], ...] = ((16, 1, 1), (32, 2, 2), (128, 4, 2), (1 << 30, 8, 2))
+# (max B, Z): above 16 rows a row's splits are walked by Z programs in turn (program c: splits c,
+# c + Z, c + 2Z, ...; STRIDED) instead of in SPP-long runs: every program of a row gets a share,
+# so a row's work spreads evenly over Z programs. Each split's math and stores are unchanged, so
+# the bits are too (checked against the default walk in the probe and in test_batched_ops). Z = 0:
+# SPP runs. Stages from SPP_BY_B. Split + merge, graph replays on an H200 at mixed contexts
+# (benchmarks/results/h200-s43/): B = 32 31.1 -> 27.6 us a layer (Z = 8), B = 64 50.8 -> 46.4
+# (Z = 8), B = 128 94.3 -> 85.1 (Z = 4), B = 256 170.0 -> 155.9 (Z = 4, kv head major), B = 256 at
+# 1,000 positions 311 -> 288; at B <= 16 every Z was slower than one split a program (B = 16
+# 15.7 -> 15.9 at best). Frames (gpu_frames_ab.sh, two rounds, the same codes and hidden states):
+# B = 32 / 64 / 128 / 256 4.096 / 4.688 / 6.643 / 10.711 -> 3.974 / 4.573 / 6.395 / 10.310 ms.
+STRIDE_BY_B: tuple[tuple[int, int], ...] = ((16, 0), (64, 8), (1 << 30, 4))
 TENSOR_CORES = os.environ.get("TTS_ATTN_TC", "1") != "0"
 # a split no longer than the block table (the code predictor's first pass: 1 page of 16 positions
 # and <= 2 keys, where a 64-position split is 4x the work). A call site's table width never
@@ -69,6 +80,14 @@ def splits_per_program(b: int) -> tuple[int, int]:
     return SPP_BY_B[-1][1:]
 
 
+def strided_programs(b: int) -> int:
+    """-> Z, the programs that walk a row's splits in turn for a batch of b rows (0: SPP runs)."""
+    for max_b, z in STRIDE_BY_B:
+        if b <= max_b:
+            return z
+    return STRIDE_BY_B[-1][1]
+
+
 @triton.jit
 def _parts_dot(a, b, acc, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
     # acc + a @ b for fp32 a [M, K] and bf16 b [K, N]: a as TERMS bf16 parts, largest first
@@ -88,12 +107,14 @@ def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, ac
                           MAX_BLOCKS, NSPLIT, NKV: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                           PPS: tl.constexpr, HD: tl.constexpr, SPP: tl.constexpr, QR: tl.constexpr,
                           TERMS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-                          GDC: tl.constexpr, KV_MAJOR: tl.constexpr = False):
+                          GDC: tl.constexpr, KV_MAJOR: tl.constexpr = False, STRIDED: tl.constexpr = False):
     pdl.enter(GDC)
     # program (b, kv head, c): splits c*SPP .. c*SPP+SPP-1 (those holding positions) of row b for
     # the G query heads of this kv head (padded to QR rows for the tensor cores) -> per split the
     # partial max m, sum l and unnormalised acc [HD] per query head, as _attn_split_kernel.
-    # KV_MAJOR: the grid is (kv head, b, c) (see KV_MAJOR_MIN_B).
+    # KV_MAJOR: the grid is (kv head, b, c) (see KV_MAJOR_MIN_B). STRIDED: splits c, c + Z,
+    # c + 2Z, ... for a grid of Z programs a row (SPP unused), so that short rows spread over
+    # more programs.
     if KV_MAJOR:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -104,7 +125,14 @@ def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, ac
     n = tl.load(len_ptr + b)
     SPLIT_LEN: tl.constexpr = PPS * BLOCK
     used = (n + SPLIT_LEN - 1) // SPLIT_LEN
-    first = c * SPP
+    if STRIDED:
+        first = c
+        last = used
+        step = tl.num_programs(2)
+    else:
+        first = c * SPP
+        last = tl.minimum(first + SPP, used)
+        step = 1
     if first >= used:
         return
     g = tl.arange(0, QR)
@@ -113,7 +141,7 @@ def _attn_split_tc_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, m_ptr, l_ptr, ac
     j = tl.arange(0, SPLIT_LEN)
     qrow = b * NKV * G + kvh * G + g  # [QR] (b, head) rows of q / m / l / acc
     q = tl.load(q_ptr + qrow[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)  # [QR, HD]
-    for sp in tl.range(first, tl.minimum(first + SPP, used), num_stages=STAGES):
+    for sp in tl.range(first, last, step, num_stages=STAGES):
         pos = sp * SPLIT_LEN + j
         pmask = pos < n
         page = tl.load(bt_ptr + b * MAX_BLOCKS + sp * PPS + j // BLOCK, mask=pmask, other=0)
@@ -229,13 +257,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hd_p2 = triton.next_power_of_2(hd)
     if use_tensor_cores(k_pool, hd, pps * block):
         spp, stages = splits_per_program(b)
+        z = min(strided_programs(b), nsplit)
         kv_major = b >= KV_MAJOR_MIN_B and os.environ.get("TTS_ATTN_KV_MAJOR", "1") != "0"
         terms = int(os.environ.get("TTS_ATTN_TC_TERMS", TC_TERMS))
         assert terms in (2, 3), terms
-        _attn_split_tc_kernel[(nkv, b, triton.cdiv(nsplit, spp)) if kv_major else (b, nkv, triton.cdiv(nsplit, spp))](
+        zg = z or triton.cdiv(nsplit, spp)
+        _attn_split_tc_kernel[(nkv, b, zg) if kv_major else (b, nkv, zg)](
             q, k_pool, v_pool, bt, lens, m, l, acc, float(scale), max_blocks, nsplit, NKV=nkv, G=nh // nkv,
             BLOCK=block, PPS=pps, HD=hd, SPP=spp, QR=max(16, triton.next_power_of_2(nh // nkv)),
-            TERMS=terms, STAGES=stages, INTERPRET=_INTERPRET, num_warps=warps, KV_MAJOR=kv_major, **pdl.kw())
+            TERMS=terms, STAGES=stages, INTERPRET=_INTERPRET, num_warps=warps, KV_MAJOR=kv_major,
+            STRIDED=z > 0, **pdl.kw())
     else:
         _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                              max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
