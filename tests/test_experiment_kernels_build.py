@@ -1,10 +1,9 @@
 """The CUDA files of issue 16's GPU experiments (scripts/*.cu: the bit checks, the products
-prototype, the streaming microbenchmark, the talker attention's twin; csrc/small/ is built by
-`make -C csrc check`) build for
-sm_90 here, so that a change that breaks one is
-caught in CI and not on a device call. What they measure runs on a GPU (scripts/gpu_dot_bits.py,
-gpu_products_engine.py, gpu_stream_bw.py, gpu_attn_twin.py); this checks only that nvcc accepts
-them without a warning."""
+prototype, the streaming microbenchmark, the talker attention's twin and its persistent version;
+csrc/small/ is built by `make -C csrc check`) build for sm_90 here, so that a change that breaks
+one is caught in CI and not on a device call. What they measure runs on a GPU
+(scripts/gpu_dot_bits.py, gpu_products_engine.py, gpu_stream_bw.py, gpu_attn_twin.py,
+gpu_attn_persist.py); this checks only that nvcc accepts them without a warning."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("dot_bits.cu", "products_engine.cu", "stream_bw.cu", "attn_split_twin.cu")
+SOURCES = ("dot_bits.cu", "products_engine.cu", "stream_bw.cu", "attn_split_twin.cu", "attn_persist.cu")
 # products_engine.cu with its row phases (scripts/gpu_cp_layer_engine.py links it with the Triton
 # kernels' PTX): relocatable device code, the row_call left for the link
 ROW_PHASES = ["-rdc=true", "-DROW_PHASES"]
