@@ -27,7 +27,7 @@ namespace {
 
 constexpr int HD = 128, BLOCK = 16, PPS = 4, SPLIT = PPS * BLOCK, G = 2;
 
-#include "attn_twin_math.cuh"
+#include "../csrc/attn/twin_math.cuh"
 
 // One split (64 positions from sp * 64) of one row and kv head, run by the block's 4 warps: q
 // [G][HD] fp32 (the kv head's query heads), the row's page table, its length n -> m [G], l [G],

@@ -19,7 +19,7 @@ for r in $(seq "$ROUNDS"); do
     dir=$([ $tree = base ] && echo "$BASE" || echo .)
     timeout "${RUN_TIMEOUT:-280}" $PY "$dir/scripts/gpu_pdl_ab.py" --variants "${VARIANTS:-default}" --sizes "$SIZES" \
       --out "$OUT/$tree-$r" > "$OUT/$tree-$r.log" 2>&1
-    echo "== $tree round $r (rc $?)"; grep -E "\] == |B +[0-9]+ mixed|admission of" "$OUT/$tree-$r.log"
+    echo "== $tree round $r (rc $?)"; grep -E "\] == |B +[0-9]+ mixed|admission of|engine: " "$OUT/$tree-$r.log"
   done
 done
 $PY - "$OUT" "$ROUNDS" <<'PYEOF'

@@ -91,7 +91,9 @@ def signature(eng: BatchedEngine, n: int, frames: int = 16) -> dict:
 
 def run_variant(w, sizes, iters: int, sig_rows=(64, 4)) -> tuple[dict, dict]:
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
-    res = dict(capture_s=eng.capture_s, replay_ms={})
+    res = dict(capture_s=eng.capture_s, replay_ms={}, small_kernel=eng.small_kernel,
+               attn_kernel=getattr(eng, "attn_kernel", "absent"))  # (a base tree may predate it)
+    log(f"  engine: small-batch kernel {res['small_kernel']}, decode attention kernel {res['attn_kernel']}")
     for b in sizes:
         ms = [time_replays(eng, fake_admit(eng, mixed_lengths(b), margin=64), iters) for _ in range(3)]
         res["replay_ms"][b] = float(np.median(ms))

@@ -112,6 +112,11 @@ class BatchedEngine:
         # ("on"), else why not ("off: ..."); TTS_SMALL_KERNEL=0 turns it off
         self.small_kernel = (self._small_kernel() if dev.type == "cuda" and frame_kernel == "triton" and fused_cp
                              else "off: not the Triton frame on a GPU")
+        # the talker's decode attention split through the persistent CUDA kernel (attn_kernel.py) where
+        # it gives the Triton kernel's bits on this device ("on"), else why not; opt-in while it is new
+        # (TTS_ATTN_KERNEL=1). Before any graph capture: the graphs record the kernel paged_attention picks.
+        self.attn_kernel = (self._attn_kernel(dev, kv_dtype) if dev.type == "cuda" and frame_kernel == "triton"
+                            else "off: not the Triton frame on a GPU")
         pin = dev.type == "cuda"
         self.rows_host = torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin)
         self.out_host = torch.zeros(self.frame.out.shape, dtype=torch.int32, pin_memory=pin)
@@ -177,6 +182,32 @@ class BatchedEngine:
             return f"off: {e}"
         why = self.frame.use_small_kernel(kernel)
         return "on" if why is None else f"off: {why}"
+
+    def _attn_kernel(self, dev: torch.device, kv_dtype: torch.dtype) -> str:
+        """The persistent decode attention split (attn_kernel.py) for this device's paged_attention
+        calls if it gives the Triton split's bits here: "on", or "off: <why>" (and the device's
+        entry in tk_attention.CUDA_SPLIT removed)."""
+        from . import attn_kernel, tk_attention
+
+        tk_attention.CUDA_SPLIT.pop(dev.index, None)
+        if os.environ.get("TTS_ATTN_KERNEL", "0") != "1":
+            return "off: opt-in (TTS_ATTN_KERNEL=1)"
+        cfg = self.p.talker.cfg
+        why = attn_kernel.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.kv.block_size)
+        if why:
+            return f"off: {why}"
+        path = attn_kernel.library_path()
+        if not path.exists():
+            return f"off: {path} not built (make kernel)"
+        try:
+            kernel = attn_kernel.DecodeSplit(dev)
+            why = attn_kernel.check(kernel)
+        except (OSError, RuntimeError) as e:
+            return f"off: {e}"
+        if why:
+            return f"off: {why}"
+        tk_attention.CUDA_SPLIT[dev.index] = kernel
+        return "on"
 
     @staticmethod
     def memory_bytes(max_streams: int, max_positions: int, weights: DecodeWeights,

@@ -5,6 +5,7 @@ the context. Prefill: causal attention of a step's prompts by query blocks of on
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -13,6 +14,9 @@ import triton.language as tl
 from . import pdl
 from .ops import PREFILL_QB
 from .tk_gemm import _dot
+
+if TYPE_CHECKING:
+    from .attn_kernel import DecodeSplit
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -232,30 +236,33 @@ def use_tensor_cores(k_pool: torch.Tensor, hd: int, split_len: int) -> bool:
             and split_len >= 16)
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD]; block_table [B, MAX_BLOCKS]
-    int32; seq_lens [B] int32 -> [B, NH, HD] fp32, or rounded to fp16 (out_dtype). Grid fixed by
-    (B, NKV, MAX_BLOCKS)."""
-    b, nh, hd = q.shape
-    nkv, block = k_pool.shape[1], k_pool.shape[2]
-    max_blocks = block_table.shape[1]
-    assert q.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
-    assert block & (block - 1) == 0 and nh % nkv == 0, (block, nh, nkv)
-    pps, warps = attn_config(k_pool.element_size(), block)
+# The persistent CUDA split (attn_kernel.DecodeSplit, the same bits) by device index, where the
+# engine's start-up check found it equal (BatchedEngine); paged_attention uses it for the steps it
+# serves. Empty: Triton alone.
+CUDA_SPLIT: dict[int, DecodeSplit] = {}
+
+
+def split_geometry(k_pool: torch.Tensor, max_blocks: int) -> tuple[int, int, int]:
+    """-> (pages per split, num_warps, splits a row) for a pool and a table width."""
+    pps, warps = attn_config(k_pool.element_size(), k_pool.shape[2])
     if CAP_SPLIT_TO_TABLE:
         pps = min(pps, triton.next_power_of_2(max_blocks))  # both powers of two
-    nsplit = triton.cdiv(max_blocks, pps)
-    q = q.contiguous()
-    bt = block_table.contiguous()
-    lens = seq_lens.contiguous()
-    m = torch.empty((b, nh, nsplit), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty((b, nh, nsplit, hd), dtype=torch.float32, device=q.device)
-    out = torch.empty((b, nh, hd), dtype=out_dtype, device=q.device)
-    hd_p2 = triton.next_power_of_2(hd)
-    if use_tensor_cores(k_pool, hd, pps * block):
+    return pps, warps, triton.cdiv(max_blocks, pps)
+
+
+def split_into(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bt: torch.Tensor, lens: torch.Tensor,
+               m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scale: float,
+               cuda: DecodeSplit | None = None) -> None:
+    """The split step of paged_attention (contiguous inputs): m, l [B, NH, NSPLIT] and acc [B, NH,
+    NSPLIT, HD] of every used split, by the CUDA kernel `cuda` where it serves the call, else by
+    the Triton kernels."""
+    b, nh, hd = q.shape
+    nkv, block = k_pool.shape[1], k_pool.shape[2]
+    max_blocks = bt.shape[1]
+    pps, warps, nsplit = split_geometry(k_pool, max_blocks)
+    if cuda is not None and cuda.serves(q, k_pool, pps):
+        cuda(q, k_pool, v_pool, bt, lens, m, l, acc, scale)
+    elif use_tensor_cores(k_pool, hd, pps * block):
         spp, stages = splits_per_program(b)
         z = min(strided_programs(b), nsplit)
         kv_major = b >= KV_MAJOR_MIN_B and os.environ.get("TTS_ATTN_KV_MAJOR", "1") != "0"
@@ -270,9 +277,31 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         _attn_split_kernel[(b, nkv, nsplit)](q, k_pool, v_pool, bt, lens, m, l, acc, float(scale),
                                              max_blocks, nsplit, NKV=nkv, G=nh // nkv, BLOCK=block,
-                                             PPS=pps, HD=hd, HD_P2=hd_p2, num_warps=warps, **pdl.kw())
+                                             PPS=pps, HD=hd, HD_P2=triton.next_power_of_2(hd), num_warps=warps,
+                                             **pdl.kw())
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [B, NH, HD] fp32; k_pool/v_pool [NUM_BLOCKS, NKV, BLOCK, HD]; block_table [B, MAX_BLOCKS]
+    int32; seq_lens [B] int32 -> [B, NH, HD] fp32, or rounded to fp16 (out_dtype). Grid fixed by
+    (B, NKV, MAX_BLOCKS)."""
+    b, nh, hd = q.shape
+    nkv, block = k_pool.shape[1], k_pool.shape[2]
+    assert q.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert block & (block - 1) == 0 and nh % nkv == 0, (block, nh, nkv)
+    pps, _, nsplit = split_geometry(k_pool, block_table.shape[1])
+    q = q.contiguous()
+    lens = seq_lens.contiguous()
+    m = torch.empty((b, nh, nsplit), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((b, nh, nsplit, hd), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, nh, hd), dtype=out_dtype, device=q.device)
+    split_into(q, k_pool, v_pool, block_table.contiguous(), lens, m, l, acc, scale,
+               CUDA_SPLIT.get(q.device.index) if q.is_cuda else None)
     _attn_combine_kernel[(b, nh)](m, l, acc, lens, out, nh, nsplit, SPLIT_LEN=pps * block, HD=hd,
-                                  HD_P2=hd_p2, num_warps=1, **pdl.kw())
+                                  HD_P2=triton.next_power_of_2(hd), num_warps=1, **pdl.kw())
     return out
 
 

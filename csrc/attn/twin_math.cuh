@@ -1,7 +1,7 @@
-// The arithmetic helpers of the talker decode attention's CUDA twins (attn_split_twin.cu and its
-// persistent versions in attn_persist.cu): the mma.sync chain step, ex2.approx, the bf16 pair
-// packing, the two-term bf16 split and the row reductions in Triton's order. Included inside each
-// file's anonymous namespace.
+// The arithmetic of the talker decode attention's CUDA twins (scripts/attn_split_twin.cu, and the
+// persistent split in decode_split.cuh): the mma.sync chain step, ex2.approx, the bf16 pair packing,
+// the two-term bf16 split and the row reductions in Triton's order. Included inside the including
+// file's namespace.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>

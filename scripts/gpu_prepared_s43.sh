@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 43's prepared work in one device call: the persistent decode attention split in the engine
+# (csrc/attn/, attn_kernel.py). Carry .whl, .triton-cache and .base, where .base is the tree before
+# it (`rm -rf .base && mkdir .base && git archive a053222 tts_server csrc | tar -x -C .base && cp -r
+# scripts .base/`):
+#   1. this tree's libqwen_small.so and libqwen_attn.so, the base's libqwen_small.so
+#   2. tests/test_attn_kernel.py and tests/test_batched_engine.py on the GPU (first, in the A/B's call)
+#   3. gpu_frames_ab.sh, base (the Triton split) vs this tree (the persistent split): B = 1-256 frames,
+#      2 rounds, the frames' signatures compared, each engine's kernels named in its log ("engine: ")
+source "$(dirname "$0")/gpu_env.sh"
+export TTS_ATTN_KERNEL=1  # (opt-in; the base tree has no such kernel)
+make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
+make -s -C "${BASE:-.base}/csrc" libqwen_small.so > "$OUT/build-base.log" 2>&1 || tail -3 "$OUT/build-base.log"
+PRE_TESTS="tests/test_attn_kernel.py tests/test_batched_engine.py" TEST_TIMEOUT=300 DIGEST=0 ROUNDS=2 \
+  SIZES=1,16,32,64,128,256 RUN_TIMEOUT=150 COMMIT=attn-kernel bash scripts/gpu_frames_ab.sh 2>&1 \
+  | grep -E "==|mixed|differ|rc|engine: " | tail -40
+tail -3 "$OUT/tests.log"
+save_triton_cache
