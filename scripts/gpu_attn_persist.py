@@ -278,13 +278,31 @@ def copy_rate() -> float:
     return round(2 * src.numel() * 4 / us / 1e3, 1)
 
 
+def profile_runs(lib, reps: int = 5) -> None:
+    """B = 64 mixed only: the Triton split, v2 (2 stages) and the loads-only walk (2 stages), each
+    `reps` times in turn, for Nsight Compute (gpu_attn_persist_ncu.sh) to pick a launch of each."""
+    x = inputs(mixed_lengths(64), seed=64)
+    out = outputs(64)
+    fns = (triton_launcher(x, out), persist_launcher(lib, x, out, 2, info(lib, 2, True, version=2)["grid"], version=2),
+           loads_launcher(lib, x, 2, info(lib, 2, False)["grid"]))
+    for _ in range(reps):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
-    out = Path(ap.parse_args().out)
+    ap.add_argument("--profile", action="store_true", help="only profile_runs (no checks, no timing)")
+    a = ap.parse_args()
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     lib = build(out)
     log("built")
+    if a.profile:
+        profile_runs(lib)
+        return
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "info": {f"stages{s}|{'split' if math else 'loads'}": info(lib, s, math)
                     for s in STAGES for math in (True, False)}}

@@ -7,6 +7,9 @@
 #   2. tests/test_attn_kernel.py and tests/test_batched_engine.py on the GPU (first, in the A/B's call)
 #   3. gpu_frames_ab.sh, base (the Triton split) vs this tree (the persistent split): B = 1-256 frames,
 #      2 rounds, the frames' signatures compared, each engine's kernels named in its log ("engine: ")
+#   4. with NCU=1: gpu_attn_persist_ncu.sh (Nsight Compute on the Triton split, v2 and the walk alone
+#      at B = 64), packed as $OUT/ncu.tgz
+# Results: $OUT/logs.tgz (the builds, tests and rounds' logs), rounds.tar.gz, ncu.tgz, triton-cache.tgz.
 source "$(dirname "$0")/gpu_env.sh"
 export TTS_ATTN_KERNEL=1  # (opt-in; the base tree has no such kernel)
 make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
@@ -15,4 +18,9 @@ PRE_TESTS="tests/test_attn_kernel.py tests/test_batched_engine.py" TEST_TIMEOUT=
   SIZES=1,16,32,64,128,256 RUN_TIMEOUT=150 COMMIT=attn-kernel bash scripts/gpu_frames_ab.sh 2>&1 \
   | grep -E "==|mixed|differ|rc|engine: " | tail -40
 tail -3 "$OUT/tests.log"
+if [ "${NCU:-0}" = 1 ]; then
+  mkdir -p "$OUT/ncu" && OUT="$OUT/ncu" bash scripts/gpu_attn_persist_ncu.sh
+  tar -czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+fi
+(cd "$OUT" && tar -czf logs.tgz ./*.log env.txt && rm -f ./*.log env.txt)  # the tool returns <= 8 files
 save_triton_cache
