@@ -173,8 +173,8 @@ __device__ __forceinline__ void split_math(const unsigned char* st, const Item& 
   }
 }
 
-
-// with each stage only touched (a word a thread of K and of V xor-ed into sink[block][thread]).
+// The persistent walk (v1): S stages of (K tile, V tile, q rows); MATH false: the same walk and
+// pipeline with each stage only touched (a word a thread of K and of V xor-ed into sink[block][thread]).
 template <int S, bool MATH>
 __global__ void __launch_bounds__(THREADS) attn_persist_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char stages[];

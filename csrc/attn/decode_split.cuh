@@ -66,7 +66,6 @@ struct Args {
 };
 
 // lens_s[b] = lens[b] (0 past the batch) and off[b]: the items (used splits x kv heads) of rows < b,
-
 // two rows a thread of the block's first 128 (the others only pass the barriers; B <= 256);
 // `between` runs before the first barrier. Every thread of the block must call it.
 template <class F>
@@ -99,8 +98,6 @@ __device__ __forceinline__ void row_offsets(const Args& a, int* lens_s, int* off
   }
   __syncthreads();
 }
-
-// The persistent walk: S stages of (K tile, V tile, q rows); MATH false: the same walk and pipeline
 
 // ---- v2: the same walk and the same per-item math, with a shorter path per item ----
 // v1 spends most of an item's time in its math (a block holding 1 item a time is ~1.75x slower than
