@@ -95,7 +95,7 @@ class DecodeSplit:
 
 def check(kernel: DecodeSplit, seed: int = 5) -> str | None:
     """None if the kernel gives the Triton split kernel's m, l and acc bitwise on this device
-    (rows at 16, 64 and 256 rows, lengths that end inside a page, on its edge and past many pages,
+    (steps of 16, 64 and 256 rows; lengths that end inside a page, on its edge and past many pages;
     pages shuffled, pool slots past each row's end NaN); else what differs."""
     from . import tk_attention as ta
 
