@@ -65,44 +65,7 @@ __device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, cons
       for (int r = 0; r < 2; ++r)
         mma_bf16(s[r], a, ld2(krow[r], 16 * kk + 2 * t), ld2(krow[r], 16 * kk + 2 * t + 8));
     }
-  // scale, mask: c0, c1 at positions 2t, 2t + 1 of the tile (row g), c2, c3 the same (row g + 8)
-  float v[2][4];
-  for (int r = 0; r < 2; ++r)
-    for (int e = 0; e < 4; ++e) {
-      const int j = 32 * r + 8 * w + 2 * t + (e & 1);
-      v[r][e] = sp * SPLIT + j < n ? __fmul_rn(scale, s[r][e]) : -__int_as_float(0x7f800000);
-    }
-  // ---- the rows' max: in the thread, across the quad, across the warps (exact in any order)
-  const auto fmax = [](float x, float y) { return fmaxf(x, y); };
-  const auto fadd = [](float x, float y) { return __fadd_rn(x, y); };
-  for (int h = 0; h < 2; ++h) {  // h: row g, then row g + 8 (c0, c1 / c2, c3 of each tile)
-    const float x = quad_reduce(v[0][2 * h], v[0][2 * h + 1], v[1][2 * h], v[1][2 * h + 1], fmax);
-    if (t == 0) red[0][4 * (g + 8 * h) + w] = x;
-  }
-  __syncthreads();
-  const float m[2] = {warps_reduce(red[0] + 4 * g, fmax), warps_reduce(red[0] + 4 * (g + 8), fmax)};
-  // ---- p and the rows' sums in Triton's order
-  const float LOG2E = __int_as_float(0x3FB8AA3B);
-  float p[2][4];
-  for (int r = 0; r < 2; ++r)
-    for (int e = 0; e < 4; ++e) p[r][e] = ex2_approx(__fmul_rn(__fsub_rn(v[r][e], m[e >> 1]), LOG2E));
-  for (int h = 0; h < 2; ++h) {
-    const float x = quad_reduce(p[0][2 * h], p[0][2 * h + 1], p[1][2 * h], p[1][2 * h + 1], fadd);
-    if (t == 0) red[1][4 * (g + 8 * h) + w] = x;
-  }
-  // p's terms for the second product (rows < G)
-  if (g < G)
-    for (int r = 0; r < 2; ++r)
-      for (int e = 0; e < 2; ++e) {
-        const int j = 32 * r + 8 * w + 2 * t + e;
-        split2(p[r][e], ph[0][g][j], ph[1][g][j]);
-      }
-  __syncthreads();
-  if (threadIdx.x < G) {  // rows 0..G-1: m and l
-    const int row = threadIdx.x;
-    m_out[row * ml_stride] = warps_reduce(red[0] + 4 * row, fmax);
-    l_out[row * ml_stride] = warps_reduce(red[1] + 4 * row, fadd);
-  }
+  split_softmax(s, sp * SPLIT, n, scale, w, g, t, red, ph, m_out, l_out, ml_stride);
   // ---- acc: the warp's four 8-column tiles of d (8w + 32r), 4 steps of 16 positions a term
   float acc[4][4] = {};
   for (int term = 0; term < 2; ++term)

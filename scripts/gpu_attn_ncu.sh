@@ -4,18 +4,24 @@
 # Nsight Compute on gpu_attn_probe.py's B = 64 mixed case (its first section), one launch each of
 # the split kernel and of the loads-only kernel after their warm-ups: speed of light, memory
 # workload, occupancy, warp states, scheduler, launch. Firecracker machines need
-# --clock-control none. Results: $OUT/ncu-attn-*.{ncu-rep,txt}.
+# --clock-control none. Results: $OUT/ncu-$NAME-*.{ncu-rep,txt}. Other kernels and another probe:
+# KERNELS (names, regexes), PROBE (the script and its arguments), SKIP (launches of each kernel
+# before the profiled one), NAME, MORE_SECTIONS (e.g. "--section SourceCounters");
+# gpu_attn_persist_ncu.sh is one.
 #   bash scripts/gpu_attn_ncu.sh
 source "$(dirname "$0")/gpu_env.sh"
-for k in _attn_split_tc_kernel _loads_only_kernel; do
+NAME=${NAME:-attn}
+for k in ${KERNELS:-_attn_split_tc_kernel _loads_only_kernel}; do
+  rep="$OUT/ncu-$NAME-$k"
+  # shellcheck disable=SC2086  # (PROBE and MORE_SECTIONS are word lists)
   timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k "regex:$k" --launch-skip "${SKIP:-3}" --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    --section SchedulerStats --section LaunchStats -o "$OUT/ncu-attn-$k" -f \
-    $PY scripts/gpu_attn_probe.py --sections decode --out /tmp/attn-ncu > "$OUT/ncu-attn-$k.log" 2>&1
-  echo "ncu $k rc $?"; grep -E "==ERROR==|==WARNING==" "$OUT/ncu-attn-$k.log" | head -3
-  if [ -f "$OUT/ncu-attn-$k.ncu-rep" ]; then
-    ncu -i "$OUT/ncu-attn-$k.ncu-rep" --page details > "$OUT/ncu-attn-$k.txt" 2>&1
+    --section SchedulerStats --section LaunchStats ${MORE_SECTIONS:-} -o "$rep" -f \
+    $PY ${PROBE:-scripts/gpu_attn_probe.py --sections decode --out /tmp/attn-ncu} > "$rep.log" 2>&1
+  echo "ncu $k rc $?"; grep -E "==ERROR==|==WARNING==" "$rep.log" | head -3
+  if [ -f "$rep.ncu-rep" ]; then
+    ncu -i "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
     grep -E "Grid Size|Block Size|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|No Eligible|Issued Warp|Eligible Warps|Active Warps|Stall|L2 Hit" \
-      "$OUT/ncu-attn-$k.txt" | head -30
+      "$rep.txt" | head -30
   fi
 done
