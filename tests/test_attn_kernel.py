@@ -32,10 +32,10 @@ def test_abi_and_argument_checks(check_lib):
     # load() checked the version; bad sizes are refused before any CUDA call (1: cudaErrorInvalidValue)
     split = check_lib.qda_split
     args = [None] * 8 + [0.1]
-    assert split(*args, 0, 64, 64, 132, None) == 1  # no rows
-    assert split(*args, attn_kernel.MAX_ROWS + 1, 64, 64, 132, None) == 1  # more rows than its offsets hold
-    assert split(*args, 16, 64, 32, 132, None) == 1  # fewer splits than table pages
-    assert split(*args, 16, 64, 64, 0, None) == 1  # no grid
+    assert split(*args, 0, 64, 64, 132, None, 0) == 1  # no rows
+    assert split(*args, attn_kernel.MAX_ROWS + 1, 64, 64, 132, None, 0) == 1  # more rows than its offsets hold
+    assert split(*args, 16, 64, 32, 132, None, 0) == 1  # fewer splits than table pages
+    assert split(*args, 16, 64, 64, 0, None, 0) == 1  # no grid
 
 
 def test_unsupported_names_the_reason():

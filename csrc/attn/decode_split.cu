@@ -6,7 +6,7 @@
 
 namespace {
 
-constexpr int ABI = 1, STAGES = 2;
+constexpr int ABI = 2, STAGES = 2;
 const auto kKernel = qda::attn_persist_v2_kernel<STAGES>;
 
 }  // namespace
@@ -34,14 +34,26 @@ extern "C" int qda_grid(int* out) {
 
 // q [B][16][128] fp32, pools [blocks][8][64][128] bf16, table [B][max_blocks] int32, lens [B] int32 ->
 // m, l [B][16][nsplit], acc [B][16][nsplit][128] fp32 for the used splits (sp < ceil(n / 64)), the
-// others untouched; 1 <= B <= 256, nsplit >= max_blocks. On `stream` (a cudaStream_t; 0: the default).
+// others untouched; 1 <= B <= 256, nsplit >= max_blocks. On `stream` (a cudaStream_t; 0: the default),
+// with programmatic dependent launch when pdl != 0 (it may start while its predecessor runs and waits
+// for it at its top; graph-capturable).
 extern "C" int qda_split(const float* q, const void* kpool, const void* vpool, const int* table, const int* lens,
                          float* m, float* l, float* acc, float scale, int batch, int max_blocks, int nsplit, int grid,
-                         void* stream) {
+                         void* stream, int pdl) {
   if (batch < 1 || batch > qda::MAX_B || grid < 1 || max_blocks < 1 || nsplit < max_blocks)
     return (int)cudaErrorInvalidValue;
   const qda::Args a{q, static_cast<const __nv_bfloat16*>(kpool), static_cast<const __nv_bfloat16*>(vpool),
                     table, lens, m, l, acc, nullptr, scale, batch, max_blocks, nsplit, nullptr};
-  kKernel<<<grid, qda::THREADS, STAGES * qda::STAGE_BYTES, static_cast<cudaStream_t>(stream)>>>(a);
-  return (int)cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(qda::THREADS);
+  cfg.dynamicSmemBytes = STAGES * qda::STAGE_BYTES;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kKernel, a);
+  return (int)(e != cudaSuccess ? e : cudaGetLastError());
 }

@@ -309,6 +309,12 @@ __global__ void __launch_bounds__(THREADS) attn_persist_v2_kernel(const Args a) 
   __shared__ float red[2][32];              // [max, sum][row * 4 + warp] (rows 0..7)
   __shared__ uint32_t ph[2][G][PH_STRIDE];  // p's packed terms [term][row][word]
   const int tid = threadIdx.x;
+  // launched with programmatic dependent launch (qda_split's pdl): wait for the predecessor's
+  // results, then let the successor launch, as every engine kernel does (pdl.py); no-ops otherwise
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   row_offsets(a, lens_s, off, wtot, [] {});
   const int total = off[a.batch], stride = gridDim.x;

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from . import pdl
+
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_attn.so"
-ABI = 1
+ABI = 2
 MAX_ROWS, NKV, G, HD, PAGE = 256, 8, 2, 128, 64
 # the smallest step it serves: measured faster from B = 16 (the smallest B timed); below, Triton
 MIN_ROWS = 16
@@ -40,7 +42,8 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     if lib.qda_abi_version() != ABI:
         raise RuntimeError(f"{LIB_NAME}: ABI {lib.qda_abi_version()}, expected {ABI}; rebuild: make kernel")
     lib.qda_grid.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    lib.qda_split.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p])
+    lib.qda_split.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_float] + [ctypes.c_int] * 4
+                             + [ctypes.c_void_p, ctypes.c_int])
     return lib
 
 
@@ -85,12 +88,13 @@ class DecodeSplit:
                  lens: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scale: float) -> None:
         """q [B, 16, 128] fp32, pools [N, 8, 64, 128] bf16, table [B, MAX_BLOCKS] int32, lens [B] int32
         (all contiguous) -> m, l [B, 16, NSPLIT], acc [B, 16, NSPLIT, 128] fp32 at the used splits, on
-        the current stream (graph-capturable)."""
+        the current stream (graph-capturable), with PDL inside pdl.scope(True) as the Triton kernels."""
         b, max_blocks, nsplit = q.shape[0], table.shape[1], m.shape[2]
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._check(self.lib.qda_split(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
                                        lens.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(), float(scale),
-                                       b, max_blocks, nsplit, self.grid, ctypes.c_void_p(stream)), "launch")
+                                       b, max_blocks, nsplit, self.grid, ctypes.c_void_p(stream), int(pdl.active())),
+                    "launch")
 
 
 def check(kernel: DecodeSplit, seed: int = 5) -> str | None:

@@ -55,6 +55,11 @@ def max_rows(graphs: str, default: int) -> int:
     return int(os.environ.get(f"TTS_PDL_{graphs}_ROWS", default))
 
 
+def active() -> bool:
+    """Whether kernels launched now get PDL (inside scope(True) on a capable device)."""
+    return _on
+
+
 def kw() -> dict:
     """Launch keywords for a kernel taking `GDC: tl.constexpr` that calls `enter(GDC)` first."""
     return dict(GDC=True, launch_pdl=True) if _on else dict(GDC=False)
