@@ -350,21 +350,22 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
   uint32_t seq = 0;
   const int grp = warp >> 2, gt = tid & 127;  // RMSNorm: warps 0-3 row 0 (warps 4..: none)
 
-  // The RMSNorm after a product with `parts` K pieces (its LL words at `w`, parts [parts][M][H]) into
-  // the block's residual and, fp16, row m of the staged inputs (one 1,024-column piece, stride xrs);
-  // dbg: its outputs' index among the launch's norms (block 0 writes them), or -1.
+  // The RMSNorm after a product with `parts` <= 4 K pieces (o_proj's 4; down's come summed: 1; its LL
+  // words at `w`, parts [parts][M][H]) into the block's residual and, fp16, row m of the staged inputs
+  // (one 1,024-column piece, stride xrs); dbg: its outputs' index among the launch's norms (block 0
+  // writes them), or -1.
   auto add_rms = [&](const unsigned long long* w, int parts, unsigned flag, const float* nw, int xrs, int dbg,
                      auto polled) {
     const int m = grp;
     if (m < M) {
       // the thread's 8 values of each part: 4 word pairs a part, all polled in one round
-      int off[24];
-      uint2 v[24] = {};
+      int off[16];
+      uint2 v[16] = {};
 #pragma unroll
-      for (int k = 0; k < 24; ++k) off[k] = ((k >> 2) * M + m) * H + 8 * gt + 2 * (k & 3);
+      for (int k = 0; k < 16; ++k) off[k] = ((k >> 2) * M + m) * H + 8 * gt + 2 * (k & 3);
       // (the norm's weights are loaded after the polls: loaded before them, they held 8 registers
       // across the polls, the chains spilled more and a frame was 2.5% slower, session 40)
-      poll_many<24>(w, off, 4 * parts, flag, v, a);
+      poll_many<16>(w, off, 4 * parts, flag, v, a);
       const float4 nw0 = __ldg(reinterpret_cast<const float4*>(nw + 8 * gt));
       const float4 nw1 = __ldg(reinterpret_cast<const float4*>(nw + 8 * gt) + 1);
       polled();
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
 #pragma unroll
       for (int i = 0; i < 8; i += 2) e[i] = __uint_as_float(v[i >> 1].x), e[i + 1] = __uint_as_float(v[i >> 1].y);
 #pragma unroll
-      for (int pp = 1; pp < 6; ++pp)
+      for (int pp = 1; pp < 4; ++pp)
 #pragma unroll
         for (int i = 0; i < 8; i += 2)
           if (pp < parts) {
