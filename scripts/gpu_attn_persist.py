@@ -17,6 +17,7 @@ Prints the counts that differ, writes attn_persist.json to --out, exits 1 if any
 Needs an sm_90 GPU.
 
   PYTHONPATH=. python3 scripts/gpu_attn_persist.py --out $OUT
+  PYTHONPATH=. python3 scripts/gpu_attn_persist.py --quick --out $OUT   (v2 at 2 stages only; gpu_attn_ab.sh)
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def edged(lengths: list[int]) -> list[int]:
     return out
 
 
-def checks(lib, grids: dict, grids2: dict, grids3: dict) -> tuple[dict, int]:
+def checks(lib, grids: dict, grids2: dict, grids3: dict, quick: bool = False) -> tuple[dict, int]:
     cases = {f"B1 n={n}": [n] for n in EDGES}
     cases.update({"B3 1,64,65": [1, 64, 65], "B3 63,4096,500": [63, 4096, 500],
                   "B64 mixed": mixed_lengths(64), "B64 mixed+edges": edged(mixed_lengths(64)),
@@ -214,6 +215,8 @@ def checks(lib, grids: dict, grids2: dict, grids3: dict) -> tuple[dict, int]:
         runs = ([(1, s, 0, grids[s]) for s in STAGES] + [(1, 3, 0, 7)]
                 + [(2, s, 0, grids2[s]) for s in STAGES_V2] + [(2, 2, 0, 7), (2, 3, 0, 7)]
                 + [(3, s, ng, grids3[(s, ng)]) for s, ng in V3] + [(3, 6, 4, 7)])
+        if quick:  # v2 at 2 stages (the engine's) at its grid and at 7 blocks
+            runs = [(2, 2, 0, grids2[2]), (2, 2, 0, 7)]
         for version, stages, groups, grid in runs:
             got = outputs(b)
             fn = persist_launcher(lib, x, got, stages, grid, version, groups)
@@ -239,7 +242,7 @@ def checks(lib, grids: dict, grids2: dict, grids3: dict) -> tuple[dict, int]:
     return res, bad
 
 
-def timing(lib, grids: dict, grids2: dict, grids3: dict) -> dict:
+def timing(lib, grids: dict, grids2: dict, grids3: dict, quick: bool = False) -> dict:
     res = {}
     for b, ctx in ((16, "mixed"), (64, "mixed"), (256, "mixed"), (256, "1000")):
         lengths = mixed_lengths(b) if ctx == "mixed" else [int(ctx)] * b
@@ -255,6 +258,8 @@ def timing(lib, grids: dict, grids2: dict, grids3: dict) -> dict:
             fns[f"v3_st{s}_g{ng}"] = persist_launcher(lib, x, out, s, grids3[(s, ng)], version=3, groups=ng)
         for s in STAGES:
             fns[f"loads_only_st{s}"] = loads_launcher(lib, x, s, grids[s])
+        if quick:  # the Triton split, v2 at 2 stages (the engine's), the walk alone at 2 stages
+            fns = {k: fns[k] for k in ("triton_split", "v2_st2", "loads_only_st2")}
         row = {"kv_MB": round(kv_bytes / 1e6, 1)}
         for name, fn in fns.items():
             try:
@@ -295,6 +300,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--profile", action="store_true", help="only profile_runs (no checks, no timing)")
+    ap.add_argument("--quick", action="store_true", help="v2 at 2 stages only (the engine's): its checks, "
+                    "then the Triton split, v2 and the walk alone timed (A/Bs of decode_split.cuh)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -313,13 +320,13 @@ def main() -> None:
     grids2 = {s: res["info"][f"v2|stages{s}|split"]["grid"] for s in STAGES_V2}
     grids3 = {(s, ng): res["info"][f"v3|stages{s}|groups{ng}"]["grid"] for s, ng in V3}
     dump = out / "attn_persist.json"
-    res["checks"], bad = checks(lib, grids, grids2, grids3)
+    res["checks"], bad = checks(lib, grids, grids2, grids3, a.quick)
     res["differ"] = bad
     dump.write_text(json.dumps(res, indent=1))
     log("all bitwise equal" if not bad else f"{bad} values differ")
     res["copy_GBps"] = copy_rate()
     log("copy", res["copy_GBps"], "GB/s")
-    res["timing"] = timing(lib, grids, grids2, grids3)
+    res["timing"] = timing(lib, grids, grids2, grids3, a.quick)
     dump.write_text(json.dumps(res, indent=1))
     sys.exit(1 if bad else 0)
 

@@ -15,7 +15,7 @@
 # replace step 2's tests and step 3's batch sizes.
 # Results: $OUT/logs.tgz (the builds, tests and rounds' logs), rounds.tar.gz, ncu.tgz, triton-cache.tgz.
 source "$(dirname "$0")/gpu_env.sh"
-export TTS_ATTN_KERNEL=1  # (opt-in; the base tree has no such kernel)
+export TTS_ATTN_KERNEL=1  # (the default since session 44; the base tree has no such kernel)
 make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
 make -s -C "${BASE:-.base}/csrc" libqwen_small.so > "$OUT/build-base.log" 2>&1 || tail -3 "$OUT/build-base.log"
 if [ "${AB:-1}" = 1 ]; then

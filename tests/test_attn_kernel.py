@@ -2,7 +2,7 @@
 C ABI and argument checks (the sm_90a check build: CI has nvcc, no GPU), the engine's reasons to
 leave it off, and on a GPU that it gives the Triton split kernel's bits inside the engine (a stream
 alone, on Triton, against the same stream among 15 and 16 others, on the kernel) and that its
-start-up check can fail. The engine takes it only with TTS_ATTN_KERNEL=1 while it is new."""
+start-up check can fail. The engine takes it by default; TTS_ATTN_KERNEL=0 turns it off."""
 
 from __future__ import annotations
 
@@ -55,15 +55,15 @@ def test_the_engine_says_why_it_is_off_without_a_gpu():
 
 @pytest.mark.gpu
 def test_gpu_decode_split_gives_the_triton_bits(monkeypatch):
-    """The engine turns the kernel on (TTS_ATTN_KERNEL=1); paged_attention with it equals the Triton split's merge
+    """The engine turns the kernel on by default; paged_attention with it equals the Triton split's merge
     bitwise at B = 16..256; a stream's codes and logits alone (B = 1: Triton) equal those among 15
     and 16 others (the kernel), greedy and sampled. A kernel that computes something else fails the
-    start-up check, and without TTS_ATTN_KERNEL=1 the engine leaves paged_attention on Triton."""
+    start-up check, and with TTS_ATTN_KERNEL=0 the engine leaves paged_attention on Triton."""
     from tts_server.engines.batched import checks, ops, tk_attention
     from tts_server.engines.batched.engine import BatchedEngine
     from tts_server.engines.contract import SamplingConfig
 
-    monkeypatch.setenv("TTS_ATTN_KERNEL", "1")
+    monkeypatch.delenv("TTS_ATTN_KERNEL", raising=False)
     w = checks.random_weights("cuda")
     eng = BatchedEngine(w, max_streams=17, max_positions=1024, dump_logits=True)
     assert eng.attn_kernel == "on", eng.attn_kernel
@@ -101,4 +101,4 @@ def test_gpu_decode_split_gives_the_triton_bits(monkeypatch):
     assert why is not None and "differs from Triton's" in why, why
     monkeypatch.setenv("TTS_ATTN_KERNEL", "0")
     off = BatchedEngine(w, max_streams=2, max_positions=256, use_graphs=False)
-    assert off.attn_kernel == "off: opt-in (TTS_ATTN_KERNEL=1)" and dev.index not in tk_attention.CUDA_SPLIT
+    assert off.attn_kernel == "off: TTS_ATTN_KERNEL=0" and dev.index not in tk_attention.CUDA_SPLIT

@@ -113,8 +113,8 @@ class BatchedEngine:
         self.small_kernel = (self._small_kernel() if dev.type == "cuda" and frame_kernel == "triton" and fused_cp
                              else "off: not the Triton frame on a GPU")
         # the talker's decode attention split through the persistent CUDA kernel (attn_kernel.py) where
-        # it gives the Triton kernel's bits on this device ("on"), else why not; opt-in while it is new
-        # (TTS_ATTN_KERNEL=1). Before any graph capture: the graphs record the kernel paged_attention picks.
+        # it gives the Triton kernel's bits on this device ("on"), else why not; TTS_ATTN_KERNEL=0 turns it
+        # off. Before any graph capture: the graphs record the kernel paged_attention picks.
         self.attn_kernel = (self._attn_kernel(dev, kv_dtype) if dev.type == "cuda" and frame_kernel == "triton"
                             else "off: not the Triton frame on a GPU")
         pin = dev.type == "cuda"
@@ -190,8 +190,8 @@ class BatchedEngine:
         from . import attn_kernel, tk_attention
 
         tk_attention.CUDA_SPLIT.pop(dev.index, None)
-        if os.environ.get("TTS_ATTN_KERNEL", "0") != "1":
-            return "off: opt-in (TTS_ATTN_KERNEL=1)"
+        if os.environ.get("TTS_ATTN_KERNEL", "1") == "0":
+            return "off: TTS_ATTN_KERNEL=0"
         cfg = self.p.talker.cfg
         why = attn_kernel.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.kv.block_size)
         if why:
