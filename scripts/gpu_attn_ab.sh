@@ -5,17 +5,22 @@
 # gpu_attn_persist.py --quick in each tree (v2 at 2 stages checked bitwise against the Triton split,
 # then timed beside it and the walk alone, µs a layer at B = 16 / 64 / 256 mixed and 256 at 1,000),
 # then, with FRAMES=1, gpu_frames_ab.sh at SIZES (each tree's libqwen_attn.so serving its engine).
-# Results: $OUT/persist-{base,new}-<round>.log, attn_persist.json packed in $OUT/persist.tgz, and
-# gpu_frames_ab.sh's.
+# VARIANTS: more trees (directories like BASE) timed in the same rounds after base and new.
+# Results: $OUT/persist-{base,new,<variant>}-<round>.log, attn_persist.json packed in
+# $OUT/persist.tgz, and gpu_frames_ab.sh's.
 #   BASE=.base ROUNDS=2 FRAMES=1 SIZES=16,64,256 bash scripts/gpu_attn_ab.sh
+#   FRAMES=0 VARIANTS=".variants/a .variants/b" bash scripts/gpu_attn_ab.sh
 source "$(dirname "$0")/gpu_env.sh"
 BASE=${BASE:-.base}
 export TTS_ATTN_KERNEL=1
-make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
-make -s -C "$BASE/csrc" libqwen_small.so libqwen_attn.so > "$OUT/build-base.log" 2>&1 || tail -5 "$OUT/build-base.log"
+if [ "${FRAMES:-1}" = 1 ]; then
+  make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
+  make -s -C "$BASE/csrc" libqwen_small.so libqwen_attn.so > "$OUT/build-base.log" 2>&1 || tail -5 "$OUT/build-base.log"
+fi
 for r in $(seq "${ROUNDS:-2}"); do
-  for tree in base new; do
-    dir=$([ $tree = base ] && echo "$BASE" || echo .)
+  for tree in base new ${VARIANTS:-}; do
+    dir=$(case $tree in base) echo "$BASE" ;; new) echo . ;; *) echo "$tree" ;; esac)
+    tree=$(basename "$tree")
     (cd "$dir" && PYTHONPATH=. timeout "${PERSIST_TIMEOUT:-150}" $PY scripts/gpu_attn_persist.py --quick \
       --out "$OUT/persist/$tree-$r") > "$OUT/persist-$tree-$r.log" 2>&1
     echo "== persist $tree round $r (rc $?)"
