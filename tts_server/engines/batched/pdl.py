@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the batched engine's Triton kernels.
+"""Programmatic dependent launch (PDL, Hopper and later) for the batched engine's Triton kernels
+(and the persistent decode attention split, attn_kernel.py, which asks `active()` at its launch).
 
 A B = 1 frame is ~940 short kernels, and much of each one's time is its launch, its programs
 starting and its tail. A kernel launched with PDL may start while its predecessor still runs: it
