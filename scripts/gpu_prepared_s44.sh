@@ -6,15 +6,18 @@
 # positions from 266 to 272 (gpu_attn_ab.sh); in the frames the merge reads the outputs it keeps in
 # L2. This builds the patched tree in /tmp/ef and runs, from it, test_attn_kernel.py (GPU) and
 # gpu_frames_ab.sh with BASE = this tree (HEAD): B = SIZES, ROUNDS rounds, signatures compared.
-# Carry .whl, .triton-cache, .variants. Results as gpu_frames_ab.sh's (new = the patched tree).
+# DIFF: another patch in .variants/ instead (prepared-evict-first-under-256mb.diff: the policy only
+# while a layer's K / V stay under 256 MB). Carry .whl, .triton-cache, .variants. Results as
+# gpu_frames_ab.sh's (new = the patched tree).
 #   bash scripts/gpu_prepared_s44.sh
+#   DIFF=prepared-evict-first-under-256mb.diff bash scripts/gpu_prepared_s44.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 EF=${EF:-/tmp/ef}
 rm -rf "$EF" && mkdir -p "$EF" && cp -r "$ROOT/tts_server" "$ROOT/csrc" "$ROOT/scripts" "$ROOT/tests" "$ROOT/pyproject.toml" "$EF/"
 ln -s "$ROOT/.whl" "$EF/.whl" && ln -s "$ROOT/.triton-cache" "$EF/.triton-cache"
 rm -rf "$EF/csrc/build" "$EF"/csrc/*.so
-(cd "$EF" && patch -p1 < "$ROOT/.variants/prepared-evict-first.diff") || { echo "patch failed"; exit 1; }
+(cd "$EF" && patch -p1 < "$ROOT/.variants/${DIFF:-prepared-evict-first.diff}") || { echo "patch failed"; exit 1; }
 export OUT=${OUT:-$ROOT/out} TTS_ATTN_KERNEL=1
 make -s -C "$ROOT/csrc" libqwen_small.so libqwen_attn.so > "$OUT/build-base.log" 2>&1 || tail -5 "$OUT/build-base.log"
 make -s -C "$EF/csrc" libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
