@@ -114,12 +114,8 @@ __device__ __forceinline__ void split_math(const unsigned char* st, const Item& 
   for (int term = 0; term < 2; ++term)
 #pragma unroll
     for (int kk = 0; kk < SPLIT / 16; ++kk) {
-      uint32_t a[4] = {0u, 0u, 0u, 0u};
-      if (g < G) {
-        const __nv_bfloat16* pr = ph[term][g] + 16 * kk + 2 * t;
-        a[0] = pack(pr[0], pr[1]);
-        a[2] = pack(pr[8], pr[9]);
-      }
+      uint32_t a[4];
+      p_fragment(a, ph, term, kk, g, t);
 #pragma unroll
       for (int r = 0; r < 4; ++r) mma_bf16(acc[r], a, vb[kk][r][0], vb[kk][r][1]);
     }

@@ -70,12 +70,8 @@ __device__ void attn_split_twin(const float* q, const __nv_bfloat16* kpool, cons
   float acc[4][4] = {};
   for (int term = 0; term < 2; ++term)
     for (int kk = 0; kk < SPLIT / 16; ++kk) {
-      uint32_t a[4] = {0u, 0u, 0u, 0u};
-      if (g < G) {
-        const __nv_bfloat16* pr = ph[term][g] + 16 * kk + 2 * t;
-        a[0] = pack(pr[0], pr[1]);
-        a[2] = pack(pr[8], pr[9]);
-      }
+      uint32_t a[4];
+      p_fragment(a, ph, term, kk, g, t);
       const __nv_bfloat16* vr[4];
       for (int i = 0; i < 4; ++i) vr[i] = kv_row(vpool, 16 * kk + 2 * t + (i & 1) + (i >> 1) * 8);
       for (int r = 0; r < 4; ++r) {

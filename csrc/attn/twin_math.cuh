@@ -1,7 +1,7 @@
 // The arithmetic of the talker decode attention's CUDA twins (scripts/attn_split_twin.cu, and the
 // persistent split in decode_split.cuh): the mma.sync chain step, ex2.approx, the bf16 pair packing,
-// the two-term bf16 split, the row reductions in Triton's order and the split's softmax built on them. Included inside the including
-// file's namespace.
+// the two-term bf16 split, the row reductions in Triton's order, the split's softmax built on them and
+// the PV product's p fragments. Included inside the including file's namespace.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -95,5 +95,18 @@ __device__ __forceinline__ void split_softmax(const float (&s)[2][4], int p0, in
     const int row = threadIdx.x;
     m_out[row * stride] = warps_reduce(red[0] + 4 * row, fmax);
     l_out[row * stride] = warps_reduce(red[1] + 4 * row, fadd);
+  }
+}
+
+// The A fragment of p's bf16 term `term` at the PV product's step kk (16 positions) from split_softmax's
+// ph: p[g][16 kk + 2t, +1] and p[g][16 kk + 2t + 8, +9] for the rows g < G, zeros for the others.
+template <int G, int SPLIT>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const __nv_bfloat16 (&ph)[2][G][SPLIT], int term, int kk,
+                                           int g, int t) {
+  a[0] = a[1] = a[2] = a[3] = 0u;
+  if (g < G) {
+    const __nv_bfloat16* pr = ph[term][g] + 16 * kk + 2 * t;
+    a[0] = pack(pr[0], pr[1]);
+    a[2] = pack(pr[8], pr[9]);
   }
 }
