@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -165,17 +166,25 @@ class BatchedEngine:
                 self.capture_s += time.perf_counter() - t0
                 self.graph_memory_bytes += torch.cuda.memory_reserved(dev) - before
 
+    @staticmethod
+    def _kernel_off(switch: str, unsupported: str | None, path: Path) -> str | None:
+        """Why a hand-written kernel stays off before it is loaded: its switch set to 0, shapes it
+        does not take (`unsupported`), its library not built; None: load and check it."""
+        if os.environ.get(switch, "1") == "0":
+            return f"off: {switch}=0"
+        if unsupported:
+            return f"off: {unsupported}"
+        if not path.exists():
+            return f"off: {path} not built (make kernel)"
+        return None
+
     def _small_kernel(self) -> str:
         """The small-batch kernel (small_kernel.py) into the frame if it can serve here: "on", or
         "off: <why>"."""
-        if os.environ.get("TTS_SMALL_KERNEL", "1") == "0":
-            return "off: TTS_SMALL_KERNEL=0"
         why = small_kernel.unsupported(self.p.predictor, self.p.predictor_heads)
-        if why:
-            return f"off: {why}"
-        path = small_kernel.library_path()
-        if not path.exists():
-            return f"off: {path} not built (make kernel)"
+        off = self._kernel_off("TTS_SMALL_KERNEL", why, small_kernel.library_path())
+        if off:
+            return off
         try:
             kernel = small_kernel.SmallKernel(self.p.predictor, self.frame.cp_k, self.frame.cp_v)
         except (OSError, RuntimeError, ValueError) as e:
@@ -190,15 +199,11 @@ class BatchedEngine:
         from . import attn_kernel, tk_attention
 
         tk_attention.CUDA_SPLIT.pop(dev.index, None)
-        if os.environ.get("TTS_ATTN_KERNEL", "1") == "0":
-            return "off: TTS_ATTN_KERNEL=0"
         cfg = self.p.talker.cfg
         why = attn_kernel.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.kv.block_size)
-        if why:
-            return f"off: {why}"
-        path = attn_kernel.library_path()
-        if not path.exists():
-            return f"off: {path} not built (make kernel)"
+        off = self._kernel_off("TTS_ATTN_KERNEL", why, attn_kernel.library_path())
+        if off:
+            return off
         try:
             kernel = attn_kernel.DecodeSplit(dev)
             why = attn_kernel.check(kernel)
