@@ -76,20 +76,20 @@ def attn_config(kv_bytes: int, block: int) -> tuple[int, int]:
     return max(1, triton.cdiv(pos, block)), warps
 
 
+def _by_rows(table: tuple[tuple[int, ...], ...], b: int) -> tuple[int, ...]:
+    """The settings of the first (max B, settings...) entry with b <= max B (else the last's)."""
+    return next((row[1:] for row in table if b <= row[0]), table[-1][1:])
+
+
 def splits_per_program(b: int) -> tuple[int, int]:
     """-> (splits per program, pipelining stages) for a batch of b rows."""
-    for max_b, spp, stages in SPP_BY_B:
-        if b <= max_b:
-            return spp, stages
-    return SPP_BY_B[-1][1:]
+    spp, stages = _by_rows(SPP_BY_B, b)
+    return spp, stages
 
 
 def strided_programs(b: int) -> int:
     """-> Z, the programs that walk a row's splits in turn for a batch of b rows (0: SPP runs)."""
-    for max_b, z in STRIDE_BY_B:
-        if b <= max_b:
-            return z
-    return STRIDE_BY_B[-1][1]
+    return _by_rows(STRIDE_BY_B, b)[0]
 
 
 @triton.jit
