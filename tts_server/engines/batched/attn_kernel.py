@@ -11,7 +11,8 @@ same bits and the merge (`_attn_combine_kernel`) is shared. That holds for the T
 was written against: `BatchedEngine` checks the two bitwise at start-up (`check`) and serves with
 Triton alone where they differ. On by default; TTS_ATTN_KERNEL=0 turns it off. In the engine's
 frames (H200, session 44; launched with PDL inside pdl.scope as the Triton kernels are): B = 16 /
-64 / 128 / 256 3.81 / 4.56 / 6.39 / 10.28 -> 3.74 / 4.51 / 6.21 / 10.02 ms.
+64 / 128 / 256 3.81 / 4.56 / 6.39 / 10.28 -> 3.74 / 4.51 / 6.21 / 10.02 ms; with K / V read under an L2
+evict_first policy (session 45) 3.72 / 4.44 / 6.08 / 9.97 ms.
 
 Shapes: bf16 pools of 64-position pages with one page a split, 8 kv heads of 128 and 2 query heads a
 kv head (the 0.6B and 1.7B talkers), fp32 q, 1..256 rows."""
