@@ -38,6 +38,15 @@ def test_abi_matches_the_python_arguments(check_lib):
     assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 67, 63, 3)] == [132, 112, 76, 64, -1, -1]
     a = small_kernel.Args(nl=5, M=2)
     assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 2 rows: refused before any CUDA call
+    # the talker's variant (load() checked sizeof(TArgs) too): 28 layers of words, and a launch
+    # without its attention's buffers or table refused before any CUDA call
+    assert check_lib.qtk_max_layers() == len(small_kernel.TArgs().L) == small_kernel.TALKER_LAYERS
+    assert check_lib.qtk_words_len() == 28 * 1 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
+    t = small_kernel.TArgs(nl=28, M=1, smem=1 << 17, words=8, sync=8, nrm0=8, lens=8, ml=8, accb=8, iflags=8,
+                           msplit=16, x_out=8, d_out=8)
+    assert check_lib.qtk_run(ctypes.byref(t), 132, None) == -1  # no table
+    t.table, t.M = 8, 2
+    assert check_lib.qtk_run(ctypes.byref(t), 132, None) == -1  # two rows
 
 
 def test_tile_puts_every_weight_where_the_kernel_reads_it():
@@ -58,6 +67,7 @@ def test_unsupported_names_the_reason():
     assert small_kernel.unsupported(w16.predictor, w16.predictor_heads) is None
     w9 = prepare(checks.random_weights("cpu", layers=(1, 9)), dtype=torch.float16)
     assert small_kernel.unsupported(w9.predictor, w9.predictor_heads) == "9 layers (at most 8)"
+    assert small_kernel.unsupported(w9.predictor, (), small_kernel.TALKER_LAYERS) is None
 
 
 @pytest.mark.gpu

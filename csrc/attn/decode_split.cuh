@@ -154,10 +154,12 @@ __device__ __forceinline__ void split2_pair(float x0, float x1, uint32_t& hi, ui
 
 // issue<true> with the addresses as a per-thread base plus constants (v1's compiles to 64-bit
 // arithmetic for each chunk): the same copies, the same stage layout and zero-fill
-// (K / V's copies under `policy`: evict_first_policy())
-__device__ __forceinline__ void issue_v2(int tid, uint32_t st, const Item& it, int page, const float* q,
-                                         const __nv_bfloat16* kpool, const __nv_bfloat16* vpool,
-                                         uint64_t policy) {
+// (K / V's copies under `policy`: evict_first_policy()). issue_kv_v2: K / V alone (rows from
+// it.n on zero-filled), for a caller that writes q into the stage itself (the small-batch
+// kernel's talker layers, csrc/small/cp_layers.cu).
+__device__ __forceinline__ void issue_kv_v2(int tid, uint32_t st, const Item& it, int page,
+                                            const __nv_bfloat16* kpool, const __nv_bfloat16* vpool,
+                                            uint64_t policy) {
   const int r0 = tid >> 4, c = tid & 15;  // tid: the thread in its 128
   constexpr int ROWS = THREADS / 16;  // tile rows a pass
   const size_t tile = ((size_t)page * NKV + it.kvh) * (SPLIT * HD);
@@ -172,6 +174,11 @@ __device__ __forceinline__ void issue_v2(int tid, uint32_t st, const Item& it, i
     cp_async16(d + i * ROWS * ROW_BYTES, kt + i * ROWS * ROW_BYTES, bytes, policy);
     cp_async16(d + TILE_BYTES + i * ROWS * ROW_BYTES, vt + i * ROWS * ROW_BYTES, bytes, policy);
   }
+}
+__device__ __forceinline__ void issue_v2(int tid, uint32_t st, const Item& it, int page, const float* q,
+                                         const __nv_bfloat16* kpool, const __nv_bfloat16* vpool,
+                                         uint64_t policy) {
+  issue_kv_v2(tid, st, it, page, kpool, vpool, policy);
   if (tid < G * HD / 4) {
     const int g = tid >> 5, cq = tid & 31;
     cp_async16(st + 2 * TILE_BYTES + g * Q_STRIDE * 4 + cq * 16,

@@ -29,11 +29,13 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "../attn/decode_split.cuh"  // the talker's split attention (namespace qda)
 
 namespace {
 
 constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, QKV = 4096, QD = 2048, INTER = 3072;
-constexpr int MAXL = 8;  // layers a launch
+constexpr int MAXL = 8;  // layers a launch (the code predictor's)
+constexpr int TL = 28;   // layers a launch of the talker's (cp_layers_kernel<true>)
 // One row: its RMSNorm is one 128-thread program (warps 0-3), its attention four warps (one a query
 // head of the block's piece). Seven consumer warps and the producer make a 256-thread block, two
 // warps on each of the SM's register quadrants: ptxas gives it ~250 registers a thread and spills
@@ -52,7 +54,7 @@ constexpr int BLOCK = (CW + 1) * 32;
 constexpr int DN_TILES = H / 16, DN_PIECES = INTER / 512;
 __device__ __forceinline__ int down_tile(int b, int G) { return b - (G - DN_TILES); }  // < 0: none
 constexpr int R = 8;     // staged input rows (one 8-row mma tile)
-enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DN = 3 };
+enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DN = 3, P_ATT = 4 };  // P_ATT: the talker's attention splits (flags only)
 
 struct Shape {
   int N, K, piece;
@@ -75,12 +77,13 @@ struct Layer {
   const float* nxt;
   const float* qn;     // the attention's q / k norm weights [HD]
   const float* kn;
-  float* kpool;        // this layer's code-predictor K / V cache [M][NKV][16][HD]
-  float* vpool;
+  float* kpool;        // this layer's code-predictor K / V cache [M][NKV][16][HD] fp32, or the talker's
+  float* vpool;        // paged pool [pages][NKV][64][HD] bf16
 };
 
-struct Args {
-  Layer L[MAXL];
+template <int NL>
+struct ArgsT {
+  Layer L[NL];
   int nl, M;
   const float* x0;     // [M][H] the residual entering layer 0
   const __half* h0;    // [M][H] its normed rows (layer 0's q|k|v input), or null: made here with
@@ -104,9 +107,23 @@ struct Args {
   __half* dbg_h;              // null, or [2 nl][M][H]: the normed rows
   unsigned long long* t0s;    // null, or [G][4 nl + 1]: each product's start in each block, and its end
   unsigned* trace;            // null, or [G][4 nl][TRACE]: thread 0's marks in each product (ns since its start)
+  // the talker's layers (cp_layers_kernel<true>; unused by the code predictor's):
+  const int* table;           // [msplit] the row's page table (64-position pages: a page a split)
+  const int* lens;            // [1] the row's positions with the new one (pos + 1; its K / V go to pos)
+  float* ml;                  // [nl][2][NH][msplit]: each split's m, then each split's l
+  float* accb;                // [nl][NH][msplit][HD]: each split's acc
+  unsigned* iflags;           // [nl][msplit][NKV]: a split's flag once its outputs are out (zeros at first)
+  int msplit;                 // the splits a row can have (its positions / 64)
+  float* x_out;               // [M][H]: the residual entering the last layer's add after down (block 0)
+  float* d_out;               // [M][H]: the last layer's down product, its six parts summed (block 0)
 };
+using Args = ArgsT<MAXL>;
+using TArgs = ArgsT<TL>;
 constexpr size_t WORDS_LEN = (size_t)MAXL * MAXM * WORDS_ROW_LAYER;
-constexpr unsigned EPOCH_STEP = 64;             // flags a launch: 4 nl + 1 <= 33
+constexpr size_t T_WORDS_LEN = (size_t)TL * MAXM * WORDS_ROW_LAYER;
+// flags a launch: 4 nl + 1 <= 33 (the code predictor's), 5 nl + 1 <= 141 (the talker's)
+template <bool TALK>
+constexpr unsigned EPOCH_STEP = TALK ? 256 : 64;
 constexpr unsigned EPOCH_WRAP = 0xFFFFFF00u;    // an epoch from here on starts again at 0, the words zeroed
 // trace marks: 0 its own polls done (the inputs there), 2 the attention done (o_proj), 3 the
 // staging done, 4 warp 0's first weights there, 5 warp 0's last task stored, 6 the product done
@@ -115,11 +132,20 @@ constexpr int TRACE = 8;
 
 constexpr int KV_TILE = 4 * 8 * 32 * 4;  // floats of one (row, kv head)'s cached K/V in attend_twin's layout
 constexpr int KV_BYTES = MAXM * 2 * KV_TILE * 4;  // shared memory for a piece's two kv heads, every row
+// the talker's attention area instead: a split's stage (K / V tiles and its two q rows, qda's layout),
+// the polled q / k / v rows [4][HD] fp32, the split's reductions and p's terms
+constexpr int T_STAGE = qda::STAGE_BYTES, T_XQ = T_STAGE, T_RED = T_XQ + 4 * HD * 4, T_PH = T_RED + 2 * 32 * 4;
+constexpr int T_KV_BYTES = T_PH + 2 * qda::G * qda::PH_STRIDE * 4;
+static_assert(qda::HD == HD && qda::NKV == NKV && qda::NH == NH, "the talker's attention shapes");
 
-// product p of layer l: its words' flag in a launch of epoch fb
-__device__ __forceinline__ unsigned flag_of(unsigned fb, int l, int p) { return fb + 4u * l + p + 1u; }
+// product p of layer l (or P_ATT: its attention splits): its flag in a launch of epoch fb
+template <bool TALK>
+__device__ __forceinline__ unsigned flag_of(unsigned fb, int l, int p) {
+  return fb + (TALK ? 5u : 4u) * l + p + 1u;
+}
 
-__device__ __forceinline__ void fail(const Args& a, unsigned code) {
+template <class A>
+__device__ __forceinline__ void fail(const A& a, unsigned code) {
   atomicCAS(a.sync, 0u, code);
   asm volatile("trap;");
 }
@@ -129,9 +155,9 @@ __device__ __forceinline__ void fail(const Args& a, unsigned code) {
 // round only the pairs still missing are loaded again (a predicated load: a pair already there
 // keeps its words), so that a block waiting for the last writers does not keep reading what came
 // (session 41, H200: 19.2 -> 19.0 µs a layer). `out` holds zeros at the call.
-template <int N>
+template <int N, class A>
 __device__ __forceinline__ void poll_many(const unsigned long long* w, const int (&off)[N], int n, unsigned flag,
-                                          uint2 (&out)[N], const Args& a) {
+                                          uint2 (&out)[N], const A& a) {
   static_assert(N <= 32, "a round's pairs are the bits of a word");
   uint32_t need = ~0u;
   for (uint32_t round = 0;; ++round) {
@@ -173,6 +199,23 @@ __device__ __forceinline__ float fmax_ptx(float a, float b) {
 __device__ __forceinline__ float bfly_sum(float x, int from) {  // butterflies xor from, from / 2, .. 1
   for (int o = from; o >= 1; o >>= 1) x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
+}
+}  // namespace
+namespace {  // the talker's q / k norm + RoPE and merge twins (they take HD, div_full, .. from here)
+#include "../attn/glue_twin.cuh"
+
+// until *f == flag (ld.acquire: what its writer stored before its release is then visible)
+__device__ __forceinline__ void wait_flag(const unsigned* f, unsigned flag, unsigned* sync) {
+  for (uint32_t round = 0;; ++round) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
+    if (v == flag) return;
+    if ((round & 63u) == 63u && *reinterpret_cast<volatile unsigned*>(sync) != 0) asm volatile("trap;");
+    if (round > (1u << 26)) {
+      atomicCAS(sync, 0u, 6u);
+      asm volatile("trap;");
+    }
+  }
 }
 
 // tk_glue._cp_attend_kernel's program (row m, query head h) with one query head a program (Triton 3.6's
@@ -292,7 +335,10 @@ __device__ __forceinline__ void attend_twin(const AttIn& in, const AttConst& w, 
 
 }  // namespace
 
-__global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_constant__ Args a) {
+// TALK: the talker's layers of one row (ArgsT<TL>): the attention over the paged pool in o_proj's
+// staging (its splits, then their merge), the last layer's down and residual out for the final norm
+template <bool TALK>
+__global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_constant__ ArgsT<TALK ? TL : MAXL> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full[NU], empty[NU];
   __shared__ float red[2][4];
@@ -415,7 +461,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
       const int S = sh.K / sh.piece, T = (sh.N / 16) * S, per = sh.piece / UC, xrs = sh.piece * 2 + 16;
       const bool dual = p == P_GU;
       const int upt = per * (dual ? 2 : 1);
-      const unsigned flag = flag_of(fb, l, p);
+      const unsigned flag = flag_of<TALK>(fb, l, p);
       // the block's tasks b, b + G, ... as (tile, piece) pairs by additions (G = gq S + gr), and the
       // pieces it has (slot of piece s: the pieces below it that it has)
       const int gq = G / S, gr = G - gq * S, t_b = b / S, s_b = b - t_b * S;
@@ -457,8 +503,102 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
                                                 : a.words + (size_t)(l - 1) * M * WORDS_ROW_LAYER +
                                                       (size_t)M * words_before(P_DN);
         // (o_proj's four parts; down's six come summed)
-        add_rms(src, after_o ? 4 : 1, after_o ? flag_of(fb, l, P_O) : flag_of(fb, l - 1, P_DN),
+        add_rms(src, after_o ? 4 : 1, after_o ? flag_of<TALK>(fb, l, P_O) : flag_of<TALK>(fb, l - 1, P_DN),
                 after_o ? L.post : a.L[l - 1].nxt, xrs, after_o ? 2 * l : 2 * l - 1, [&] { mark(0); });
+      } else if (TALK && p == P_O) {
+        // The talker's attention of the row (one row): first the block's splits, items b, b + G, ..
+        // of (split sp, kv head) in (sp, kv head) order, by warps 0-3 with qda's split math (the
+        // Triton split kernel's bits, csrc/attn/decode_split.cuh) from a stage in the attention
+        // area: K / V copied from the pool while the q|k|v words are polled, q (and, in the split
+        // holding the new position, k) normed and roped by qk_norm_rope_twin (the Triton store
+        // kernel's bits) into the stage, the new K / V also into the pool; each split's m, l, acc to
+        // a.ml / a.accb, then its flag. Then the merge of the block's piece s (q heads 4s .. 4s + 3:
+        // kv heads 2s, 2s + 1), a warp a head, once their splits' flags are there (the Triton merge
+        // kernel's bits), fp16 into the staged inputs.
+        if (__popc(pieces) != 1) fail(a, 5u);  // (one piece a block: G a multiple of 4)
+        const int s = __ffs(pieces) - 1, n = *a.lens, pos = n - 1;
+        if (n < 1 || n > a.msplit * qda::SPLIT) fail(a, 7u);
+        const int nsp = (n + qda::SPLIT - 1) / qda::SPLIT, last = pos / qda::SPLIT, j_new = pos % qda::SPLIT;
+        unsigned char* area = smem + a.xbytes + MAXM * H * 4;
+        float* xq = reinterpret_cast<float*>(area + T_XQ);  // the polled rows: q heads 2 kvh, 2 kvh + 1, k, v
+        auto& red2 = *reinterpret_cast<float(*)[2][32]>(area + T_RED);
+        auto& ph = *reinterpret_cast<uint32_t(*)[2][qda::G][qda::PH_STRIDE]>(area + T_PH);
+        const unsigned aflag = flag_of<TALK>(fb, l, P_ATT);
+        float* mb = a.ml + (size_t)l * 2 * NH * a.msplit;
+        float* lb = mb + (size_t)NH * a.msplit;
+        float* ab = a.accb + (size_t)l * NH * a.msplit * HD;
+        unsigned* fl = a.iflags + (size_t)l * a.msplit * NKV;
+        __nv_bfloat16* kp = reinterpret_cast<__nv_bfloat16*>(L.kpool);
+        __nv_bfloat16* vp = reinterpret_cast<__nv_bfloat16*>(L.vpool);
+        if (warp < 4) {
+          const auto sync4 = [] { asm volatile("bar.sync 7, 128;" ::: "memory"); };
+          const uint64_t pol = qda::evict_first_policy();
+          const unsigned long long* qw = lw + (size_t)M * words_before(P_QKV);  // (row 0)
+          for (int it = b; it < nsp * NKV; it += G) {
+            const int sp = it / NKV, kvh = it % NKV, page = __ldg(a.table + sp);
+            const bool nw = sp == last;  // the split holding the new position
+            // K / V of the positions below pos (the new one's row zero-filled, written below)
+            qda::issue_kv_v2(tid, smem_u32(area), qda::Item{0, kvh, sp, pos}, page, kp, vp, pol);
+            qda::cp_async_commit();
+            if (warp < 2 || nw) {  // warp w: q head 2 kvh + w (w < 2), k (2) / v (3) of kv head kvh
+              const int col = warp < 2 ? (2 * kvh + warp) * HD : ((warp == 2 ? NH : NH + NKV) + kvh) * HD;
+              int off[2] = {col + 2 * lane, col + 64 + 2 * lane};
+              uint2 v[2] = {};
+              poll_many<2>(qw, off, 2, flag_of<TALK>(fb, l, P_QKV), v, a);
+              float* x = xq + warp * HD;
+              *reinterpret_cast<uint2*>(x + 2 * lane) = v[0];
+              *reinterpret_cast<uint2*>(x + 64 + 2 * lane) = v[1];
+              __syncwarp();
+            }
+            if (it == b) mark(0);
+            qda::cp_async_wait<0>();
+            sync4();  // every copy into the stage there
+            const int dims[4] = {lane, 32 + lane, 64 + lane, 96 + lane};
+            const size_t prow = (((size_t)page * NKV + kvh) * qda::SPLIT + j_new) * HD;  // the new row in the pool
+            if (warp < 3 && (warp < 2 || nw)) {
+              float y[4];
+              qk_norm_rope_twin(xq + warp * HD, warp < 2 ? L.qn : L.kn, a.cos, a.sin, a.eps, y);
+              if (warp < 2) {
+                float* qs = reinterpret_cast<float*>(area + 2 * qda::TILE_BYTES) + warp * qda::Q_STRIDE;
+                for (int i = 0; i < 4; ++i) qs[dims[i]] = y[i];
+              } else {
+                for (int i = 0; i < 4; ++i) {
+                  const __nv_bfloat16 kb = __float2bfloat16_rn(y[i]);
+                  kp[prow + dims[i]] = kb;
+                  *reinterpret_cast<__nv_bfloat16*>(area + qda::swz(j_new, dims[i] >> 3) + (dims[i] & 7) * 2) = kb;
+                }
+              }
+            } else if (warp == 3 && nw) {
+              for (int i = 0; i < 4; ++i) {
+                const __nv_bfloat16 vb = __float2bfloat16_rn(xq[3 * HD + dims[i]]);
+                vp[prow + dims[i]] = vb;
+                *reinterpret_cast<__nv_bfloat16*>(area + qda::TILE_BYTES + qda::swz(j_new, dims[i] >> 3) +
+                                                  (dims[i] & 7) * 2) = vb;
+              }
+            }
+            sync4();  // q and the new K / V row in the stage
+            qda::split_math_v2(tid, sync4, area, qda::Item{0, kvh, sp, n}, a.scale, mb, lb, ab, a.msplit, red2, ph,
+                               [] {});
+            sync4();  // every output stored; the stage free again
+            if (tid == 0) {
+              __threadfence();
+              asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(fl + sp * NKV + kvh), "r"(aflag) : "memory");
+            }
+          }
+          if (b >= nsp * NKV && tid == 0) mark(0);
+          // the merge of head 4s + warp over its kv head's splits
+          const int h = 4 * s + warp, kvh = h / qda::G;
+          for (int sp = lane; sp < nsp; sp += 32) wait_flag(fl + sp * NKV + kvh, aflag, a.sync);
+          __syncwarp();
+          __half o[4];
+          attn_combine_twin(mb + (size_t)h * a.msplit, lb + (size_t)h * a.msplit, ab + (size_t)h * a.msplit * HD, nsp,
+                            o);
+          *reinterpret_cast<uint2*>(smem + (size_t)(warp * HD + 4 * lane) * 2) = *reinterpret_cast<const uint2*>(o);
+          if (a.att_g)  // (checks)
+            *reinterpret_cast<uint2*>(a.att_g + (size_t)l * M * QD + h * HD + 4 * lane) =
+                *reinterpret_cast<const uint2*>(o);
+        }
+        mark(2);
       } else if (p == P_O) {
         // the attention of the block's piece s (its q heads 4s .. 4s + 3) by attend_twin: warp w < 4
         // runs head 4s + w (warps w / 4 >= M: none); warps 2k and 2k + 1 share kv head 2s + k, whose cached K/V they
@@ -486,7 +626,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
           int off[6] = {h * HD + d0, h * HD + 64 + d0, (NH + kvh) * HD + d0, (NH + kvh) * HD + 64 + d0,
                         (NH + NKV + kvh) * HD + d0, (NH + NKV + kvh) * HD + 64 + d0};
           uint2 v[6] = {};
-          poll_many<6>(qw, off, 6, flag_of(fb, l, P_QKV), v, a);
+          poll_many<6>(qw, off, 6, flag_of<TALK>(fb, l, P_QKV), v, a);
           const AttConst wc = att_const(a.cos, a.sin, L.qn, L.kn);
           AttIn in;
           float* dsts[6] = {in.q1, in.q2, in.k1, in.k2, in.v1, in.v2};
@@ -530,7 +670,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
           for (int k = 0; k < 2; ++k) off[2 * q + k] = i < GROUPS ? 4 * i + 2 * k : 0;
           if (i < GROUPS) n += 2;
         }
-        poll_many<2 * PER_T>(gw, off, n, flag_of(fb, l, P_GU), v, a);
+        poll_many<2 * PER_T>(gw, off, n, flag_of<TALK>(fb, l, P_GU), v, a);
 #pragma unroll
         for (int q = 0; q < PER_T; ++q) {
           const int i = tid + q * CW * 32, c = i % (sh.piece / 8);
@@ -647,8 +787,18 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
   if (a.t0s && tid == 0) a.t0s[(size_t)b * (4 * a.nl + 1) + 4 * a.nl] = gtime();
   if (b == 0) {  // the last layer's residual and normed rows (norm 2 nl - 1): out_h
     const int l = a.nl - 1;
-    add_rms(a.words + (size_t)l * M * WORDS_ROW_LAYER + (size_t)M * words_before(P_DN), 1, flag_of(fb, l, P_DN),
-            a.L[l].nxt, H * 2 + 16, 2 * l + 1, [] {});
+    const unsigned long long* dw = a.words + (size_t)l * M * WORDS_ROW_LAYER + (size_t)M * words_before(P_DN);
+    if (TALK) {  // the talker's: its down sum and the residual it adds to, for glue.add_rms (fp32 out)
+      for (int i = tid; i < M * H / 2; i += CW * 32) {
+        const int off[1] = {2 * i};
+        uint2 v[1] = {};
+        poll_many<1>(dw, off, 1, flag_of<TALK>(fb, l, P_DN), v, a);
+        *reinterpret_cast<uint2*>(a.d_out + 2 * i) = v[0];
+        *reinterpret_cast<float2*>(a.x_out + 2 * i) = *reinterpret_cast<const float2*>(resid + 2 * i);
+      }
+    } else {
+      add_rms(dw, 1, flag_of<TALK>(fb, l, P_DN), a.L[l].nxt, H * 2 + 16, 2 * l + 1, [] {});
+    }
   }
   // the last block out advances the epoch for the next launch (stream order makes it visible
   // there); at the wrap it first zeroes every word, so that no word left from an old launch can
@@ -659,12 +809,14 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
   if (last_s) {
     const bool wrap = fb >= EPOCH_WRAP;
     if (wrap) {
-      for (size_t i = tid; i < WORDS_LEN; i += CW * 32) a.words[i] = 0ull;
+      for (size_t i = tid; i < (TALK ? T_WORDS_LEN : WORDS_LEN); i += CW * 32) a.words[i] = 0ull;
+      if (TALK)
+        for (size_t i = tid; i < (size_t)a.nl * a.msplit * NKV; i += CW * 32) a.iflags[i] = 0u;
       consumer_sync();
     }
     if (tid == 0) {
       a.sync[2] = 0u;
-      a.sync[1] = wrap ? 0u : fb + EPOCH_STEP;
+      a.sync[1] = wrap ? 0u : fb + EPOCH_STEP<TALK>;
     }
   }
 }
@@ -688,12 +840,39 @@ int staged_bytes(int blocks) {
   }
   return ((xbytes + 127) / 128) * 128;
 }
+
+// Before the first launch of kernel K (outside a graph capture): the shared memory carve-up into
+// args (smem, xbytes) for this grid, the row work's area `area`, and K's shared-memory attribute.
+template <bool TALK>
+int setup(ArgsT<TALK ? TL : MAXL>& a, int blocks, int area) {
+  if (blocks < DN_TILES || blocks % 4) return -1;
+  int dev = 0, optin = 0;
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, cp_layers_kernel<TALK>);
+  if (e != cudaSuccess) return -(int)e;
+  a.xbytes = staged_bytes(blocks);
+  a.smem = ((optin - (int)fa.sharedSizeBytes) / 128) * 128;
+  if (a.xbytes + MAXM * H * 4 + area + NU * UNIT > a.smem) return -2;
+  e = cudaFuncSetAttribute(cp_layers_kernel<TALK>, cudaFuncAttributeMaxDynamicSharedMemorySize, a.smem);
+  return e == cudaSuccess ? 0 : -(int)e;
+}
+// One launch, cooperative (every block resident; capturable in a CUDA graph).
+template <bool TALK>
+int run(const ArgsT<TALK ? TL : MAXL>& a, int blocks, void* stream) {
+  void* kargs[] = {const_cast<ArgsT<TALK ? TL : MAXL>*>(&a)};
+  const cudaError_t e = cudaLaunchCooperativeKernel((const void*)cp_layers_kernel<TALK>, blocks, BLOCK, kargs, a.smem,
+                                                    (cudaStream_t)stream);
+  return e == cudaSuccess ? 0 : -(int)e;
+}
 }  // namespace
 
 // The C ABI (tts_server/engines/batched/small_kernel.py). Errors: a CUDA error negated, -1 for
-// arguments out of range, -2 when shared memory is short. args: an Args (a pointer to void: a type of
-// internal linkage in the signature would hide the symbol).
-extern "C" int qsk_abi_version() { return 3; }
+// arguments out of range, -2 when shared memory is short. args: an Args / TArgs (a pointer to void:
+// a type of internal linkage in the signature would hide the symbol). qsk_*: the code predictor's
+// layers; qtk_*: the talker's.
+extern "C" int qsk_abi_version() { return 4; }
 extern "C" int qsk_args_size() { return (int)sizeof(Args); }
 extern "C" long long qsk_words_len() { return (long long)WORDS_LEN; }
 extern "C" int qsk_max_rows() { return MAXM; }
@@ -701,33 +880,30 @@ extern "C" int qsk_max_layers() { return MAXL; }
 // The grid for `sms` multiprocessors: a multiple of 4 (one o_proj piece a block), one block an SM,
 // at least one block a down tile; -1: too few.
 extern "C" int qsk_grid(int sms) { return sms / 4 * 4 >= DN_TILES ? sms / 4 * 4 : -1; }
-// Before the first launch (outside a graph capture): the shared memory carve-up into args (smem,
-// xbytes) for this grid and the kernel's shared-memory attribute.
-extern "C" int qsk_setup(void* args, int blocks) {
-  Args& a = *static_cast<Args*>(args);
-  if (blocks < DN_TILES || blocks % 4) return -1;
-  int dev = 0, optin = 0;
-  cudaFuncAttributes fa;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, cp_layers_kernel);
-  if (e != cudaSuccess) return -(int)e;
-  a.xbytes = staged_bytes(blocks);
-  a.smem = ((optin - (int)fa.sharedSizeBytes) / 128) * 128;
-  if (a.xbytes + MAXM * H * 4 + KV_BYTES + NU * UNIT > a.smem) return -2;
-  e = cudaFuncSetAttribute(cp_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, a.smem);
-  return e == cudaSuccess ? 0 : -(int)e;
-}
-// One launch, cooperative (every block resident; capturable in a CUDA graph). Launched as a
-// programmatic dependent of the kernel before it, or plain, the frames took the same time (session 40).
+extern "C" int qsk_setup(void* args, int blocks) { return setup<false>(*static_cast<Args*>(args), blocks, KV_BYTES); }
+// Launched as a programmatic dependent of the kernel before it, or plain, the frames took the same
+// time (session 40).
 extern "C" int qsk_run(const void* args, int blocks, void* stream) {
   const Args& a = *static_cast<const Args*>(args);
   if (a.nl < 1 || a.nl > MAXL || a.M < 1 || a.M > MAXM || blocks < DN_TILES || blocks % 4 || a.smem <= 0 || !a.out_h ||
       !a.words || !a.sync || (!a.h0 && !a.nrm0))
     return -1;
-  void* kargs[] = {const_cast<Args*>(&a)};
-  const cudaError_t e = cudaLaunchCooperativeKernel((const void*)cp_layers_kernel, blocks, BLOCK, kargs, a.smem,
-                                                    (cudaStream_t)stream);
-  return e == cudaSuccess ? 0 : -(int)e;
+  return run<false>(a, blocks, stream);
+}
+extern "C" int qtk_args_size() { return (int)sizeof(TArgs); }
+extern "C" long long qtk_words_len() { return (long long)T_WORDS_LEN; }
+extern "C" int qtk_max_layers() { return TL; }
+extern "C" int qtk_setup(void* args, int blocks) { return setup<true>(*static_cast<TArgs*>(args), blocks, T_KV_BYTES); }
+// The talker's layers of one row at position lens[0] - 1 (device memory, as the table and the
+// RoPE rows: a graph replays the launch for any position; its K / V go there, the pool holds
+// positions 0..pos-1): lens[0] <= 64 msplit (else the launch fails: error 7), the table's first
+// pos / 64 + 1 pages the row's.
+extern "C" int qtk_run(const void* args, int blocks, void* stream) {
+  const TArgs& a = *static_cast<const TArgs*>(args);
+  if (a.nl < 1 || a.nl > TL || a.M != 1 || blocks < DN_TILES || blocks % 4 || a.smem <= 0 || !a.words || !a.sync ||
+      (!a.h0 && !a.nrm0) || !a.table || !a.lens || !a.ml || !a.accb || !a.iflags || a.msplit < 1 || !a.x_out ||
+      !a.d_out)
+    return -1;
+  return run<true>(a, blocks, stream);
 }
 extern "C" const char* qsk_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }

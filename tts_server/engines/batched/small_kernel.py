@@ -29,7 +29,7 @@ from .params import StackParams
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_small.so"
-ABI = 3
+ABI = 4
 # rows a launch takes (qsk_max_rows) and serves: one. Inside a frame a pass's five layers took 116 µs
 # in the 9-warp kernel against ~121 for the Triton launches at one row, but 136 against ~127 at two
 # (H200, session 40: scripts/gpu_small_timeline.py); built for one row (7 consumer warps: no
@@ -64,17 +64,26 @@ class LayerArgs(ctypes.Structure):
                 ("vpool", ctypes.c_void_p)]
 
 
-class Args(ctypes.Structure):
-    """cp_layers.cu's Args."""
-    _fields_ = [("L", LayerArgs * 8), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
-                ("h0", ctypes.c_void_p), ("nrm0", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
-                ("sync", ctypes.c_void_p), ("out_h", ctypes.c_void_p), ("timeout_ns", ctypes.c_ulonglong),
-                ("smem", ctypes.c_int), ("xbytes", ctypes.c_int),
-                ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p), ("dbg_o", ctypes.c_void_p),
-                ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p), ("dbg_r", ctypes.c_void_p),
-                ("dbg_h", ctypes.c_void_p), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p)]
+def _args_type(layers: int, name: str) -> type:
+    """cp_layers.cu's ArgsT<layers>."""
+    fields = [("L", LayerArgs * layers), ("nl", ctypes.c_int), ("M", ctypes.c_int), ("x0", ctypes.c_void_p),
+              ("h0", ctypes.c_void_p), ("nrm0", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+              ("sin", ctypes.c_void_p), ("pos", ctypes.c_uint),
+              ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("words", ctypes.c_void_p),
+              ("sync", ctypes.c_void_p), ("out_h", ctypes.c_void_p), ("timeout_ns", ctypes.c_ulonglong),
+              ("smem", ctypes.c_int), ("xbytes", ctypes.c_int),
+              ("qkv_g", ctypes.c_void_p), ("att_g", ctypes.c_void_p), ("dbg_o", ctypes.c_void_p),
+              ("dbg_inner", ctypes.c_void_p), ("dbg_down", ctypes.c_void_p), ("dbg_r", ctypes.c_void_p),
+              ("dbg_h", ctypes.c_void_p), ("t0s", ctypes.c_void_p), ("trace", ctypes.c_void_p),
+              ("table", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("ml", ctypes.c_void_p),
+              ("accb", ctypes.c_void_p), ("iflags", ctypes.c_void_p), ("msplit", ctypes.c_int),
+              ("x_out", ctypes.c_void_p), ("d_out", ctypes.c_void_p)]
+    return type(name, (ctypes.Structure,), {"_fields_": fields, "__doc__": f"cp_layers.cu's ArgsT<{layers}>."})
+
+
+Args = _args_type(8, "Args")  # the code predictor's (qsk_*)
+TALKER_LAYERS = 28
+TArgs = _args_type(TALKER_LAYERS, "TArgs")  # the talker's (qtk_*)
 
 
 def tiled_bytes(cfg) -> int:
@@ -86,30 +95,43 @@ def tiled_bytes(cfg) -> int:
 def load(path: Path | None = None) -> ctypes.CDLL:
     """The library, its ABI checked (OSError / RuntimeError if missing or another version)."""
     lib = ctypes.CDLL(str(path or library_path()))
-    if lib.qsk_abi_version() != ABI or lib.qsk_args_size() != ctypes.sizeof(Args):
+    if (lib.qsk_abi_version() != ABI or lib.qsk_args_size() != ctypes.sizeof(Args)
+            or lib.qtk_args_size() != ctypes.sizeof(TArgs)):
         raise RuntimeError(f"{path or library_path()}: ABI {lib.qsk_abi_version()} (args "
                            f"{lib.qsk_args_size()} B), expected {ABI} ({ctypes.sizeof(Args)} B); rebuild: make kernel")
-    lib.qsk_words_len.restype = ctypes.c_longlong
-    lib.qsk_setup.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.qsk_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    for pre in ("qsk", "qtk"):
+        getattr(lib, f"{pre}_words_len").restype = ctypes.c_longlong
+        getattr(lib, f"{pre}_setup").argtypes = [ctypes.c_void_p, ctypes.c_int]
+        getattr(lib, f"{pre}_run").argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.qsk_error_string.restype = ctypes.c_char_p
     return lib
 
 
-def unsupported(sp: StackParams, heads) -> str | None:
-    """Why this code predictor cannot use the kernel (None: it can)."""
+def unsupported(sp: StackParams, heads, max_layers: int = 8) -> str | None:
+    """Why this code predictor (or, max_layers TALKER_LAYERS, talker) cannot use the kernel (None:
+    it can)."""
     cfg = sp.cfg
     for key, want in SHAPE.items():
         if getattr(cfg, key) != want:
             return f"{key} {getattr(cfg, key)} (the kernel is built for {want})"
-    if cfg.num_layers > 8:
-        return f"{cfg.num_layers} layers (at most 8)"
+    if cfg.num_layers > max_layers:
+        return f"{cfg.num_layers} layers (at most {max_layers})"
     mats = [*sp.wqkv, *sp.wo, *sp.gate, *sp.up, *sp.down, *heads]
     if any(w.dtype != torch.float16 for w in mats):
         return "matrices not fp16"
     if ops.MLP_SHIFT != 6:
         return f"MLP_SHIFT {ops.MLP_SHIFT} (the kernel scales by 2^-6)"
     return None
+
+
+def _check(lib: ctypes.CDLL, ret: int, what: str) -> None:
+    """A qsk_* / qtk_* return code as an exception."""
+    if ret == -1:
+        raise ValueError(f"small-batch kernel {what}: arguments out of range")
+    if ret == -2:
+        raise RuntimeError(f"small-batch kernel {what}: not enough shared memory on this device")
+    if ret:
+        raise RuntimeError(f"small-batch kernel {what}: {lib.qsk_error_string(-ret).decode()}")
 
 
 class SmallKernel:
@@ -141,17 +163,9 @@ class SmallKernel:
             L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
             L.kpool, L.vpool = cp_k[i].data_ptr(), cp_v[i].data_ptr()
         with torch.cuda.device(dev):  # (the kernel's shared-memory attribute is per device)
-            self._check(self.lib.qsk_setup(ctypes.byref(base), self.blocks), "setup")
+            _check(self.lib, self.lib.qsk_setup(ctypes.byref(base), self.blocks), "setup")
         self.base = base
         self.cp_k, self.cp_v = cp_k, cp_v
-
-    def _check(self, ret: int, what: str) -> None:
-        if ret == -1:
-            raise ValueError(f"small-batch kernel {what}: arguments out of range")
-        if ret == -2:
-            raise RuntimeError(f"small-batch kernel {what}: not enough shared memory on this device")
-        if ret:
-            raise RuntimeError(f"small-batch kernel {what}: {self.lib.qsk_error_string(-ret).decode()}")
 
     def args(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
              sin: torch.Tensor) -> Args:
@@ -173,7 +187,7 @@ class SmallKernel:
     def launch(self, a: Args) -> None:
         with torch.cuda.device(self.cp_k.device):
             stream = torch.cuda.current_stream().cuda_stream
-            self._check(self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
+            _check(self.lib, self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
 
     def __call__(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
@@ -182,3 +196,79 @@ class SmallKernel:
         (the cache holds 0..pos-1; this pass's K/V go to pos) with that position's RoPE rows cos /
         sin [HD] -> out_h [M, H] fp16, the final norm of the last layer."""
         self.launch(self.args(x0, h0, out_h, pos, cos, sin))
+
+
+class TalkerKernel:
+    """The kernel's talker variant (cp_layers_kernel<true>): the talker's layers for one row in one
+    launch, its attention over the paged pool (k / v [L][pages][NKV][64][HD] bf16; a page a split)
+    with the Triton graphs' bits. Not yet served by the engine (issue 16: checked and timed by
+    scripts/gpu_talker_layers.py); the final norm is glue.add_rms's (fp32 out) over (x_out, d_out)."""
+
+    def __init__(self, sp: StackParams, k: torch.Tensor, v: torch.Tensor, max_blocks: int,
+                 lib: ctypes.CDLL | None = None):
+        self.lib = lib or load()
+        self.sp, dev = sp, k.device
+        cfg = sp.cfg
+        why = unsupported(sp, (), TALKER_LAYERS)
+        if why is None and (k.dtype != torch.bfloat16 or k.shape[3] != 64):
+            why = f"a {k.dtype} pool of {k.shape[3]}-position pages (bf16, 64 expected)"
+        if why:
+            raise ValueError(f"talker layers kernel: {why}")
+        self.nl = cfg.num_layers
+        self.tiled = [[tile(w) for w in (sp.wqkv[i], sp.wo[i], sp.gate[i], sp.up[i], sp.down[i])]
+                      for i in range(self.nl)]
+        self.words = torch.zeros(int(self.lib.qtk_words_len()), dtype=torch.int64, device=dev)
+        self.sync = torch.zeros(4, dtype=torch.int32, device=dev)
+        self.msplit = max_blocks
+        nh, hd = cfg.num_heads, cfg.head_dim
+        self.ml = torch.zeros(self.nl, 2, nh, max_blocks, dtype=torch.float32, device=dev)
+        self.accb = torch.zeros(self.nl, nh, max_blocks, hd, dtype=torch.float32, device=dev)
+        self.iflags = torch.zeros(self.nl, max_blocks, cfg.num_kv_heads, dtype=torch.int32, device=dev)
+        self.x_out = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=dev)
+        self.d_out = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.blocks = int(self.lib.qsk_grid(sms))
+        if self.blocks < 0:
+            raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
+        base = TArgs(nl=self.nl, M=1, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, words=self.words.data_ptr(),
+                     sync=self.sync.data_ptr(), timeout_ns=2_000_000_000, nrm0=sp.in_norm[0].data_ptr(),
+                     ml=self.ml.data_ptr(), accb=self.accb.data_ptr(), iflags=self.iflags.data_ptr(),
+                     msplit=max_blocks, x_out=self.x_out.data_ptr(), d_out=self.d_out.data_ptr())
+        for i in range(self.nl):
+            L = base.L[i]
+            for j, t in enumerate(self.tiled[i]):
+                L.w[j] = t.data_ptr()
+            L.post = sp.post_norm[i].data_ptr()
+            L.nxt = (sp.in_norm[i + 1] if i + 1 < self.nl else sp.final_norm).data_ptr()
+            L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
+            L.kpool, L.vpool = k[i].data_ptr(), v[i].data_ptr()
+        with torch.cuda.device(dev):
+            _check(self.lib, self.lib.qtk_setup(ctypes.byref(base), self.blocks), "setup")
+        self.base = base
+        self.k = k
+
+    def args(self, x0: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> TArgs:
+        for t, dt in ((x0, torch.float32), (table, torch.int32), (lens, torch.int32), (cos, torch.float32),
+                      (sin, torch.float32)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"talker layers kernel: a {t.dtype} input, {dt} contiguous expected")
+        if x0.shape[0] != 1 or table.numel() < self.msplit:
+            raise ValueError("talker layers kernel: one row and a table row of max_blocks pages")
+        a = TArgs.from_buffer_copy(self.base)
+        a.x0, a.table, a.lens, a.cos, a.sin = (t.data_ptr() for t in (x0, table, lens, cos, sin))
+        return a
+
+    def launch(self, a: TArgs) -> None:
+        with torch.cuda.device(self.k.device):
+            stream = torch.cuda.current_stream().cuda_stream
+            _check(self.lib, self.lib.qtk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
+
+    def __call__(self, x0: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The talker's layers for row x0 [1, H] fp32 over its table row [max_blocks] int32 at
+        position lens[0] - 1 (lens [1] int32 on the device; its RoPE rows cos / sin [HD]) -> (x_out,
+        d_out) [1, H] fp32: the residual entering the last add and the last down product, whose
+        glue.add_rms(x_out, d_out[None], final_norm, eps, fp32) is the final-normed hidden."""
+        self.launch(self.args(x0, table, lens, cos, sin))
+        return self.x_out, self.d_out
