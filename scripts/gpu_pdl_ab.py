@@ -52,6 +52,10 @@ VARIANTS["kvminor"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "0", "TTS_ATTN_TC_T
 VARIANTS["terms3"] = ({"TTS_PDL": "1", "TTS_ATTN_KV_MAJOR": "1", "TTS_ATTN_TC_TERMS": "3"}, None)
 # the draw's program with 2, 4 or 16 warps instead of 8 (tk_sample.NUM_WARPS)
 VARIANTS.update({f"sw{n}": ({"TTS_PDL": "1", "TTS_SAMPLE_WARPS": str(n)}, None) for n in (2, 4, 8, 16)})
+# the talker's layers of steps of one stream through the graphs instead of the small-batch kernel's
+# talker variant (engine.BatchedEngine._talker_kernel)
+VARIANTS["talker_off"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
+VARIANTS["talker_off_again"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}
@@ -92,8 +96,10 @@ def signature(eng: BatchedEngine, n: int, frames: int = 16) -> dict:
 def run_variant(w, sizes, iters: int, sig_rows=(64, 4)) -> tuple[dict, dict]:
     eng = BatchedEngine(w, max_streams=256, max_positions=2048, num_blocks=256 * 17 + 1)
     res = dict(capture_s=eng.capture_s, replay_ms={}, small_kernel=eng.small_kernel,
-               attn_kernel=getattr(eng, "attn_kernel", "absent"))  # (a base tree may predate it)
-    log(f"  engine: small-batch kernel {res['small_kernel']}, decode attention kernel {res['attn_kernel']}")
+               attn_kernel=getattr(eng, "attn_kernel", "absent"),  # (a base tree may predate them)
+               talker_kernel=getattr(eng, "talker_kernel", "absent"))
+    log(f"  engine: small-batch kernel {res['small_kernel']}, decode attention kernel {res['attn_kernel']}, "
+        f"talker kernel {res['talker_kernel']}")
     for b in sizes:
         ms = [time_replays(eng, fake_admit(eng, mixed_lengths(b), margin=64), iters) for _ in range(3)]
         res["replay_ms"][b] = float(np.median(ms))

@@ -1,7 +1,8 @@
 """The small-batch kernel (csrc/small/cp_layers.cu, tts_server/engines/batched/small_kernel.py):
 its C ABI against the Python view of its arguments (the sm_90a check build: CI has nvcc, no GPU),
 the tiled weight layout, the engine's reasons to leave it off, and on a GPU that it serves steps of
-one stream with the graphs' bits (and that its start-up check can fail)."""
+one stream with the graphs' bits, its code-predictor passes and its talker layers (and that each
+start-up check can fail)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def test_unsupported_names_the_reason():
     w9 = prepare(checks.random_weights("cpu", layers=(1, 9)), dtype=torch.float16)
     assert small_kernel.unsupported(w9.predictor, w9.predictor_heads) == "9 layers (at most 8)"
     assert small_kernel.unsupported(w9.predictor, (), small_kernel.TALKER_LAYERS) is None
+    pool = lambda dtype, page: torch.zeros(1, 2, 8, page, 128, dtype=dtype)  # noqa: E731
+    assert small_kernel.talker_unsupported(w16.talker, pool(torch.bfloat16, 64)) is None
+    assert small_kernel.talker_unsupported(w16.talker, pool(torch.float32, 64)) == \
+        "a float32 KV pool of 64-position pages (the kernel takes bf16, 64)"
+    assert small_kernel.talker_unsupported(w16.talker, pool(torch.bfloat16, 16)) == \
+        "a bfloat16 KV pool of 16-position pages (the kernel takes bf16, 64)"
 
 
 @pytest.mark.gpu
@@ -81,15 +88,24 @@ def test_gpu_small_kernel_serves_one_stream_with_the_graphs_bits(monkeypatch):
     w = checks.random_weights("cuda")
     eng = BatchedEngine(w, max_streams=4, max_positions=256, dump_logits=True)
     assert eng.small_kernel == "on", eng.small_kernel
-    k = eng.frame.small
+    assert eng.talker_kernel == "on", eng.talker_kernel
+    k, tk = eng.frame.small, eng.frame.talker_k
     p = checks.random_prompt(0, 12, 1024, device="cuda")
     for s in (checks.GREEDY, SamplingConfig(seed=7)):
-        before = int(k.sync[1])
+        before, before_t = int(k.sync[1]), int(tk.sync[1])
         res = checks.invariance(eng, p, s, sizes=(1, 2, 3), frames=32)
         assert all(r["codes_equal"] and r["logits_equal"] for r in res.values()), res
-        # 32 frames at B = 1, 14 launches a frame, 64 flags a launch
+        # 32 frames at B = 1: 14 launches a frame, 64 flags a launch; the talker's one, 256 flags
         assert (int(k.sync[1]) - before) & 0xFFFFFFFF >= 64 * 14 * 32
-    assert int(k.sync[0]) == 0
+        assert (int(tk.sync[1]) - before_t) & 0xFFFFFFFF >= 256 * 32
+    assert int(k.sync[0]) == 0 and int(tk.sync[0]) == 0
+    # the talker's variant normalising with another epsilon: refused the same way
+    bad_t = small_kernel.TalkerKernel(eng.p.talker, eng.kv.k, eng.kv.v, eng.kv.max_blocks)
+    bad_t.base.eps = bad_t.base.eps * 4
+    eng.frame.talker_k = None
+    why = eng.frame.use_talker_kernel(bad_t)
+    assert why is not None and "differ from the graphs'" in why, why
+    assert eng.frame.talker_k is None
     # a kernel that normalises with another epsilon: the check names the difference, the frame keeps the graphs
     bad = small_kernel.SmallKernel(eng.p.predictor, eng.frame.cp_k, eng.frame.cp_v)
     bad.base.eps = bad.base.eps * 4
@@ -98,5 +114,7 @@ def test_gpu_small_kernel_serves_one_stream_with_the_graphs_bits(monkeypatch):
     assert why is not None and "differs from the graphs'" in why, why
     assert eng.frame.small is None
     monkeypatch.setenv("TTS_SMALL_KERNEL", "0")
+    monkeypatch.setenv("TTS_TALKER_KERNEL", "0")
     off = BatchedEngine(w, max_streams=2, max_positions=256, use_graphs=False)
     assert off.small_kernel == "off: TTS_SMALL_KERNEL=0" and off.frame.small is None
+    assert off.talker_kernel == "off: TTS_TALKER_KERNEL=0" and off.frame.talker_k is None

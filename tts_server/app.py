@@ -99,9 +99,9 @@ def _create_engine(name: str, loaded: LoadedModel, config: ServerConfig):
                                "(make kernel) or there is no CUDA device")
         engine = BatchedEngine(weights, n, config.max_positions, frame_kernel=config.frame_kernel)
         log.info("batched engine: %d slots, frame kernels %s, %s GEMM matrices, graphs captured in %.1f s "
-                 "(%.2f GiB); small-batch kernel %s; decode attention kernel %s", n, config.frame_kernel,
-                 str(engine.gemm_dtype).removeprefix("torch."), engine.capture_s, engine.graph_memory_bytes / 2**30,
-                 engine.small_kernel, engine.attn_kernel)
+                 "(%.2f GiB); small-batch kernel %s; its talker layers %s; decode attention kernel %s", n,
+                 config.frame_kernel, str(engine.gemm_dtype).removeprefix("torch."), engine.capture_s,
+                 engine.graph_memory_bytes / 2**30, engine.small_kernel, engine.talker_kernel, engine.attn_kernel)
         return engine
     if name == "torch":
         from .engines.torch_ref import TorchEngine

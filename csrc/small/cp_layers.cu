@@ -24,6 +24,13 @@
 // streams tiled weight units (tile() in small_kernel.py) through a ring of NU, 7 consumer warps run
 // each task as one mma.sync chain per K piece. Block 0 ends the launch with the last layer's
 // residual + final norm (out_h).
+// cp_layers_kernel<true> (session 45) runs the talker's layers of one row the same way (the same
+// products and norms; small_kernel.TalkerKernel serves it): its attention over the paged bf16 pool
+// is o_proj's staging, in two parts: each block first computes its (split, kv head) items of the
+// row with csrc/attn's split math and the store kernel's q / k twin (the new K / V into the pool
+// too), publishing each split's outputs and then a release flag; then it merges its piece's four
+// heads over their splits once the flags are there. Block 0 ends the launch with the last down
+// product and the residual it adds to (x_out, d_out): the final norm (fp32 out) stays a Triton launch.
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <algorithm>

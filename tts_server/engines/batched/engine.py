@@ -113,6 +113,10 @@ class BatchedEngine:
         # ("on"), else why not ("off: ..."); TTS_SMALL_KERNEL=0 turns it off
         self.small_kernel = (self._small_kernel() if dev.type == "cuda" and frame_kernel == "triton" and fused_cp
                              else "off: not the Triton frame on a GPU")
+        # the talker's layers of steps of one stream in one launch (the same kernel's talker variant)
+        # where it gives the graphs' bits ("on"), else why not; TTS_TALKER_KERNEL=0 turns it off
+        self.talker_kernel = (self._talker_kernel() if dev.type == "cuda" and frame_kernel == "triton"
+                              else "off: not the Triton frame on a GPU")
         # the talker's decode attention split through the persistent CUDA kernel (attn_kernel.py) where
         # it gives the Triton kernel's bits on this device ("on"), else why not; TTS_ATTN_KERNEL=0 turns it
         # off. Before any graph capture: the graphs record the kernel paged_attention picks.
@@ -192,6 +196,20 @@ class BatchedEngine:
         why = self.frame.use_small_kernel(kernel)
         return "on" if why is None else f"off: {why}"
 
+    def _talker_kernel(self) -> str:
+        """The small-batch kernel's talker variant (small_kernel.TalkerKernel) into the frame if it
+        can serve here: "on", or "off: <why>"."""
+        why = small_kernel.talker_unsupported(self.p.talker, self.kv.k)
+        off = self._kernel_off("TTS_TALKER_KERNEL", why, small_kernel.library_path())
+        if off:
+            return off
+        try:
+            kernel = small_kernel.TalkerKernel(self.p.talker, self.kv.k, self.kv.v, self.kv.max_blocks)
+        except (OSError, RuntimeError, ValueError) as e:
+            return f"off: {e}"
+        why = self.frame.use_talker_kernel(kernel)
+        return "on" if why is None else f"off: {why}"
+
     def _attn_kernel(self, dev: torch.device, kv_dtype: torch.dtype) -> str:
         """The persistent decode attention split (attn_kernel.py) for this device's paged_attention
         calls if it gives the Triton split's bits here: "on", or "off: <why>" (and the device's
@@ -234,7 +252,8 @@ class BatchedEngine:
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
                 + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
-                + (small_kernel.tiled_bytes(c) if frame_kernel == "triton" and weights.codec_head.is_cuda else 0)
+                + (small_kernel.tiled_bytes(c) + small_kernel.talker_bytes(t, math.ceil(max_positions / block_size))
+                   if frame_kernel == "triton" and weights.codec_head.is_cuda else 0)
                 + (GRAPH_BYTES_PER_ROW * rows if graphs and frame_kernel != "cuda" else 0)
                 + (ROW_GRAPH_BYTES_PER_ROW * max(row_buckets(max_streams))
                    if graphs and kv_dtype != torch.float32 else 0)

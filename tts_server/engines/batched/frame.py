@@ -99,6 +99,58 @@ class FrameStep:
         # passes 2..15 of steps of one stream through the small-batch kernel (use_small_kernel)
         self.small: small_kernel.SmallKernel | None = None
         self.small_h = torch.zeros(small_kernel.MAX_ROWS, cp.hidden_size, dtype=torch.float16, device=dev)
+        # the talker's layers of steps of one stream through the kernel's talker variant (use_talker_kernel)
+        self.talker_k: small_kernel.TalkerKernel | None = None
+
+    def use_talker_kernel(self, kernel: small_kernel.TalkerKernel) -> str | None:
+        """Serve the talker's layers of steps of one stream with `kernel` if it gives this frame's
+        bits here (None); else leave the graphs alone and say why. Checked bitwise (the hidden
+        state and the pages written) against the launches it replaces at positions that end, fill
+        and cross a split (64 positions), over pool blocks 1..3 filled at random and zeroed after
+        (called before any stream is admitted: no block is in use)."""
+        dev, kv = self.out.device, self.kv
+        pages = min(3, kv.max_blocks, kv.k.shape[1] - 1)
+        if pages < 1:
+            return "the pool has no block to check it in"
+        gen = torch.Generator(device=dev).manual_seed(4321)
+        hcfg = self.p.talker.cfg
+        table = torch.zeros(1, kv.max_blocks, dtype=torch.int32, device=dev)
+        table[0, :pages] = torch.arange(1, pages + 1, dtype=torch.int32, device=dev)
+        self.talker_k = None  # (the reference: the launches)
+        try:
+            for pos in sorted({1, 63, 64, 130, 64 * pages - 1} & set(range(1, 64 * pages))):
+                kv.k[:, 1:pages + 1].normal_(generator=gen)
+                kv.v[:, 1:pages + 1].normal_(generator=gen)
+                before = kv.k[:, 1:pages + 1].clone(), kv.v[:, 1:pages + 1].clone()
+                x = torch.randn(1, hcfg.hidden_size, device=dev, generator=gen)
+                cos, sin = self.rope[pos, 0][None].contiguous(), self.rope[pos, 1][None].contiguous()
+                blk = table[:, pos // kv.block_size].long()
+                off = torch.full((1,), pos % kv.block_size, dtype=torch.long, device=dev)
+                lens = torch.full((1,), pos + 1, dtype=torch.int32, device=dev)
+                ref = self._talker(x, cos, sin, table, blk, off, lens).clone()
+                ref_kv = kv.k[:, 1:pages + 1].clone(), kv.v[:, 1:pages + 1].clone()
+                kv.k[:, 1:pages + 1], kv.v[:, 1:pages + 1] = before
+                got = self._talker1(kernel, x, cos, sin, table, lens)
+                for name, a, b in (("hidden", got, ref), ("K pages", kv.k[:, 1:pages + 1], ref_kv[0]),
+                                   ("V pages", kv.v[:, 1:pages + 1], ref_kv[1])):
+                    same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
+                        b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+                    if not bool(same.all()):
+                        return (f"its {name} differ from the graphs' at position {pos} "
+                                f"({int((~same).sum())} of {same.numel()} values)")
+        finally:
+            kv.k[:, :pages + 1].zero_()
+            kv.v[:, :pages + 1].zero_()
+        self.talker_k = kernel
+        return None
+
+    def _talker1(self, kernel: small_kernel.TalkerKernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """`_talker` for one row by the kernel's launch, then the final norm (glue.add_rms, fp32 out:
+        the graphs' last add_rms over the kernel's down sum, the same bits)."""
+        x_out, d_out = kernel(x, table[0], lens, cos[0], sin[0])
+        sp = self.p.talker
+        return glue.add_rms(x_out, d_out[None], sp.final_norm, sp.cfg.rms_norm_eps, torch.float32)[1]
 
     def use_small_kernel(self, kernel: small_kernel.SmallKernel) -> str | None:
         """Serve passes 2..15 of steps of up to small_kernel.SERVE_ROWS streams with `kernel` if
@@ -253,7 +305,10 @@ class FrameStep:
             rows, s.ints, s.floats, s.seed, p.codec_embedding, p.predictor_embedding_stack, self.out[:b, 1:g],
             s.trailing, s.pad_embed, kv.table, kv.block_size, self.rope, (DO_SAMPLE, TOP_K),
             (TEMPERATURE, TOP_P, PENALTY), (POS, CODE0, N_SAMPLED, TEXT_STEP, N_TRAILING, EOS_FROM))
-        hidden = self._talker(x, cos, sin, table, blk, off, lens)
+        if self.talker_k is not None and b == 1:
+            hidden = self._talker1(self.talker_k, x, cos, sin, table, lens)
+        else:
+            hidden = self._talker(x, cos, sin, table, blk, off, lens)
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
             self.dump[:b, g - 1, :logits.shape[1]] = logits

@@ -14,7 +14,10 @@ graphs alone when they differ.
 
 The kernel is built for the 0.6B code predictor's shapes (hidden 1024, 16 q / 8 kv heads of 128,
 intermediate 3072, fp16 matrices, the down projection's input scaled by 2^-ops.MLP_SHIFT) and
-reads tiled copies of the matrices (`tile`: +157 MB)."""
+reads tiled copies of the matrices (`tile`: +157 MB). Its talker variant (`TalkerKernel`, the 0.6B
+talker has the same layer shapes) runs the talker's 28 layers of a step of one stream in one
+launch, the decode attention over the paged pool included (+0.9 GB of tiled copies; session 45,
+H200: a B = 1 frame 2.49 -> 2.34 ms)."""
 
 from __future__ import annotations
 
@@ -198,20 +201,34 @@ class SmallKernel:
         self.launch(self.args(x0, h0, out_h, pos, cos, sin))
 
 
+def talker_unsupported(sp: StackParams, k: torch.Tensor) -> str | None:
+    """Why this talker and KV pool (k [L][pages][NKV][page][HD]) cannot use the kernel's talker
+    variant (None: they can)."""
+    why = unsupported(sp, (), TALKER_LAYERS)
+    if why is None and (k.dtype != torch.bfloat16 or k.shape[3] != 64):
+        why = f"a {str(k.dtype).removeprefix('torch.')} KV pool of {k.shape[3]}-position pages (the kernel takes bf16, 64)"
+    return why
+
+
+def talker_bytes(cfg, max_blocks: int) -> int:
+    """Device bytes of TalkerKernel: the tiled copies, the words, the splits' outputs and flags."""
+    per = cfg.num_layers * cfg.num_heads * max_blocks * (2 + cfg.head_dim) * 4 + cfg.num_layers * max_blocks * 8 * 4
+    return tiled_bytes(cfg) + per
+
+
 class TalkerKernel:
     """The kernel's talker variant (cp_layers_kernel<true>): the talker's layers for one row in one
     launch, its attention over the paged pool (k / v [L][pages][NKV][64][HD] bf16; a page a split)
-    with the Triton graphs' bits. Not yet served by the engine (issue 16: checked and timed by
-    scripts/gpu_talker_layers.py); the final norm is glue.add_rms's (fp32 out) over (x_out, d_out)."""
+    with the Triton graphs' bits (FrameStep.use_talker_kernel checks them at start-up;
+    scripts/gpu_talker_layers.py checks and times it); the final norm is glue.add_rms's (fp32 out)
+    over (x_out, d_out)."""
 
     def __init__(self, sp: StackParams, k: torch.Tensor, v: torch.Tensor, max_blocks: int,
                  lib: ctypes.CDLL | None = None):
         self.lib = lib or load()
         self.sp, dev = sp, k.device
         cfg = sp.cfg
-        why = unsupported(sp, (), TALKER_LAYERS)
-        if why is None and (k.dtype != torch.bfloat16 or k.shape[3] != 64):
-            why = f"a {k.dtype} pool of {k.shape[3]}-position pages (bf16, 64 expected)"
+        why = talker_unsupported(sp, k)
         if why:
             raise ValueError(f"talker layers kernel: {why}")
         self.nl = cfg.num_layers
