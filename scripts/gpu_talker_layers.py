@@ -236,6 +236,37 @@ def main() -> None:
         print(f"pos {pos}: kernel + final norm {timing[pos]['kernel_us']:.1f} µs, Triton launches "
               f"{timing[pos]['triton_us']:.1f} µs", flush=True)
     res["timing"] = timing
+    # one launch with each block's hop starts and thread 0's marks (cp_layers.cu's t0s / trace): per
+    # hop, the median over blocks and layers of its span and of each mark (µs from the hop's start),
+    # and how long after the first block the last one starts the next hop
+    hops = ["q|k|v", "attention + o_proj", "gate|up", "down"]
+    res["trace"] = {}
+    for pos in (100, 1000, 2000):
+        if pos >= a.max_positions:
+            continue
+        cos, sin = rope_rows(pos, HD, cfg.rope_theta)
+        cos_b.copy_(cos), sin_b.copy_(sin), lens.fill_(pos + 1)
+        t0s = torch.zeros(kern.blocks, 4 * L + 1, dtype=torch.int64, device="cuda")
+        trace = torch.zeros(kern.blocks, 4 * L, 8, dtype=torch.int32, device="cuda")
+        args = kern.args(x_in, table[0], lens, cos_b, sin_b)
+        args.t0s, args.trace = t0s.data_ptr(), trace.data_ptr()
+        for _ in range(2):
+            kern.launch(args)
+        torch.cuda.synchronize()
+        t = t0s.cpu().double().numpy() / 1e3
+        tr = trace.cpu().double().numpy() / 1e3
+        out = {"launch_us": float(t[:, -1].max() - t[:, 0].min())}
+        for p, name in enumerate(hops):
+            cols = [4 * l + p for l in range(L)]
+            span = [float(statistics.median(t[:, c + 1] - t[:, c])) for c in cols]
+            skew = [float(t[:, c + 1].max() - t[:, c + 1].min()) for c in cols]
+            marks = {m: float(statistics.median(tr[:, cols, m].ravel())) for m in (0, 2, 3, 4, 5, 6, 7)}
+            out[name] = {"span_us": statistics.median(span), "next_start_skew_us": statistics.median(skew),
+                         "marks_us": marks}
+        res["trace"][pos] = out
+        print(f"pos {pos}: launch {out['launch_us']:.1f} µs; " + "; ".join(
+            f"{n}: {out[n]['span_us']:.2f} (skew {out[n]['next_start_skew_us']:.2f}, marks "
+            + " ".join(f"{m}:{v:.2f}" for m, v in out[n]["marks_us"].items()) + ")" for n in hops), flush=True)
     print("ALL EQUAL" if res["ok"] else "DIFFERENCES", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "talker_layers.json").write_text(json.dumps(res, indent=1, default=str))
