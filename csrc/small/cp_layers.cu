@@ -101,6 +101,8 @@ struct ArgsT {
   float eps, scale;
   unsigned long long* words;  // LL words, WORDS_LEN (per layer: each product's [parts][M][N]; zeros at first)
   unsigned* sync;             // [4]: [0] error, [1] the epoch, [2] blocks done (zeros at first; kept by the kernel)
+                              // errors: 1 a ring wait timed out, 3 a poll's, 5 a block with more than one o_proj
+                              // piece, 6 a split flag's wait timed out, 7 lens[0] outside 1..64 msplit
   __half* out_h;              // [M][H]: the last layer's residual + final norm (block 0)
   unsigned long long timeout_ns;
   int smem, xbytes;           // qsk_setup's: dynamic shared memory; the staged inputs' share (at its start)
@@ -484,6 +486,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
         // the block's first attention item's K / V, copied while q|k|v runs (the stage is free then;
         // session 45: the talker's layers 620 -> 602 µs at 100 positions, 869 -> 855 at 2,000)
         const int n = *a.lens, pos = n - 1, nsp = (n + qda::SPLIT - 1) / qda::SPLIT;
+        if (n < 1 || n > a.msplit * qda::SPLIT) fail(a, 7u);  // (before any table or pool read)
         if (b < nsp * NKV) {
           const int sp = b / NKV, kvh = b % NKV;
           qda::issue_kv_v2(tid, smem_u32(smem + a.xbytes + MAXM * H * 4), qda::Item{0, kvh, sp, pos},
@@ -535,8 +538,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_layers_kernel(const __grid_consta
         // kv heads 2s, 2s + 1), a warp a head, once their splits' flags are there (the Triton merge
         // kernel's bits), fp16 into the staged inputs.
         if (__popc(pieces) != 1) fail(a, 5u);  // (one piece a block: G a multiple of 4)
-        const int s = __ffs(pieces) - 1, n = *a.lens, pos = n - 1;
-        if (n < 1 || n > a.msplit * qda::SPLIT) fail(a, 7u);
+        const int s = __ffs(pieces) - 1, n = *a.lens, pos = n - 1;  // (n checked at q|k|v)
         const int nsp = (n + qda::SPLIT - 1) / qda::SPLIT, last = pos / qda::SPLIT, j_new = pos % qda::SPLIT;
         unsigned char* area = smem + a.xbytes + MAXM * H * 4;
         float* xq = reinterpret_cast<float*>(area + T_XQ);  // the polled rows: q heads 2 kvh, 2 kvh + 1, k, v
