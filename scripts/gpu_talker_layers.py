@@ -70,6 +70,19 @@ def reference_layers(x, sp, cos, sin, k, v, table, pos):
     return h, rec
 
 
+def triton_step(sp, x, pos, k0, v0, table):
+    """The engine's Triton launches for the talker's layers of row x at position pos, over copies
+    of the pools -> (final-normed hidden, K pool, V pool), and the position's RoPE rows."""
+    cos, sin = rope_rows(pos, sp.cfg.head_dim, sp.cfg.rope_theta)
+    kr, vr = k0.clone(), v0.clone()
+    blk = table[:, pos // PAGE].long()
+    off = torch.full((1,), pos % PAGE, dtype=torch.long, device="cuda")
+    lens = torch.full((1,), pos + 1, dtype=torch.int32, device="cuda")
+    with pdl.scope(True):
+        want = frame.stack_forward(x, sp, frame.paged_attend(sp, cos[None], sin[None], kr, vr, blk, off, table, lens))
+    return (want, kr, vr), (cos, sin)
+
+
 def first_diff(name, got, want) -> str | None:
     for i, (g, w) in enumerate(zip(got, want)):
         if not torch.equal(g.view(torch.int32) if g.dtype == torch.float32 else g.view(torch.int16),
@@ -129,14 +142,7 @@ def main() -> None:
 
     for pos in a.positions:
         x = torch.randn(1, H, device="cuda")
-        cos, sin = rope_rows(pos, HD, cfg.rope_theta)
-        kr, vr = k0.clone(), v0.clone()
-        lens_r = torch.full((1,), pos + 1, dtype=torch.int32, device="cuda")
-        blk = table[:, pos // PAGE].long()
-        off = torch.full((1,), pos % PAGE, dtype=torch.long, device="cuda")
-        with pdl.scope(True):
-            want = frame.stack_forward(x, sp, frame.paged_attend(sp, cos[None], sin[None], kr, vr, blk, off, table,
-                                                                 lens_r))
+        (want, kr, vr), (cos, sin) = triton_step(sp, x, pos, k0, v0, table)
         k1, v1 = k0.clone(), v0.clone()
         with pdl.scope(True):
             want1, rec = reference_layers(x, sp, cos, sin, k1, v1, table, pos)
@@ -172,14 +178,7 @@ def main() -> None:
     replays = {}
     for pos in (a.positions[-1], 700, 129):
         x = torch.randn(1, H, device="cuda")
-        cos, sin = rope_rows(pos, HD, cfg.rope_theta)
-        kr, vr = k0.clone(), v0.clone()
-        blk = table[:, pos // PAGE].long()
-        off = torch.full((1,), pos % PAGE, dtype=torch.long, device="cuda")
-        lens_r = torch.full((1,), pos + 1, dtype=torch.int32, device="cuda")
-        with pdl.scope(True):
-            want = frame.stack_forward(x, sp, frame.paged_attend(sp, cos[None], sin[None], kr, vr, blk, off, table,
-                                                                 lens_r))
+        (want, kr, vr), (cos, sin) = triton_step(sp, x, pos, k0, v0, table)
         kk.copy_(k0), vk.copy_(v0)
         x_in.copy_(x), cos_b.copy_(cos), sin_b.copy_(sin), lens.fill_(pos + 1)
         g.replay()
@@ -194,13 +193,7 @@ def main() -> None:
     wrap = []
     pos = 500
     x = torch.randn(1, H, device="cuda")
-    cos, sin = rope_rows(pos, HD, cfg.rope_theta)
-    kr, vr = k0.clone(), v0.clone()
-    blk = table[:, pos // PAGE].long()
-    off = torch.full((1,), pos % PAGE, dtype=torch.long, device="cuda")
-    lens_r = torch.full((1,), pos + 1, dtype=torch.int32, device="cuda")
-    with pdl.scope(True):
-        want = frame.stack_forward(x, sp, frame.paged_attend(sp, cos[None], sin[None], kr, vr, blk, off, table, lens_r))
+    (want, _, _), (cos, sin) = triton_step(sp, x, pos, k0, v0, table)
     x_in.copy_(x), cos_b.copy_(cos), sin_b.copy_(sin), lens.fill_(pos + 1)
     for _ in range(4):
         kk.copy_(k0), vk.copy_(v0)

@@ -67,6 +67,16 @@ def paged_attend(sp: StackParams, cos, sin, k_pools, v_pools, blk, off, table, l
     return attend
 
 
+def _bits_differ(pairs) -> tuple[str, str] | None:
+    """The first (name, got, want) whose bits differ: (name, "n of N values"), or None."""
+    for name, a, b in pairs:
+        same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
+            b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+        if not bool(same.all()):
+            return name, f"{int((~same).sum())} of {same.numel()} values"
+    return None
+
+
 class FrameStep:
     """Callable over a row list: `step(rows [B] long)` advances those slots one frame and writes
     out[:B] [B, 18] int32 (and dump[:B] [B, 16, V] fp32 logits when dumping). The same in two
@@ -131,13 +141,10 @@ class FrameStep:
                 ref_kv = kv.k[:, 1:pages + 1].clone(), kv.v[:, 1:pages + 1].clone()
                 kv.k[:, 1:pages + 1], kv.v[:, 1:pages + 1] = before
                 got = self._talker1(kernel, x, cos, sin, table, lens)
-                for name, a, b in (("hidden", got, ref), ("K pages", kv.k[:, 1:pages + 1], ref_kv[0]),
-                                   ("V pages", kv.v[:, 1:pages + 1], ref_kv[1])):
-                    same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
-                        b.view(torch.int16 if b.element_size() == 2 else torch.int32)
-                    if not bool(same.all()):
-                        return (f"its {name} differ from the graphs' at position {pos} "
-                                f"({int((~same).sum())} of {same.numel()} values)")
+                diff = _bits_differ((("hidden", got, ref), ("K pages", kv.k[:, 1:pages + 1], ref_kv[0]),
+                                     ("V pages", kv.v[:, 1:pages + 1], ref_kv[1])))
+                if diff:
+                    return f"its {diff[0]} differ from the graphs' at position {pos} ({diff[1]})"
         finally:
             kv.k[:, :pages + 1].zero_()
             kv.v[:, :pages + 1].zero_()
@@ -173,13 +180,10 @@ class FrameStep:
                     ref_kv = self.cp_k[:, :m].clone(), self.cp_v[:, :m].clone()
                     self.cp_k[:, :m], self.cp_v[:, :m] = kv
                     got = self._small_pass(kernel, k, m, x).clone()
-                    for name, a, b in (("hidden", got, ref), ("K cache", self.cp_k[:, :m], ref_kv[0]),
-                                       ("V cache", self.cp_v[:, :m], ref_kv[1])):
-                        same = a.view(torch.int16 if a.element_size() == 2 else torch.int32) == \
-                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)
-                        if not bool(same.all()):
-                            return (f"its {name} differs from the graphs' at {m} row(s), pass {k + 1} "
-                                    f"({int((~same).sum())} of {same.numel()} values)")
+                    diff = _bits_differ((("hidden", got, ref), ("K cache", self.cp_k[:, :m], ref_kv[0]),
+                                         ("V cache", self.cp_v[:, :m], ref_kv[1])))
+                    if diff:
+                        return f"its {diff[0]} differs from the graphs' at {m} row(s), pass {k + 1} ({diff[1]})"
         finally:
             self.cp_k.zero_()
             self.cp_v.zero_()

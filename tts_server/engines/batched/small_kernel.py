@@ -137,6 +137,28 @@ def _check(lib: ctypes.CDLL, ret: int, what: str) -> None:
         raise RuntimeError(f"small-batch kernel {what}: {lib.qsk_error_string(-ret).decode()}")
 
 
+def _grid(lib: ctypes.CDLL, dev: torch.device) -> int:
+    """The launch's blocks on `dev` (qsk_grid: one an SM, a multiple of 4)."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    blocks = int(lib.qsk_grid(sms))
+    if blocks < 0:
+        raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
+    return blocks
+
+
+def _fill_layers(base, sp: StackParams, tiled: list, kpools: torch.Tensor, vpools: torch.Tensor) -> None:
+    """base.L[i] (the Layer structs) from the stack's tiled matrices, norms and layer i's K / V."""
+    n = sp.cfg.num_layers
+    for i in range(n):
+        L = base.L[i]
+        for j, t in enumerate(tiled[i]):
+            L.w[j] = t.data_ptr()
+        L.post = sp.post_norm[i].data_ptr()
+        L.nxt = (sp.in_norm[i + 1] if i + 1 < n else sp.final_norm).data_ptr()
+        L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
+        L.kpool, L.vpool = kpools[i].data_ptr(), vpools[i].data_ptr()
+
+
 class SmallKernel:
     """The kernel over one code predictor's weights and the frame's code-predictor K/V cache
     (cp_k / cp_v [L][rows][NKV][16][HD] fp32: row m of a launch is row m there)."""
@@ -151,20 +173,10 @@ class SmallKernel:
         self.nbytes = sum(t.numel() * t.element_size() for lw in self.tiled for t in lw)
         self.words = torch.zeros(int(self.lib.qsk_words_len()), dtype=torch.int64, device=dev)
         self.sync = torch.zeros(4, dtype=torch.int32, device=dev)  # error, epoch, blocks done
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.blocks = int(self.lib.qsk_grid(sms))
-        if self.blocks < 0:
-            raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
+        self.blocks = _grid(self.lib, dev)
         base = Args(nl=self.nl, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, words=self.words.data_ptr(),
                     sync=self.sync.data_ptr(), timeout_ns=2_000_000_000)
-        for i in range(self.nl):
-            L = base.L[i]
-            for j, t in enumerate(self.tiled[i]):
-                L.w[j] = t.data_ptr()
-            L.post = sp.post_norm[i].data_ptr()
-            L.nxt = (sp.in_norm[i + 1] if i + 1 < self.nl else sp.final_norm).data_ptr()
-            L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
-            L.kpool, L.vpool = cp_k[i].data_ptr(), cp_v[i].data_ptr()
+        _fill_layers(base, sp, self.tiled, cp_k, cp_v)
         with torch.cuda.device(dev):  # (the kernel's shared-memory attribute is per device)
             _check(self.lib, self.lib.qsk_setup(ctypes.byref(base), self.blocks), "setup")
         self.base = base
@@ -243,22 +255,12 @@ class TalkerKernel:
         self.iflags = torch.zeros(self.nl, max_blocks, cfg.num_kv_heads, dtype=torch.int32, device=dev)
         self.x_out = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=dev)
         self.d_out = torch.zeros(1, cfg.hidden_size, dtype=torch.float32, device=dev)
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.blocks = int(self.lib.qsk_grid(sms))
-        if self.blocks < 0:
-            raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
+        self.blocks = _grid(self.lib, dev)
         base = TArgs(nl=self.nl, M=1, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, words=self.words.data_ptr(),
                      sync=self.sync.data_ptr(), timeout_ns=2_000_000_000, nrm0=sp.in_norm[0].data_ptr(),
                      ml=self.ml.data_ptr(), accb=self.accb.data_ptr(), iflags=self.iflags.data_ptr(),
                      msplit=max_blocks, x_out=self.x_out.data_ptr(), d_out=self.d_out.data_ptr())
-        for i in range(self.nl):
-            L = base.L[i]
-            for j, t in enumerate(self.tiled[i]):
-                L.w[j] = t.data_ptr()
-            L.post = sp.post_norm[i].data_ptr()
-            L.nxt = (sp.in_norm[i + 1] if i + 1 < self.nl else sp.final_norm).data_ptr()
-            L.qn, L.kn = sp.q_norm[i].data_ptr(), sp.k_norm[i].data_ptr()
-            L.kpool, L.vpool = k[i].data_ptr(), v[i].data_ptr()
+        _fill_layers(base, sp, self.tiled, k, v)
         with torch.cuda.device(dev):
             _check(self.lib, self.lib.qtk_setup(ctypes.byref(base), self.blocks), "setup")
         self.base = base
