@@ -260,6 +260,8 @@ __global__ void __launch_bounds__(NG* THREADS, 1) attn_persist_v3_kernel(const A
   const uint32_t base = smem_u32(stages), full0 = smem_u32(full);
   const uint32_t bar_id = 1 + grp;
   const auto gsync = [bar_id]() { asm volatile("bar.sync %0, %1;" ::"r"(bar_id), "n"(THREADS) : "memory"); };
+  // (K / V under v2's L2 evict_first policy since session 45; v3 was measured before without it)
+  const uint64_t policy = evict_first_policy();
 
   // the start: items j < R, group j % NG issuing (lb: this group's issue cursor, items only grow)
   int lb = 0;
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(NG* THREADS, 1) attn_persist_v3_kernel(const A
     if (v < total) {
       const Item it = decode_warp(v, lb, off, lens_s, a.batch);
       issue_v2(gtid, base + j * STAGE_BYTES, it, a.table[(size_t)it.b * a.max_blocks + it.sp], a.q, a.kpool,
-               a.vpool);
+               a.vpool, policy);
       cp_async_arrive(full0 + 8 * j);
     }
   }
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(NG* THREADS, 1) attn_persist_v3_kernel(const A
     split_math_v2(gtid, gsync, stages + s * STAGE_BYTES, it, a.scale, a.m, a.l, a.acc, a.nsplit, red[grp], ph[grp],
                   [&]() {
                     if (vn < total) {
-                      issue_v2(gtid, base + s * STAGE_BYTES, ni, npage, a.q, a.kpool, a.vpool);
+                      issue_v2(gtid, base + s * STAGE_BYTES, ni, npage, a.q, a.kpool, a.vpool, policy);
                       cp_async_arrive(full0 + 8 * s);
                       if (gtid == 0) st_release(&ticket[s], j + R);
                     }

@@ -224,8 +224,8 @@ def talker_unsupported(sp: StackParams, k: torch.Tensor) -> str | None:
 
 def talker_bytes(cfg, max_blocks: int) -> int:
     """Device bytes of TalkerKernel: the tiled copies, the words, the splits' outputs and flags."""
-    per = cfg.num_layers * cfg.num_heads * max_blocks * (2 + cfg.head_dim) * 4 + cfg.num_layers * max_blocks * 8 * 4
-    return tiled_bytes(cfg) + per
+    per = cfg.num_layers * max_blocks * (cfg.num_heads * (2 + cfg.head_dim) + cfg.num_kv_heads) * 4
+    return tiled_bytes(cfg) + per  # (tiled_bytes' 4 MB for words and sync holds the talker's 3.9 MB of words)
 
 
 class TalkerKernel:
