@@ -55,7 +55,6 @@ VARIANTS.update({f"sw{n}": ({"TTS_PDL": "1", "TTS_SAMPLE_WARPS": str(n)}, None) 
 # the talker's layers of steps of one stream through the graphs instead of the small-batch kernel's
 # talker variant (engine.BatchedEngine._talker_kernel)
 VARIANTS["talker_off"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
-VARIANTS["talker_off_again"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}
@@ -149,7 +148,7 @@ def main() -> None:
         try:
             res["variants"][name], sigs[name] = run_variant(w, sizes, args.iters,
                                                             [int(n) for n in args.sig_rows.split(",")])
-        except Exception as e:  # keep the other variants
+        except Exception:  # keep the other variants
             import traceback
             res["variants"][name] = dict(error=traceback.format_exc())
             log(res["variants"][name]["error"])
