@@ -447,7 +447,7 @@ def main() -> None:
             assert rc == 0, f"qsk_setup returned {rc}"
 
             def engine_ll():
-                ret = small.qsk_run(ctypes.byref(args), blocks, stream())
+                ret = small.qsk_run(ctypes.byref(args), blocks, stream(), 0)
                 assert ret == 0, f"launch error {ret}: " + (small.qsk_error_string(-ret).decode() if ret < -2
                                                              else "arguments")
 

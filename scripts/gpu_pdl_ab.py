@@ -55,6 +55,11 @@ VARIANTS.update({f"sw{n}": ({"TTS_PDL": "1", "TTS_SAMPLE_WARPS": str(n)}, None) 
 # the talker's layers of steps of one stream through the graphs instead of the small-batch kernel's
 # talker variant (engine.BatchedEngine._talker_kernel)
 VARIANTS["talker_off"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
+# the small-batch kernel (both variants) launched plain (cooperative) inside the PDL graphs instead of
+# as a programmatic dependent (small_kernel._pdl), and on 132 blocks (TTS_SMALL_BLOCKS; qsk_grid
+# leaves an SM to the kernel before it: 128 on 132 SMs)
+VARIANTS["small_nopdl"] = ({"TTS_PDL": "1", "TTS_SMALL_PDL": "0"}, None)
+VARIANTS["small_b132"] = ({"TTS_PDL": "1", "TTS_SMALL_BLOCKS": "132"}, None)
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}

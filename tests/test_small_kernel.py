@@ -35,19 +35,20 @@ def test_abi_matches_the_python_arguments(check_lib):
     assert check_lib.qsk_max_rows() == small_kernel.MAX_ROWS
     assert check_lib.qsk_max_layers() == len(small_kernel.Args().L)
     assert check_lib.qsk_words_len() == 8 * 1 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
-    # one o_proj piece a block: a multiple of 4 blocks, one an SM, one at least a down tile (64)
-    assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 67, 63, 3)] == [132, 112, 76, 64, -1, -1]
+    # one o_proj piece a block: a multiple of 4 blocks, one an SM, one at least a down tile (64), an
+    # SM left over where that still leaves 64
+    assert [check_lib.qsk_grid(n) for n in (132, 114, 78, 67, 64, 63, 3)] == [128, 112, 76, 64, 64, -1, -1]
     a = small_kernel.Args(nl=5, M=2)
-    assert check_lib.qsk_run(ctypes.byref(a), 132, None) == -1  # 2 rows: refused before any CUDA call
+    assert check_lib.qsk_run(ctypes.byref(a), 132, None, 0) == -1  # 2 rows: refused before any CUDA call
     # the talker's variant (load() checked sizeof(TArgs) too): 28 layers of words, and a launch
     # without its attention's buffers or table refused before any CUDA call
     assert check_lib.qtk_max_layers() == len(small_kernel.TArgs().L) == small_kernel.TALKER_LAYERS
     assert check_lib.qtk_words_len() == 28 * 1 * (4096 + 4 * 1024 + 3072 + 6 * 1024)
     t = small_kernel.TArgs(nl=28, M=1, smem=1 << 17, words=8, sync=8, nrm0=8, lens=8, ml=8, accb=8, iflags=8,
                            msplit=16, x_out=8, d_out=8)
-    assert check_lib.qtk_run(ctypes.byref(t), 132, None) == -1  # no table
+    assert check_lib.qtk_run(ctypes.byref(t), 132, None, 0) == -1  # no table
     t.table, t.M = 8, 2
-    assert check_lib.qtk_run(ctypes.byref(t), 132, None) == -1  # two rows
+    assert check_lib.qtk_run(ctypes.byref(t), 132, None, 0) == -1  # two rows
 
 
 def test_tile_puts_every_weight_where_the_kernel_reads_it():

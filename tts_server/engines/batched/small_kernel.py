@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from . import ops
+from . import ops, pdl
 from .params import StackParams
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_small.so"
-ABI = 4
+ABI = 5
 # rows a launch takes (qsk_max_rows) and serves: one. Inside a frame a pass's five layers took 116 µs
 # in the 9-warp kernel against ~121 for the Triton launches at one row, but 136 against ~127 at two
 # (H200, session 40: scripts/gpu_small_timeline.py); built for one row (7 consumer warps: no
@@ -105,7 +105,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     for pre in ("qsk", "qtk"):
         getattr(lib, f"{pre}_words_len").restype = ctypes.c_longlong
         getattr(lib, f"{pre}_setup").argtypes = [ctypes.c_void_p, ctypes.c_int]
-        getattr(lib, f"{pre}_run").argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        getattr(lib, f"{pre}_run").argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.qsk_error_string.restype = ctypes.c_char_p
     return lib
 
@@ -138,12 +138,22 @@ def _check(lib: ctypes.CDLL, ret: int, what: str) -> None:
 
 
 def _grid(lib: ctypes.CDLL, dev: torch.device) -> int:
-    """The launch's blocks on `dev` (qsk_grid: one an SM, a multiple of 4)."""
+    """The launch's blocks on `dev`: qsk_grid's (one an SM, a multiple of 4, an SM left to the kernel
+    before it), or TTS_SMALL_BLOCKS (A/Bs: a multiple of 4 from 64 to one an SM)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = int(lib.qsk_grid(sms))
     if blocks < 0:
         raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
-    return blocks
+    want = int(os.environ.get("TTS_SMALL_BLOCKS", blocks))
+    if want % 4 or not 64 <= want <= sms:
+        raise RuntimeError(f"TTS_SMALL_BLOCKS={want}: a multiple of 4 in 64..{sms // 4 * 4}")
+    return want
+
+
+def _pdl() -> int:
+    """Whether a launch now is a programmatic dependent of the kernel before it: inside
+    pdl.scope(True) (the frame graphs), unless TTS_SMALL_PDL=0."""
+    return int(pdl.active() and os.environ.get("TTS_SMALL_PDL", "1") != "0")
 
 
 def _fill_layers(base, sp: StackParams, tiled: list, kpools: torch.Tensor, vpools: torch.Tensor) -> None:
@@ -202,7 +212,8 @@ class SmallKernel:
     def launch(self, a: Args) -> None:
         with torch.cuda.device(self.cp_k.device):
             stream = torch.cuda.current_stream().cuda_stream
-            _check(self.lib, self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
+            _check(self.lib, self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream), _pdl()),
+                   "launch")
 
     def __call__(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
@@ -281,7 +292,8 @@ class TalkerKernel:
     def launch(self, a: TArgs) -> None:
         with torch.cuda.device(self.k.device):
             stream = torch.cuda.current_stream().cuda_stream
-            _check(self.lib, self.lib.qtk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream)), "launch")
+            _check(self.lib, self.lib.qtk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream), _pdl()),
+                   "launch")
 
     def __call__(self, x0: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
