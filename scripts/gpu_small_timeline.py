@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=["off", "on"], help="off: the graphs alone (TTS_SMALL_KERNEL=0)")
     a = ap.parse_args()
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     w = checks.random_weights("cuda")
     recs = []
     for mode in a.modes:
