@@ -143,6 +143,15 @@ def check_talker_process(ops, dev: str) -> None:
     ref = logits.clone()
     ops_ref.talker_process_(ref, seen, pen, nsamp, 260, 250, 2)
     assert torch.equal(out.cpu(), ref)
+    # the slots' seen table with the rows' slots (the frame's call: no gathered copy), rows repeated
+    # and out of order
+    table = (torch.rand(9, v, generator=g) < 0.3).to(torch.uint8)
+    rows = torch.tensor([7, 0, 3, 3, 8])
+    out = logits.clone().to(dev)
+    ops.talker_process_(out, table.to(dev), pen.to(dev), nsamp.to(dev), 260, 250, 2, rows.to(dev))
+    ref = logits.clone()
+    ops_ref.talker_process_(ref, table[rows], pen, nsamp, 260, 250, 2)
+    assert torch.equal(out.cpu(), ref)
 
 
 def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:

@@ -460,8 +460,8 @@ class BatchedEngine:
         s, ids = self.state, self.p.ids
         s.past_hidden[rows] = hidden
         logits = ops.linear(hidden, self.p.codec_head)  # [A, V]
-        ops.talker_process_(logits, s.seen[rows], s.floats[PENALTY, rows], s.ints[N_SAMPLED, rows], ids.eos,
-                            ids.suppress_start, ids.min_new_tokens)
+        ops.talker_process_(logits, s.seen, s.floats[PENALTY, rows], s.ints[N_SAMPLED, rows], ids.eos,
+                            ids.suppress_start, ids.min_new_tokens, rows)
         code, finite = ops.sample_tokens(logits, s.ints[DO_SAMPLE, rows], s.floats[TEMPERATURE, rows],
                                          s.ints[TOP_K, rows], s.floats[TOP_P, rows], s.seed[rows],
                                          torch.zeros(rows.shape[0], dtype=torch.int64, device=self.device), 0)

@@ -316,7 +316,7 @@ class FrameStep:
         logits = ops.linear(hidden, p.codec_head)  # [B, V]
         if self.dump is not None:
             self.dump[:b, g - 1, :logits.shape[1]] = logits
-        ops.talker_process_(logits, s.seen[rows], fg[2], gate, ids.eos, ids.suppress_start, ids.min_new_tokens)
+        ops.talker_process_(logits, s.seen, fg[2], gate, ids.eos, ids.suppress_start, ids.min_new_tokens, rows)
         # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]; the
         # draw index: prefill drew 0, frame f draws f + 1 (early: advance_inputs wrote its
         # settings, launches before the head)

@@ -99,15 +99,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: 
 
 def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
                     n_sampled: torch.Tensor, eos: int, suppress_start: int,
-                    min_new_tokens: int) -> None:
-    """In place on logits [B, V] fp32; seen [B, V] uint8; penalty [B] fp32; n_sampled [B] int32:
-    repetition penalty over seen ids, ids [suppress_start, V) -> -inf except eos, eos -> -inf while
-    n_sampled < min_new_tokens (as model/sampler.py)."""
+                    min_new_tokens: int, rows: torch.Tensor | None = None) -> None:
+    """In place on logits [B, V] fp32; seen [B, V] uint8, or [S, V] with rows [B] (row b's seen ids
+    are seen[rows[b]]: no gathered copy); penalty [B] fp32; n_sampled [B] int32: repetition penalty
+    over seen ids, ids [suppress_start, V) -> -inf except eos, eos -> -inf while n_sampled <
+    min_new_tokens (as model/sampler.py)."""
     if _use_triton(logits):
         return _kernels().talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start,
-                                          min_new_tokens)
-    return ops_ref.talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start,
-                                   min_new_tokens)
+                                          min_new_tokens, rows)
+    return ops_ref.talker_process_(logits, seen if rows is None else seen[rows], penalty, n_sampled, eos,
+                                   suppress_start, min_new_tokens)
 
 
 def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,

@@ -21,15 +21,17 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _talker_process_kernel(logits_ptr, seen_ptr, pen_ptr, nsamp_ptr, V, stride_l, stride_s, eos,
-                           suppress_start, min_new_tokens, BLOCK: tl.constexpr, GDC: tl.constexpr):
+def _talker_process_kernel(logits_ptr, seen_ptr, rows_ptr, pen_ptr, nsamp_ptr, V, stride_l, stride_s, eos,
+                           suppress_start, min_new_tokens, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                           GDC: tl.constexpr):
     pdl.enter(GDC)
-    # program (b, chunk): logits[b, chunk] in place
+    # program (b, chunk): logits[b, chunk] in place; its seen row b, or rows[b] (ROWS)
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
     x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=0.0)
-    seen = tl.load(seen_ptr + b * stride_s + offs, mask=mask, other=0)
+    srow = tl.load(rows_ptr + b).to(tl.int64) if ROWS else b
+    seen = tl.load(seen_ptr + srow * stride_s + offs, mask=mask, other=0)
     p = tl.load(pen_ptr + b)
     pen = tl.where(x < 0, x * p, tl.math.div_rn(x, p))
     x = tl.where(seen != 0, pen, x)
@@ -39,16 +41,19 @@ def _talker_process_kernel(logits_ptr, seen_ptr, pen_ptr, nsamp_ptr, V, stride_l
     tl.store(logits_ptr + b * stride_l + offs, x, mask=mask)
 
 
-def talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start, min_new_tokens) -> None:
-    """In place on logits [B, V] fp32 (seen [B, V] uint8, penalty [B] fp32, n_sampled [B] int32)."""
+def talker_process_(logits, seen, penalty, n_sampled, eos, suppress_start, min_new_tokens, rows=None) -> None:
+    """In place on logits [B, V] fp32 (seen [B, V] uint8, or [S, V] with rows [B] int: row b's is
+    seen[rows[b]]; penalty [B] fp32, n_sampled [B] int32)."""
     b, v = logits.shape
     seen = seen.view(torch.uint8) if seen.dtype == torch.bool else seen
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert seen.stride(1) == 1 and seen.dtype == torch.uint8, (seen.dtype, seen.stride())
+    assert rows is None or (rows.shape == (b,) and rows.is_contiguous()), "rows: [B] contiguous"
     blk = 1024
     _talker_process_kernel[(b, triton.cdiv(v, blk))](
-        logits, seen, penalty.float().contiguous(), n_sampled.int().contiguous(), v, logits.stride(0),
-        seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk, **pdl.kw())
+        logits, seen, seen if rows is None else rows, penalty.float().contiguous(), n_sampled.int().contiguous(),
+        v, logits.stride(0), seen.stride(0), int(eos), int(suppress_start), int(min_new_tokens), BLOCK=blk,
+        ROWS=rows is not None, **pdl.kw())
 
 
 @triton.jit
