@@ -144,10 +144,10 @@ def _grid(lib: ctypes.CDLL, dev: torch.device) -> int:
     blocks = int(lib.qsk_grid(sms))
     if blocks < 0:
         raise RuntimeError(f"{sms} multiprocessors: too few for the small-batch kernel (64 at least)")
-    want = int(os.environ.get("TTS_SMALL_BLOCKS", blocks))
-    if want % 4 or not 64 <= want <= sms:
+    want = os.environ.get("TTS_SMALL_BLOCKS", str(blocks))
+    if not want.isdigit() or int(want) % 4 or not 64 <= int(want) <= sms:
         raise RuntimeError(f"TTS_SMALL_BLOCKS={want}: a multiple of 4 in 64..{sms // 4 * 4}")
-    return want
+    return int(want)
 
 
 def _pdl() -> int:
