@@ -60,6 +60,8 @@ VARIANTS["talker_off"] = ({"TTS_PDL": "1", "TTS_TALKER_KERNEL": "0"}, None)
 # leaves an SM to the kernel before it: 128 on 132 SMs)
 VARIANTS["small_nopdl"] = ({"TTS_PDL": "1", "TTS_SMALL_PDL": "0"}, None)
 VARIANTS["small_b132"] = ({"TTS_PDL": "1", "TTS_SMALL_BLOCKS": "132"}, None)
+# the draws' noise made at the frame's start for frames of up to N streams (frame.NOISE_ROWS)
+VARIANTS.update({f"noise{n}": ({"TTS_PDL": "1", "TTS_FRAME_NOISE_ROWS": str(n)}, None) for n in (1, 4, 16, 64)})
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}

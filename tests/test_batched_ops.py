@@ -154,6 +154,37 @@ def check_talker_process(ops, dev: str) -> None:
     assert torch.equal(out.cpu(), ref)
 
 
+def check_frame_noise(ops, dev: str) -> None:
+    """ops.frame_noise makes each of a frame's draws' noise as the draw would (the reference's
+    Gumbel noise for the slot's seed, counter and the draw's stream), and a draw given its rows
+    draws the codes it draws without them."""
+    g = _gen(11)
+    slots, n_sampled, ns = 9, 2, 4
+    seed = torch.randint(-2 ** 62, 2 ** 62, (slots,), generator=g)
+    ints = torch.randint(0, 2 ** 31 - 1, (3, slots), generator=g).int()
+    rows = torch.tensor([6, 2, 8])
+    b = rows.shape[0]
+    counter = ints[n_sampled, rows].long()
+    noise = torch.full((b + 1, ns, 512), float("nan"), dtype=torch.float64)
+    noise = noise.to(dev)
+    if not ops.draws_in_triton(noise):
+        return  # the reference's draws make their own noise
+    ops.frame_noise(rows.to(dev), seed.to(dev), ints.to(dev), n_sampled, noise, 512, 256)
+    for s, v in ((0, 512), (1, 256), (3, 256)):
+        want = ops_ref.gumbel(ops_ref.row_key(seed[rows], counter, s), v)
+        assert torch.allclose(noise[:b, s, :v].cpu(), want, rtol=1e-15, atol=0), s
+    assert torch.isnan(noise[:b, 1:, 256:]).all() and torch.isnan(noise[b:]).all()  # nothing else written
+    for s, v in ((0, 300), (2, 200)):
+        logits, do_sample, temp, top_k, top_p, _, _ = sample_case(b, v, 20 + s, dev)
+        do_sample = torch.ones_like(do_sample)
+        args = (logits, do_sample, temp, top_k, top_p, seed[rows].to(dev), counter.to(dev), s)
+        plain = ops.sample_tokens(*args, early=True)[0]
+        given = ops.sample_tokens(*args, early=True, noise=noise[:b, s])[0]
+        assert torch.equal(plain, given), s
+        assert torch.equal(given.cpu(), ops_ref.sample_tokens(*[a.cpu() if torch.is_tensor(a) else a for a in args])[0]
+                           .int()), s
+
+
 def check_sampling(ops, dev: str, b: int = 48, v: int = 300) -> None:
     case = sample_case(b, v, 5, "cpu")
     case[0][3, 7] = float("nan")
@@ -463,6 +494,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_copy_prefix(dev)
     check_attention_program_order(ops, dev)
     check_talker_process(ops, dev)
+    check_frame_noise(ops, dev)
     check_sampling(ops, dev)
     check_sampling_parts_embed(ops, dev)
     check_predict_inputs(dev)

@@ -5,9 +5,11 @@ gathers, scatters, elementwise math and the row-local fused glue (glue.py)."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
+import triton
 
 from ...model.lm import rope_cos_sin
 from . import glue, ops, small_kernel
@@ -19,6 +21,12 @@ from .state import (CODE0, DO_SAMPLE, EOS_FROM, N_SAMPLED, N_TRAILING, PENALTY, 
 # out[b] = 16 codes of the frame, the next code 0, an error bitmask (bit k < 15: code-predictor
 # group k + 1 logits non-finite; bit 15: talker logits non-finite)
 TALKER_BAD_BIT = 15
+# frames of up to this many streams make their draws' Gumbel noise in one launch at the frame's start
+# (FrameStep.noise), which under PDL runs while the frame's first kernel does, instead of in each
+# draw before its PDL wait, where the head before it leaves ~2 µs for ~4 µs of fp64 logarithms (the
+# talker's draw ~1 µs for ~8). The same values either way. Off until measured on a GPU
+# (TTS_FRAME_NOISE_ROWS at the FrameStep's construction: the bound; gpu_pdl_ab.py's noiseN variants).
+NOISE_ROWS = 0
 
 
 def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32: bool = True) -> torch.Tensor:
@@ -111,6 +119,14 @@ class FrameStep:
         self.small_h = torch.zeros(small_kernel.MAX_ROWS, cp.hidden_size, dtype=torch.float16, device=dev)
         # the talker's layers of steps of one stream through the kernel's talker variant (use_talker_kernel)
         self.talker_k: small_kernel.TalkerKernel | None = None
+        # the draws' Gumbel noise of frames of up to NOISE_ROWS streams, made at the frame's start
+        # (ops.frame_noise) and loaded by each draw before its PDL wait: [:, 0] the talker's draw,
+        # [:, k + 1] pass k's, over the draws' BLOCK_V ids
+        self.nv0 = triton.next_power_of_2(params.codec_head.shape[0])
+        self.nv = triton.next_power_of_2(max(h.shape[0] for h in params.predictor_heads))
+        rows_n = min(max_rows, int(os.environ.get("TTS_FRAME_NOISE_ROWS", NOISE_ROWS)))
+        self.noise = torch.empty(rows_n, params.num_passes + 1, max(self.nv0, self.nv), dtype=torch.float64,
+                                 device=dev) if rows_n > 0 and ops.draws_in_triton(state.ints) else None
 
     def use_talker_kernel(self, kernel: small_kernel.TalkerKernel) -> str | None:
         """Serve the talker's layers of steps of one stream with `kernel` if it gives this frame's
@@ -255,6 +271,7 @@ class FrameStep:
         codes go to out[:B, 1:16] and their error bits (pass k: bit k) into out[:B, 17]."""
         p = self.p
         err = p.ids.num_code_groups + 1
+        noise = self._noise(b)
         x = self._cp_in(x0)  # [2B, Hp]
         for k in range(p.num_passes):
             first = k == 0
@@ -269,7 +286,8 @@ class FrameStep:
             # drawn code's embedding
             # (early: predict_inputs wrote the draw's settings, launches before the head)
             drawn = ops.sample_tokens(parts, *draw, k + 1, p.predictor_embedding_stack[k] if more else None,
-                                      into=(self.out, k + 1, err, k), early=True)
+                                      into=(self.out, k + 1, err, k), early=True,
+                                      noise=None if noise is None else noise[:, k + 1])
             if more:
                 x = self._cp_in(drawn[2])
 
@@ -294,7 +312,14 @@ class FrameStep:
             rows, s.ints, s.floats, s.seed, s.past_hidden, self.p.codec_embedding, self.out,
             (SUB_DO_SAMPLE, SUB_TOP_K), (SUB_TEMPERATURE, SUB_TOP_P), CODE0, N_SAMPLED,
             self.p.ids.num_code_groups + 1)
+        if self._noise(b) is not None:  # (advance, after predict of the same rows, uses it too)
+            ops.frame_noise(rows, s.seed, s.ints, N_SAMPLED, self.noise, self.nv0, self.nv)
         self._predict(b, x0, (ig[0], fg[0], ig[1], fg[1], seed, counter))
+
+    def _noise(self, b: int) -> torch.Tensor | None:
+        """The draws' noise rows of a frame of b streams ([b, passes + 1, ids]), or None: each draw
+        makes its own."""
+        return self.noise[:b] if self.noise is not None and b <= self.noise.shape[0] else None
 
     def advance(self, rows: torch.Tensor) -> None:
         """The frame's second half, after `predict` of the same rows: the talker step over this
@@ -320,8 +345,10 @@ class FrameStep:
         # the draw also writes out[:B, 16] and the talker's error bit (15) into out[:B, 17]; the
         # draw index: prefill drew 0, frame f draws f + 1 (early: advance_inputs wrote its
         # settings, launches before the head)
+        noise = self._noise(b)
         nxt, _ = ops.sample_tokens(logits, ig[0], fg[0], ig[1], fg[1], seed, counter, 0,
-                                   into=(self.out, g, g + 1, TALKER_BAD_BIT), early=True)
+                                   into=(self.out, g, g + 1, TALKER_BAD_BIT), early=True,
+                                   noise=None if noise is None else noise[:, 0])
         # commit (padding rows all point at the scratch slot, whose step fields stay 0)
         glue.advance_commit(rows, nxt, hidden, s.ints, s.past_hidden, s.seen, s.scratch,
                             (POS, CODE0, N_SAMPLED, TEXT_STEP))

@@ -111,10 +111,25 @@ def talker_process_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Ten
                                    suppress_start, min_new_tokens)
 
 
+def draws_in_triton(t: torch.Tensor) -> bool:
+    """Whether the draws of tensors like t run as Triton kernels (which can take frame_noise's
+    noise); the reference's make their own."""
+    return _use_triton(t)
+
+
+def frame_noise(rows: torch.Tensor, seed: torch.Tensor, ints: torch.Tensor, nsamp_field: int,
+                noise: torch.Tensor, nv0: int, nv: int) -> None:
+    """The Gumbel noise of a frame's draws for slots rows into noise (tk_sample.frame_noise: [:, 0]
+    the talker's draw over nv0 ids, [:, s] the code predictor's pass s - 1 over nv), for draws
+    that run as Triton kernels (draws_in_triton)."""
+    assert _use_triton(rows), "frame_noise: for the Triton draws"
+    _kernels().frame_noise(rows, seed, ints, nsamp_field, noise, nv0, nv)
+
+
 def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
                   counter: torch.Tensor, stream: int, embed: torch.Tensor | None = None, into: tuple | None = None,
-                  early: bool = False):
+                  early: bool = False, noise: torch.Tensor | None = None):
     """logits [B, V] fp32, or `linear_parts`' partial products [P, B, V] (summed in part order,
     as `linear` sums them); do_sample/top_k [B] int32; temperature/top_p [B] fp32; seed/counter
     [B] int64; stream int -> (codes [B] int32 in [0, V), finite [B] bool). finite is False where
@@ -123,10 +138,12 @@ def sample_tokens(logits: torch.Tensor, do_sample: torch.Tensor, temperature: to
     lookup done in the same launch. into: (out [>= B, C] int32, col, err_col, bit): also
     out[:B, col] = codes and out[:B, err_col] |= 1 << bit where a row is not finite. early: the
     caller wrote do_sample, seed and counter at least two launches before this one, so that under
-    PDL the draw makes its noise before it waits for the logits (the same codes either way)."""
+    PDL the draw makes its noise before it waits for the logits (the same codes either way).
+    noise (with early): this draw's rows of frame_noise's output, loaded instead of made (the same
+    values; the reference makes its own)."""
     if _use_triton(logits):
         return _kernels().sample_tokens(logits, do_sample, temperature, top_k, top_p, seed,
-                                        counter, stream, embed, into, early)
+                                        counter, stream, embed, into, early, noise)
     return ops_ref.sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter,
                                  stream, embed, into)
 

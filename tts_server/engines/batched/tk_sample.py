@@ -109,8 +109,12 @@ def _mass_cut_key(key, e, budget):
 @triton.jit
 def _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM: tl.constexpr, INTERPRET: tl.constexpr):
     # row b's Gumbel noise for token ids offs: 32 hashed bits per (row key, token id), fp64
-    seed = tl.load(seed_ptr + b)
-    ctr = tl.load(ctr_ptr + b)
+    return _gumbel_key(tl.load(seed_ptr + b), tl.load(ctr_ptr + b), offs, STREAM, INTERPRET)
+
+
+@triton.jit
+def _gumbel_key(seed, ctr, offs, STREAM: tl.constexpr, INTERPRET: tl.constexpr):
+    # the noise for (seed, counter) int64 and the draw's stream
     h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
     h = _mix32(h ^ (seed >> 32).to(tl.uint32))
     h = _mix32(h ^ (ctr & 0xFFFFFFFF).to(tl.uint32))
@@ -125,11 +129,48 @@ def _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
+def _noise_kernel(rows_ptr, seed_ptr, ints_ptr, nsamp_row, noise_ptr, stride_b, stride_s, NS: tl.constexpr,
+                  NV0: tl.constexpr, NV: tl.constexpr, CHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+                  GDC: tl.constexpr):
+    # program (b, c): the Gumbel noise of a frame's draws of row b (slot rows[b]) for token ids
+    # c CHUNK .. (c + 1) CHUNK - 1, made as the draws make it (_gumbel with the slot's seed, its
+    # draw counter ints[nsamp_row, slot] and the draw's stream): noise[b, 0, :NV0] the talker's
+    # (stream 0), noise[b, s, :NV] the code predictor's pass s - 1 (stream s, s = 1..NS-1). Its
+    # inputs were written before the frame's graph began (the slot's seed and counter by the
+    # admission or the last commit, rows by the host copy), and the previous frame's draws, the
+    # only readers, had finished by then too. So under PDL it lets its successor launch first, makes
+    # and stores the noise while the kernel before it (predict_inputs) may still run, and waits for
+    # that kernel last (its successor waits for this kernel to end, so for that one too).
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    row = noise_ptr + b * stride_b
+    tl.store(row + offs, _gumbel_slot(seed_ptr, ints_ptr, nsamp_row, slot, offs, 0, INTERPRET), mask=offs < NV0)
+    if c * CHUNK < NV:
+        for s in tl.static_range(1, NS):
+            tl.store(row + s * stride_s + offs, _gumbel_slot(seed_ptr, ints_ptr, nsamp_row, slot, offs, s, INTERPRET),
+                     mask=offs < NV)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _gumbel_slot(seed_ptr, ints_ptr, nsamp_row, slot, offs, STREAM: tl.constexpr, INTERPRET: tl.constexpr):
+    # _gumbel for a slot of the state: its seed (int64) and its draw counter (N_SAMPLED, int32 in the
+    # state, int64 where the frame's inputs gather it) as the draws see them
+    return _gumbel_key(tl.load(seed_ptr + slot), tl.load(ints_ptr + nsamp_row + slot).to(tl.int64), offs, STREAM,
+                       INTERPRET)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, ctr_ptr, code_ptr,
-                   fin_ptr, tab_ptr, emb_ptr, out_ptr, V, stride_l, stride_p, out_stride, out_col, err_col, bit,
-                   STREAM: tl.constexpr, BLOCK_V: tl.constexpr, PARTS: tl.constexpr, H: tl.constexpr,
-                   HP2: tl.constexpr, EMBED: tl.constexpr, INTO: tl.constexpr, INTERPRET: tl.constexpr,
-                   EARLY: tl.constexpr, GDC: tl.constexpr):
+                   fin_ptr, tab_ptr, emb_ptr, out_ptr, noise_ptr, V, stride_l, stride_p, out_stride, out_col,
+                   err_col, bit, noise_stride, STREAM: tl.constexpr, BLOCK_V: tl.constexpr, PARTS: tl.constexpr,
+                   H: tl.constexpr, HP2: tl.constexpr, EMBED: tl.constexpr, INTO: tl.constexpr,
+                   INTERPRET: tl.constexpr, EARLY: tl.constexpr, NOISE: tl.constexpr, GDC: tl.constexpr):
     # one program per row b: logits[b, :V] (the sum of PARTS partial products, added in part
     # order as tk_gemm's split sum) -> code[b] int32 in [0, V), finite[b] uint8; EMBED: also
     # emb[b] = tab[code[b]] as fp32 (the next code-predictor pass's input row); INTO: also
@@ -142,11 +183,14 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
         # before it lets its successor start, so while this program runs the launch before ours
         # has passed its wait, the one before that has finished, and those inputs are visible.
         # So the fp64 logarithms run here, while the logits are still being made (the same
-        # values as after the wait)
-        if tl.load(ds_ptr + b) != 0:
-            g = _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM, INTERPRET)
+        # values as after the wait). NOISE: frame_noise made them at the frame's start, loaded here
+        if NOISE:
+            g = tl.load(noise_ptr + b * noise_stride + offs)
         else:
-            g = tl.zeros([BLOCK_V], dtype=tl.float64)
+            if tl.load(ds_ptr + b) != 0:
+                g = _gumbel(seed_ptr, ctr_ptr, b, offs, STREAM, INTERPRET)
+            else:
+                g = tl.zeros([BLOCK_V], dtype=tl.float64)
     pdl.enter(GDC)
     valid = offs < V
     ninf = float("-inf")
@@ -189,11 +233,28 @@ def _sample_kernel(logits_ptr, ds_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, c
         tl.store(emb_ptr + b * H + dh, row.to(tl.float32), mask=dh < H)
 
 
+NOISE_CHUNK = 128  # token ids a program of the noise kernel
+
+
+def frame_noise(rows, seed, ints, nsamp_field: int, noise, nv0: int, nv: int) -> None:
+    """The Gumbel noise of a frame's draws for slots rows [B] into noise [>= B, NS, >= nv0] fp64:
+    [:, 0, :nv0] the talker's draw (stream 0), [:, s, :nv] the code predictor's pass s - 1 (stream
+    s), as sample_tokens makes it with the slot's seed (seed [S] int64) and draw counter
+    (ints[nsamp_field] [S] int32); nv0 / nv: the draws' BLOCK_V."""
+    b, ns = rows.shape[0], noise.shape[1]
+    assert noise.dtype == torch.float64 and noise.stride(2) == 1 and noise.shape[2] >= max(nv0, nv)
+    assert seed.dtype == torch.int64 and ints.dtype == torch.int32 and ints.stride(1) == 1
+    _noise_kernel[(b, triton.cdiv(max(nv0, nv), NOISE_CHUNK))](
+        rows, seed, ints, nsamp_field * ints.stride(0), noise, noise.stride(0), noise.stride(1), NS=ns, NV0=nv0, NV=nv,
+        CHUNK=NOISE_CHUNK, INTERPRET=_INTERPRET, num_warps=4, **pdl.kw())
+
+
 def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, stream, embed=None, into=None,
-                  early=False):
+                  early=False, noise=None):
     """logits [B, V] fp32, or partial products [P, B, V] added in order -> (codes [B] int32,
     finite [B] bool), and with embed (a [V', H] table) also embed[codes] as [B, H] fp32; into:
-    (out, col, err_col, bit), written as well; early: the noise made before the PDL wait; see
+    (out, col, err_col, bit), written as well; early: the noise made before the PDL wait; noise
+    (with early): frame_noise's rows of this draw ([B, >= BLOCK_V] fp64) instead; see
     ops.sample_tokens."""
     parts = logits if logits.dim() == 3 else logits[None]
     p, b, v = parts.shape
@@ -206,13 +267,16 @@ def sample_tokens(logits, do_sample, temperature, top_k, top_p, seed, counter, s
     emb = torch.empty((b, h), dtype=torch.float32, device=parts.device) if embed is not None else codes
     out, col, err_col, bit = into if into is not None else (codes, 0, 0, 0)
     assert into is None or (out.dtype == torch.int32 and out.stride(1) == 1)
+    block_v = triton.next_power_of_2(v)
+    assert noise is None or (early and noise.dtype == torch.float64 and noise.shape[0] >= b
+                             and noise.shape[1] >= block_v and noise.stride(1) == 1), "noise: [B, >= BLOCK_V] fp64"
     _sample_kernel[(b,)](parts, i32(do_sample), f32(temperature), i32(top_k), f32(top_p), i64(seed),
-                         i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, out, v,
-                         parts.stride(1), parts.stride(0), out.stride(0), col, err_col, bit, STREAM=int(stream),
-                         BLOCK_V=triton.next_power_of_2(v), PARTS=p, H=h, HP2=triton.next_power_of_2(h),
+                         i64(counter), codes, fin, embed.contiguous() if embed is not None else codes, emb, out,
+                         noise if noise is not None else codes, v, parts.stride(1), parts.stride(0), out.stride(0), col,
+                         err_col, bit, noise.stride(0) if noise is not None else 0, STREAM=int(stream),
+                         BLOCK_V=block_v, PARTS=p, H=h, HP2=triton.next_power_of_2(h),
                          EMBED=embed is not None, INTO=into is not None, INTERPRET=_INTERPRET, EARLY=bool(early),
-                         num_warps=NUM_WARPS,
-                         **pdl.kw())
+                         NOISE=noise is not None, num_warps=NUM_WARPS, **pdl.kw())
     if embed is not None:
         return codes, fin.view(torch.bool), emb
     return codes, fin.view(torch.bool)
