@@ -157,7 +157,14 @@ def _engine(sizes, pdl) -> None:
 
     w = checks.random_weights("cpu")
     for dtype in (torch.float16, torch.bfloat16):  # the GEMM matrices: CUDA's default, and bf16
+        # (the fp16 engine with the draws' noise made at the frame's start for frames of up to 4
+        # streams, frame.NOISE_ROWS's other setting, so that its kernels compile too)
+        before = os.environ.get("TTS_FRAME_NOISE_ROWS")
+        os.environ["TTS_FRAME_NOISE_ROWS"] = "4" if dtype == torch.float16 else "0"
         eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512, gemm_dtype=dtype)
+        os.environ.pop("TTS_FRAME_NOISE_ROWS")
+        if before is not None:
+            os.environ["TTS_FRAME_NOISE_ROWS"] = before
         h = eng.p.talker.cfg.hidden_size
         # admissions: one short prompt, then three of mixed lengths (row prefill + first draws), the
         # last two with a shared prefix (its copies between scratch blocks)
