@@ -250,7 +250,8 @@ class BatchedEngine:
         rope = 2 * math.ceil(max_positions / block_size) * block_size * t.head_dim * 4  # FrameStep.rope
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table + rope
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
-                + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows)
+                + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows,
+                                          max(ids.vocab_size, ids.predictor_vocab_size))
                 + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
                 + (small_kernel.tiled_bytes(c) + small_kernel.talker_bytes(t, math.ceil(max_positions / block_size))
                    if frame_kernel == "triton" and weights.codec_head.is_cuda else 0)

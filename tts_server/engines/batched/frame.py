@@ -29,6 +29,11 @@ TALKER_BAD_BIT = 15
 NOISE_ROWS = 0
 
 
+def noise_rows(max_rows: int) -> int:
+    """The streams a frame may have to make its draws' noise at its start (FrameStep.noise's rows)."""
+    return min(max_rows, int(os.environ.get("TTS_FRAME_NOISE_ROWS", NOISE_ROWS)))
+
+
 def stack_forward(x: torch.Tensor, sp: StackParams, attend: Callable, final_fp32: bool = True) -> torch.Tensor:
     """All layers of a stack over rows x [M, H] fp32 -> final-normed hidden [M, H] fp32 (fp16 with
     fp16 matrices and not final_fp32). attend(layer, qkv [M, (NH + 2 NKV) HD]) stores this step's
@@ -124,7 +129,7 @@ class FrameStep:
         # [:, k + 1] pass k's, over the draws' BLOCK_V ids
         self.nv0 = triton.next_power_of_2(params.codec_head.shape[0])
         self.nv = triton.next_power_of_2(max(h.shape[0] for h in params.predictor_heads))
-        rows_n = min(max_rows, int(os.environ.get("TTS_FRAME_NOISE_ROWS", NOISE_ROWS)))
+        rows_n = noise_rows(max_rows)
         self.noise = torch.empty(rows_n, params.num_passes + 1, max(self.nv0, self.nv), dtype=torch.float64,
                                  device=dev) if rows_n > 0 and ops.draws_in_triton(state.ints) else None
 
@@ -208,8 +213,11 @@ class FrameStep:
 
     @staticmethod
     def scratch_bytes(params_cp_layers: int, cp_kv_heads: int, cp_head_dim: int, groups: int,
-                      max_rows: int) -> int:
-        return 2 * params_cp_layers * max_rows * cp_kv_heads * groups * cp_head_dim * 4 + max_rows * (groups + 2) * 4
+                      max_rows: int, vocab: int = 0) -> int:
+        """The code-predictor cache, out, and (vocab: the larger vocabulary) the draws' noise rows."""
+        noise = noise_rows(max_rows) * groups * triton.next_power_of_2(vocab) * 8 if vocab else 0
+        return (2 * params_cp_layers * max_rows * cp_kv_heads * groups * cp_head_dim * 4 + max_rows * (groups + 2) * 4
+                + noise)
 
     def consts(self, b: int) -> dict:
         """Per-B index tensors of the code-predictor attention (made once, outside any capture)."""
