@@ -156,6 +156,20 @@ def _pdl() -> int:
     return int(pdl.active() and os.environ.get("TTS_SMALL_PDL", "1") != "0")
 
 
+def _tile_layers(sp: StackParams) -> list:
+    """Each layer's tiled copies of q|k|v, o_proj, gate, up and down (the Layer struct's w order)."""
+    return [[tile(w) for w in (sp.wqkv[i], sp.wo[i], sp.gate[i], sp.up[i], sp.down[i])]
+            for i in range(sp.cfg.num_layers)]
+
+
+def _launch(lib: ctypes.CDLL, run, a, blocks: int, dev: torch.device) -> None:
+    """One launch through qsk_run / qtk_run (`run`) on dev's current stream, a programmatic
+    dependent where _pdl() says so."""
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(lib, run(ctypes.byref(a), blocks, ctypes.c_void_p(stream), _pdl()), "launch")
+
+
 def _fill_layers(base, sp: StackParams, tiled: list, kpools: torch.Tensor, vpools: torch.Tensor) -> None:
     """base.L[i] (the Layer structs) from the stack's tiled matrices, norms and layer i's K / V."""
     n = sp.cfg.num_layers
@@ -178,8 +192,7 @@ class SmallKernel:
         self.sp, dev = sp, cp_k.device
         cfg = sp.cfg
         self.nl = cfg.num_layers
-        self.tiled = [[tile(w) for w in (sp.wqkv[i], sp.wo[i], sp.gate[i], sp.up[i], sp.down[i])]
-                      for i in range(self.nl)]
+        self.tiled = _tile_layers(sp)
         self.nbytes = sum(t.numel() * t.element_size() for lw in self.tiled for t in lw)
         self.words = torch.zeros(int(self.lib.qsk_words_len()), dtype=torch.int64, device=dev)
         self.sync = torch.zeros(4, dtype=torch.int32, device=dev)  # error, epoch, blocks done
@@ -210,10 +223,7 @@ class SmallKernel:
         return a
 
     def launch(self, a: Args) -> None:
-        with torch.cuda.device(self.cp_k.device):
-            stream = torch.cuda.current_stream().cuda_stream
-            _check(self.lib, self.lib.qsk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream), _pdl()),
-                   "launch")
+        _launch(self.lib, self.lib.qsk_run, a, self.blocks, self.cp_k.device)
 
     def __call__(self, x0: torch.Tensor, h0: torch.Tensor | None, out_h: torch.Tensor, pos: int, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
@@ -255,8 +265,7 @@ class TalkerKernel:
         if why:
             raise ValueError(f"talker layers kernel: {why}")
         self.nl = cfg.num_layers
-        self.tiled = [[tile(w) for w in (sp.wqkv[i], sp.wo[i], sp.gate[i], sp.up[i], sp.down[i])]
-                      for i in range(self.nl)]
+        self.tiled = _tile_layers(sp)
         self.words = torch.zeros(int(self.lib.qtk_words_len()), dtype=torch.int64, device=dev)
         self.sync = torch.zeros(4, dtype=torch.int32, device=dev)
         self.msplit = max_blocks
@@ -290,10 +299,7 @@ class TalkerKernel:
         return a
 
     def launch(self, a: TArgs) -> None:
-        with torch.cuda.device(self.k.device):
-            stream = torch.cuda.current_stream().cuda_stream
-            _check(self.lib, self.lib.qtk_run(ctypes.byref(a), self.blocks, ctypes.c_void_p(stream), _pdl()),
-                   "launch")
+        _launch(self.lib, self.lib.qtk_run, a, self.blocks, self.k.device)
 
     def __call__(self, x0: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
