@@ -24,9 +24,12 @@ TALKER_BAD_BIT = 15
 # frames of up to this many streams make their draws' Gumbel noise in one launch at the frame's start
 # (FrameStep.noise), which under PDL runs while the frame's first kernel does, instead of in each
 # draw before its PDL wait, where the head before it leaves ~2 µs for ~4 µs of fp64 logarithms (the
-# talker's draw ~1 µs for ~8). The same values either way. Off until measured on a GPU
-# (TTS_FRAME_NOISE_ROWS at the FrameStep's construction: the bound; gpu_pdl_ab.py's noiseN variants).
-NOISE_ROWS = 0
+# talker's draw ~1 µs for ~8). The same values either way. H200, session 47 (gpu_pdl_ab.py's noiseN
+# variants, two rounds, ms a frame): B = 1 2.251 / 2.262 -> 2.223 / 2.224 (noise4), B = 4 3.068 /
+# 3.064 -> 3.036 / 3.038, B = 16 3.734 / 3.722 -> 3.704 / 3.713 (noise16), B = 64 4.442 / 4.443 ->
+# 4.451 / 4.454 (noise64: slower), so on up to 16 (TTS_FRAME_NOISE_ROWS at the FrameStep's
+# construction overrides the bound; 0: off).
+NOISE_ROWS = 16
 
 
 def noise_rows(max_rows: int) -> int:
