@@ -62,6 +62,11 @@ VARIANTS["small_nopdl"] = ({"TTS_PDL": "1", "TTS_SMALL_PDL": "0"}, None)
 VARIANTS["small_b132"] = ({"TTS_PDL": "1", "TTS_SMALL_BLOCKS": "132"}, None)
 # the draws' noise made at the frame's start for frames of up to N streams (frame.NOISE_ROWS)
 VARIANTS.update({f"noise{n}": ({"TTS_PDL": "1", "TTS_FRAME_NOISE_ROWS": str(n)}, None) for n in (1, 4, 16, 64)})
+# the layers' products summed as sub-pieces of 256 columns (tk_gemm.SUB_COLS, opt-in: TTS_GEMM_SUB)
+# and the small-batch kernel built to match (csrc/build/qsk_sub256.so: make -C csrc
+# build/qsk_sub256.so SMALL_LIB=build/qsk_sub256.so DEFS=-DQSK_SUB=256, carried); its bits differ
+# from the default's by design
+VARIANTS["sub256"] = ({"TTS_PDL": "1", "TTS_GEMM_SUB": "256", "QSK_LIB": "csrc/build/qsk_sub256.so"}, None)
 # every setting a variant makes: popped before each variant, so that a later one (e.g.
 # default_again after kvminor) runs with the tree's default for what it does not set itself
 VARIANT_ONLY = {key for env, _ in VARIANTS.values() for key in env}

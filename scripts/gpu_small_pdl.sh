@@ -8,7 +8,7 @@ source "$(dirname "$0")/gpu_env.sh"
 make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 grep -E "registers|spill" "$OUT/build.log" | head -4
 if [ "${TESTS-x}" != "" ]; then
-  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout 300 $PY -m pytest -q -m gpu ${TESTS:-tests/test_small_kernel.py} \
+  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -m gpu ${TESTS:-tests/test_small_kernel.py} \
     -p no:cacheprovider > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; tail -2 "$OUT/tests.log"
 fi

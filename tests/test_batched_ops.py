@@ -487,6 +487,7 @@ def run_all(dev: str, sizes=(1, 3, 17, 64)) -> dict:
     check_split_sum_fused(ops, dev, ((64, 2048), (48, 3072)) if dev == "cpu" else ((1024, 2048), (1024, 3072)))
     check_gemm_big(dev)
     check_gemm_fp16(dev)
+    check_gemm_sub(dev)
     check_mlp_fp16_scaled(dev)
     check_norms_fp16(dev)
     if dev != "cpu":  # the interpreter's dots round by their shapes, so only a GPU can say
@@ -524,6 +525,56 @@ def check_gemm_fp16(dev: str) -> None:
         assert torch.equal(tk_gemm.gemm_big(x16, w, w2), out), swiglu
         if not swiglu:
             assert torch.equal(tk_gemm.linear_parts(x16, w), tk_gemm.linear_parts(x, w))
+
+
+def check_gemm_sub(dev: str) -> None:
+    """With TTS_GEMM_SUB=256 (opt-in) the layers' products with fp16 matrices (tk_gemm.SUB_SHAPES)
+    sum each K piece as sub-pieces of 256 columns, each from zero, added in order: every partial
+    product equals, bitwise, the in-order fp32 sum of the same product over each sub-piece's
+    columns alone (one chain from zero, BLOCK_K steps as the piece's), and differs from one chain a
+    piece (TTS_GEMM_SUB=0, the default), so the order is really in force; gate|up's too (against
+    the one-chain order). CPU: narrow matrices given the layers' sub-piece rule (the interpreter is
+    slow)."""
+    from tts_server.engines.batched import tk_gemm
+
+    shapes = (("linear", 4096, 1024), ("linear", 1024, 2048), ("linear", 1024, 3072), ("swiglu", 3072, 1024))
+    if dev == "cpu":  # K of 1 and 2 pieces (the default tile's 1,024-column chunks), 2 x 64 steps
+        shapes = (("linear", 32, 1024), ("linear", 32, 2048), ("swiglu", 32, 1024))
+    saved = set(tk_gemm.SUB_SHAPES)
+    tk_gemm.SUB_SHAPES |= set(shapes)
+    old = os.environ.pop("TTS_GEMM_SUB", None)
+    try:
+        for kind, n, k in shapes:
+            m = 5
+            x, w, w2 = gemm_case(m, k, n, 40 + n + k, dev)
+            w, w2 = (w * 4).half(), ((w2 * 4).half() if kind == "swiglu" else None)
+            assert tk_gemm.sub_cols(kind, n, k, True) == tk_gemm.SUB_COLS == 0, (kind, n, k)  # the default
+            one = tk_gemm.linear_parts(x, w) if kind == "linear" else tk_gemm.swiglu(x, w, w2)
+            os.environ["TTS_GEMM_SUB"] = "256"
+            sub = tk_gemm.sub_cols(kind, n, k, True)
+            got = tk_gemm.linear_parts(x, w) if kind == "linear" else tk_gemm.swiglu(x, w, w2)
+            assert sub == 256 and got.shape == one.shape and not torch.equal(got, one), (kind, n, k)
+            if kind == "swiglu":
+                continue
+            bm, bn, bk, warps, stages, chunk, _ = tk_gemm.config(kind, n, k, m, fp16=True)
+            split, k_per = tk_gemm._pieces(False, k, chunk, bk)
+            assert got.shape[0] == split and k_per % sub == 0
+            tk_gemm.OVERRIDE["linear"] = (bm, bn, bk, warps, stages, 1 << 30, 0)
+            try:
+                for p in range(split):
+                    want = torch.zeros(m, n, device=dev)
+                    for c in range(p * k_per, (p + 1) * k_per, sub):
+                        want = want + tk_gemm.linear(x[:, c:c + sub].contiguous(), w[:, c:c + sub].contiguous())
+                    assert torch.equal(got[p], want), (kind, n, k, p)
+            finally:
+                tk_gemm.OVERRIDE.pop("linear")
+            os.environ.pop("TTS_GEMM_SUB")
+    finally:
+        tk_gemm.SUB_SHAPES.clear()
+        tk_gemm.SUB_SHAPES |= saved
+        os.environ.pop("TTS_GEMM_SUB", None)
+        if old is not None:
+            os.environ["TTS_GEMM_SUB"] = old
 
 
 def check_mlp_fp16_scaled(dev: str) -> None:

@@ -51,6 +51,17 @@ def test_abi_matches_the_python_arguments(check_lib):
     assert check_lib.qtk_run(ctypes.byref(t), 132, None, 0) == -1  # two rows
 
 
+def test_load_refuses_a_kernel_of_another_sub_piece_order(check_lib, monkeypatch):
+    # the products' sub-pieces are part of their bits: a library built for another order than the
+    # graphs' (TTS_GEMM_SUB) is refused with the reason, and accepted when they agree
+    assert check_lib.qsk_sub_cols() == 0
+    monkeypatch.setenv("TTS_GEMM_SUB", "256")
+    with pytest.raises(RuntimeError, match="built with QSK_SUB=0, the graphs sum sub-pieces of 256 columns"):
+        small_kernel.load(CHECK_LIB)
+    monkeypatch.setenv("TTS_GEMM_SUB", "0")
+    assert small_kernel.load(CHECK_LIB).qsk_sub_cols() == 0
+
+
 def test_tile_puts_every_weight_where_the_kernel_reads_it():
     n, k = 32, 1024
     w = torch.arange(n * k, dtype=torch.float32).view(n, k)

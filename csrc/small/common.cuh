@@ -170,13 +170,57 @@ __device__ __forceinline__ void mma_step(const Frag& f, float (*d)[4], float (*e
   if (TWO) mma(d[1], f.a[0], f.a[1], f.a[2], f.a[3], f.x1[0], f.x1[1]);
   if (TWO && DUAL) mma(e[1], f.c[0], f.c[1], f.c[2], f.c[3], f.x1[0], f.x1[1]);
 }
+// The sub-pieces of a K piece (tk_gemm.sub_cols, the Triton graphs' order, opt-in there with
+// TTS_GEMM_SUB=256): 256 columns, each an mma chain from zero, added to the piece's sum in order;
+// 0 (the default): one chain a piece. With 256 a 512-column unit is two sub-pieces whose chains
+// run interleaved on the warp (the tensor core overlaps independent chains: 1, 2 or 4 of them run
+// ~25 cycles a step alike): a B = 1 frame 90 µs faster on an H200, but the Triton tiles of 4-256
+// rows slower by more (session 47; tk_gemm.SUB_COLS).
+#ifndef QSK_SUB
+#define QSK_SUB 0
+#endif
+static_assert(QSK_SUB == 0 || QSK_SUB == 256, "QSK_SUB: 0 or 256 columns");
+
 // One unit's 512 columns of the chain. The shared-memory loads run two steps ahead of the mma that
 // use them (in program order: the asm statements are volatile, so the compiler keeps their order).
 // (A loop of two steps an iteration measured ~43 cycles a step in this kernel on the H200; a chain
 // fully unrolled with its operands from shared memory ~25, dot_bits.cu's chain_smem.)
+// QSK_SUB 256: columns 0-255 and 256-511 as two chains from zero, step by step interleaved, then
+// d = (d + s0) + s1 (e likewise): tk_gemm._fold's order.
 template <bool TWO, bool DUAL>
 __device__ __forceinline__ void chain_unit(uint32_t w0, uint32_t w1, uint32_t xa, int xrs, float (*d)[4],
                                            float (*e)[4], int sw) {
+#if QSK_SUB == 256
+  constexpr int HC = UC / 2;
+  float p0[2][4] = {}, q0[2][4] = {}, p1[2][4] = {}, q1[2][4] = {};  // sub 0 / 1: gate (p), up (q)
+  Frag f0, f1, g0, g1;  // f: sub 0's steps k, k + 16; g: sub 1's
+  load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, 0, sw);
+  load_step<TWO, DUAL>(g0, w0, w1, xa, xrs, HC, sw);
+  load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, 16, sw);
+  load_step<TWO, DUAL>(g1, w0, w1, xa, xrs, HC + 16, sw);
+#pragma unroll
+  for (int k = 0; k < HC; k += 32) {
+    mma_step<TWO, DUAL>(f0, p0, q0);
+    mma_step<TWO, DUAL>(g0, p1, q1);
+    if (k + 32 < HC) {
+      load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, k + 32, sw);
+      load_step<TWO, DUAL>(g0, w0, w1, xa, xrs, HC + k + 32, sw);
+    }
+    mma_step<TWO, DUAL>(f1, p0, q0);
+    mma_step<TWO, DUAL>(g1, p1, q1);
+    if (k + 48 < HC) {
+      load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, k + 48, sw);
+      load_step<TWO, DUAL>(g1, w0, w1, xa, xrs, HC + k + 48, sw);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < (TWO ? 2 : 1); ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      d[i][j] = __fadd_rn(__fadd_rn(d[i][j], p0[i][j]), p1[i][j]);
+      if (DUAL) e[i][j] = __fadd_rn(__fadd_rn(e[i][j], q0[i][j]), q1[i][j]);
+    }
+#else
   Frag f0, f1;
   load_step<TWO, DUAL>(f0, w0, w1, xa, xrs, 0, sw);
   load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, 16, sw);
@@ -187,6 +231,7 @@ __device__ __forceinline__ void chain_unit(uint32_t w0, uint32_t w1, uint32_t xa
     mma_step<TWO, DUAL>(f1, d, e);
     if (k + 48 < UC) load_step<TWO, DUAL>(f1, w0, w1, xa, xrs, k + 48, sw);
   }
+#endif
 }
 
 // A task's chain over its piece, unit by unit (the same accumulators: one chain in k order): unit

@@ -920,7 +920,8 @@ int run(const ArgsT<TALK ? TL : MAXL>& a, int blocks, void* stream, int pdl) {
 // arguments out of range, -2 when shared memory is short. args: an Args / TArgs (a pointer to void:
 // a type of internal linkage in the signature would hide the symbol). qsk_*: the code predictor's
 // layers; qtk_*: the talker's.
-extern "C" int qsk_abi_version() { return 5; }
+extern "C" int qsk_abi_version() { return 6; }
+extern "C" int qsk_sub_cols() { return QSK_SUB; }  // tk_gemm.sub_cols' order (0: one chain a piece)
 extern "C" int qsk_args_size() { return (int)sizeof(Args); }
 extern "C" long long qsk_words_len() { return (long long)WORDS_LEN; }
 extern "C" int qsk_max_rows() { return MAXM; }

@@ -32,7 +32,7 @@ from .params import StackParams
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 LIB_NAME = "libqwen_small.so"
-ABI = 5
+ABI = 6
 # rows a launch takes (qsk_max_rows) and serves: one. Inside a frame a pass's five layers took 116 µs
 # in the 9-warp kernel against ~121 for the Triton launches at one row, but 136 against ~127 at two
 # (H200, session 40: scripts/gpu_small_timeline.py); built for one row (7 consumer warps: no
@@ -102,6 +102,12 @@ def load(path: Path | None = None) -> ctypes.CDLL:
             or lib.qtk_args_size() != ctypes.sizeof(TArgs)):
         raise RuntimeError(f"{path or library_path()}: ABI {lib.qsk_abi_version()} (args "
                            f"{lib.qsk_args_size()} B), expected {ABI} ({ctypes.sizeof(Args)} B); rebuild: make kernel")
+    from . import tk_gemm  # (Triton)
+
+    graphs = tk_gemm.sub_cols("linear", 4096, 1024, True)
+    if lib.qsk_sub_cols() != graphs:  # the sub-pieces are part of every product's bits
+        raise RuntimeError(f"{path or library_path()}: built with QSK_SUB={lib.qsk_sub_cols()}, the graphs sum "
+                           f"sub-pieces of {graphs} columns (TTS_GEMM_SUB); rebuild: make kernel")
     for pre in ("qsk", "qtk"):
         getattr(lib, f"{pre}_words_len").restype = ctypes.c_longlong
         getattr(lib, f"{pre}_setup").argtypes = [ctypes.c_void_p, ctypes.c_int]

@@ -92,6 +92,27 @@ BY_M_X16: dict[tuple[str, int, int], tuple] = {
 }
 # TUNED's MLP down projections (their fp16 input comes scaled: warm_up compiles that variant too)
 MLP_DOWN = {("linear", 1024, 3072)}
+# Opt-in (TTS_GEMM_SUB=256, with a small-batch kernel built with QSK_SUB=256 to match): the
+# transformer layers' products with fp16 matrices sum each K piece as sub-pieces of that many
+# columns, each from a zero accumulator, added in order (((0 + s0) + s1) + ..), part of every
+# output's reduction order like the pieces (a function of (kind, N, K) alone, never of M). The
+# small-batch kernel then runs two sub-pieces' mma.sync chains interleaved on a warp (its chains
+# are latency-bound at one row: a 1,024-column piece is 64 dependent 16-column steps in one
+# chain). Measured on an H200 (session 47, gpu_pdl_ab.py's sub variants, two rounds, ms a frame):
+# B = 1 2.222 / 2.225 -> 2.135 / 2.129, but the Triton tiles lose what the fold costs them: B = 4
+# 3.033 -> 3.075, 16 3.702 -> 3.749, 64 4.440 -> 4.829, 256 9.96 -> 10.47 (the same with the
+# loop nest flattened or the fold inside one loop). Off (0: one chain a piece) by default.
+SUB_SHAPES = {("linear", 4096, 1024), ("linear", 1024, 2048), ("swiglu", 3072, 1024), ("linear", 1024, 3072)}
+SUB_COLS = 0
+
+
+def sub_cols(kind: str, n: int, k: int, fp16: bool) -> int:
+    """The sub-piece columns of this product's K pieces (0: none, one chain a piece)."""
+    if not fp16 or (kind, n, k) not in SUB_SHAPES:
+        return 0
+    return int(os.environ.get("TTS_GEMM_SUB", SUB_COLS))
+
+
 # one row count per tile bucket, for compiling every tile before serving (warm_up)
 WARM_ROWS = (1, 17, 33, 65, 129, 257, 513)
 OVERRIDE: dict[str, tuple] = {}
@@ -162,15 +183,85 @@ def _scaled(acc, out_ptr, SCALE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _k_step(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k0, k_hi, stride_xm, stride_wn, stride_w2n, acc, acc2,
+            SWIGLU: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    # one BLOCK_K step of `_gemm_kernel`'s walk over K: the dots of columns k0.. into acc (acc2)
+    kk = k0 + rk
+    kmask = kk < k_hi
+    xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                 mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
+    wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
+    wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
+    if TERMS == 0:  # fp16 matrices (params.gemm_dtype): x rounded once to fp16, one dot
+        if x_ptr.dtype.element_ty == tl.float16:  # rounded by its producer already
+            x_h = xk
+        else:
+            x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
+        acc = _dot(x_h, wk, acc, INTERPRET)
+        if SWIGLU:
+            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                   other=0.0))
+            acc2 = _dot(x_h, wk2, acc2, INTERPRET)
+    else:
+        x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        if TERMS == 3:
+            x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16,
+                                                                      fp_downcast_rounding="rtne")
+        acc = _dot(x_hi, wk, acc, INTERPRET)
+        acc = _dot(x_lo, wk, acc, INTERPRET)
+        if TERMS == 3:
+            acc = _dot(x_l2, wk, acc, INTERPRET)
+        if SWIGLU:
+            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
+                                   other=0.0))
+            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+            acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+            if TERMS == 3:
+                acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
+    return acc, acc2
+
+
+@triton.jit
+def _k_walk(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
+            SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            TERMS: tl.constexpr, INTERPRET: tl.constexpr, SUB: tl.constexpr):
+    # a K piece (columns k_lo..k_hi) from zero, in BLOCK_K steps; SUB > 0: as sub-pieces of SUB
+    # columns, each from zero, added to the piece's sum in order (k_hi - k_lo a multiple of SUB),
+    # one loop nest flattened for the pipeliner (as slow on an H200 as a fold inside one loop)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SUB > 0:
+        tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tot2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s0 in tl.range(k_lo, k_hi, SUB, flatten=True):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(0, SUB // BLOCK_K):
+                acc, acc2 = _k_step(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, s0 + i * BLOCK_K, k_hi, stride_xm,
+                                    stride_wn, stride_w2n, acc, acc2, SWIGLU, TERMS, INTERPRET)
+            tot += acc
+            if SWIGLU:
+                tot2 += acc2
+        acc, acc2 = tot, tot2
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc, acc2 = _k_step(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k0, k_hi, stride_xm, stride_wn,
+                                stride_w2n, acc, acc2, SWIGLU, TERMS, INTERPRET)
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                  stride_w2n, stride_os, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr,
-                 INTERPRET: tl.constexpr, GDC: tl.constexpr, SCALE: tl.constexpr = 1.0):
+                 INTERPRET: tl.constexpr, GDC: tl.constexpr, SCALE: tl.constexpr = 1.0, SUB: tl.constexpr = 0):
     pdl.enter(GDC)
     # x [M, K] fp32 (or fp16 with fp16 w); w, w2 [N, K] bf16 or fp16; out [SPLIT, M, N] fp32 (split s
     # covers K range s*K_PER_SPLIT..), each value times SCALE (a power of two: exact); an fp16 out
-    # (swiglu) takes the scaled value rounded once to nearest even
+    # (swiglu) takes the scaled value rounded once to nearest even. SUB > 0: the piece as sub-pieces
+    # of SUB columns (sub_cols), each from zero, added to the piece's sum in order
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -179,42 +270,8 @@ def _gemm_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm,
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < k_hi
-        xk = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                     mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
-        wmask = (rn < N)[:, None] & kmask[None, :]  # weight tiles [BLOCK_N, BLOCK_K], K contiguous
-        wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
-        if TERMS == 0:  # fp16 matrices (params.gemm_dtype): x rounded once to fp16, one dot
-            if x_ptr.dtype.element_ty == tl.float16:  # rounded by its producer already
-                x_h = xk
-            else:
-                x_h = xk.to(tl.float16, fp_downcast_rounding="rtne")
-            acc = _dot(x_h, wk, acc, INTERPRET)
-            if SWIGLU:
-                wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
-                                       other=0.0))
-                acc2 = _dot(x_h, wk2, acc2, INTERPRET)
-        else:
-            x_hi = xk.to(tl.bfloat16, fp_downcast_rounding="rtne")
-            x_lo = (xk - x_hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-            if TERMS == 3:
-                x_l2 = (xk - x_hi.to(tl.float32) - x_lo.to(tl.float32)).to(tl.bfloat16,
-                                                                          fp_downcast_rounding="rtne")
-            acc = _dot(x_hi, wk, acc, INTERPRET)
-            acc = _dot(x_lo, wk, acc, INTERPRET)
-            if TERMS == 3:
-                acc = _dot(x_l2, wk, acc, INTERPRET)
-            if SWIGLU:
-                wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask,
-                                       other=0.0))
-                acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
-                acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
-                if TERMS == 3:
-                    acc2 = _dot(x_l2, wk2, acc2, INTERPRET)
+    acc, acc2 = _k_walk(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
+                        SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET, SUB)
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     acc = _scaled(acc, out_ptr, SCALE)
@@ -259,9 +316,9 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     swiglu = w2 is not None
     w2 = w2.contiguous() if swiglu else w
     kind = "swiglu" if swiglu else "linear"
-    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m, fp16=w.dtype == torch.float16,
-                                                     x16=x.dtype == torch.float16)
-    if w.dtype == torch.float16:  # fp16 matrices (params.gemm_dtype): one fp16 term
+    fp16 = w.dtype == torch.float16
+    bm, bn, bk, warps, stages, chunk, terms = config(kind, n, k, m, fp16=fp16, x16=x.dtype == torch.float16)
+    if fp16:  # fp16 matrices (params.gemm_dtype): one fp16 term
         terms = 0
     assert out_dtype == torch.float32 or (swiglu and out_dtype == torch.float16), out_dtype
     if m >= big_m_min_rows(terms) and not OVERRIDE and (kind, n, k) in big_m_tiles(terms):
@@ -275,7 +332,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
     _gemm_kernel[grid](x, w, w2, part, m, n, k, k_per, x.stride(0), w.stride(0), w2.stride(0),
                        m * n, n, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                        TERMS=terms, INTERPRET=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.kw(),
-                       **_scale_kw(shift))
+                       **_scale_kw(shift), **_sub_kw(kind, n, k, fp16, bk, k_per))
     if not reduce:
         return part if split > 1 else out[None]
     if split > 1:
@@ -287,6 +344,15 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, reduce: boo
 def _scale_kw(shift: int) -> dict:
     """The kernels' SCALE (2^shift) where it is not 1: other launches keep their compiled form."""
     return dict(SCALE=2.0 ** shift) if shift else {}
+
+
+def _sub_kw(kind: str, n: int, k: int, fp16: bool, bk: int, k_per: int) -> dict:
+    """The kernels' SUB (sub_cols) where it is not 0: other launches keep their compiled form."""
+    sub = sub_cols(kind, n, k, fp16)
+    if not sub:
+        return {}
+    assert sub % bk == 0 and k_per % sub == 0, (kind, n, k, sub, bk, k_per)
+    return dict(SUB=sub)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -395,27 +461,33 @@ def _split_kernel(x_ptr, out_ptr, NUMEL, TERMS: tl.constexpr, BLOCK: tl.constexp
 @triton.jit
 def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
            SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           TERMS: tl.constexpr, INTERPRET: tl.constexpr):
-    # TERMS 2: hi / lo bf16 parts, two dots per K step; TERMS 0: hi is x in fp16 (lo unused), one dot
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < k_hi
-        xm = (rm < M)[:, None] & kmask[None, :]
-        x_hi = tl.load(hi_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
-        if TERMS == 2:  # the loads in the order the 2-term kernel was measured with
-            x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
-        wmask = (rn < N)[:, None] & kmask[None, :]
-        wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
-        acc = _dot(x_hi, wk, acc, INTERPRET)
-        if TERMS == 2:
-            acc = _dot(x_lo, wk, acc, INTERPRET)
-        if SWIGLU:
-            wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask, other=0.0))
-            acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+           TERMS: tl.constexpr, INTERPRET: tl.constexpr, SUB: tl.constexpr):
+    # TERMS 2: hi / lo bf16 parts, two dots per K step; TERMS 0: hi is x in fp16 (lo unused), one dot;
+    # SUB > 0 (fp16 matrices): `_gemm_kernel`'s walk over sub-pieces
+    if SUB > 0:
+        tl.static_assert(TERMS == 0, "sub-pieces: fp16 matrices")
+        acc, acc2 = _k_walk(hi_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_w2n,
+                            SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET, SUB)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < k_hi
+            xm = (rm < M)[:, None] & kmask[None, :]
+            x_hi = tl.load(hi_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+            if TERMS == 2:  # the loads in the order the 2-term kernel was measured with
+                x_lo = tl.load(lo_ptr + rm[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+            wmask = (rn < N)[:, None] & kmask[None, :]
+            wk = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0))
+            acc = _dot(x_hi, wk, acc, INTERPRET)
             if TERMS == 2:
-                acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
+                acc = _dot(x_lo, wk, acc, INTERPRET)
+            if SWIGLU:
+                wk2 = tl.trans(tl.load(w2_ptr + rn[:, None] * stride_w2n + kk[None, :], mask=wmask, other=0.0))
+                acc2 = _dot(x_hi, wk2, acc2, INTERPRET)
+                if TERMS == 2:
+                    acc2 = _dot(x_lo, wk2, acc2, INTERPRET)
     return acc, acc2
 
 
@@ -423,7 +495,7 @@ def _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_x
 def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLIT, SPLIT, stride_xm, stride_wn,
                      stride_w2n, stride_om, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TERMS: tl.constexpr, INTERPRET: tl.constexpr, GDC: tl.constexpr,
-                     SCALE: tl.constexpr = 1.0):
+                     SCALE: tl.constexpr = 1.0, SUB: tl.constexpr = 0):
     pdl.enter(GDC)
     # hi/lo [M, K] bf16 (x's parts; TERMS 0: hi = x in fp16); w, w2 [N, K] bf16 (fp16) -> out
     # [M, N] fp32: the K pieces (K_PER_SPLIT each) from zero, summed in order
@@ -433,11 +505,11 @@ def _gemm_big_kernel(hi_ptr, lo_ptr, w_ptr, w2_ptr, out_ptr, M, N, K, K_PER_SPLI
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     y, y2 = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, 0, tl.minimum(K_PER_SPLIT, K), stride_xm,
-                   stride_wn, stride_w2n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET)
+                   stride_wn, stride_w2n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET, SUB)
     for s in range(1, SPLIT):
         k_lo = s * K_PER_SPLIT
         p, _ = _piece(hi_ptr, lo_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, tl.minimum(k_lo + K_PER_SPLIT, K),
-                      stride_xm, stride_wn, stride_w2n, False, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET)
+                      stride_xm, stride_wn, stride_w2n, False, BLOCK_M, BLOCK_N, BLOCK_K, TERMS, INTERPRET, SUB)
         y += p
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * y2
@@ -485,5 +557,6 @@ def gemm_big(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, tile: tu
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _gemm_big_kernel[grid](hl[0], hl[-1], w, w2, out, m, n, k, k_per, split, k, w.stride(0), w2.stride(0), n,
                            SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TERMS=terms, INTERPRET=_INTERPRET,
-                           num_warps=warps, num_stages=stages, **pdl.kw(), **_scale_kw(shift))
+                           num_warps=warps, num_stages=stages, **pdl.kw(), **_scale_kw(shift),
+                           **_sub_kw(kind, n, k, w.dtype == torch.float16, bk, k_per))
     return out
