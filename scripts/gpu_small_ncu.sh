@@ -6,16 +6,18 @@
 # the warp states, the scheduler and the source counters (stall samples per SASS instruction), the
 # source page exported per instruction. Firecracker machines need --clock-control none. Results:
 # $OUT/ncu-<name>.{ncu-rep,txt,log} and $OUT/ncu-<name>-sass.csv. KERNELS: "name=regex" words over
-# the demangled names; SKIP: launches of each skipped first.
+# the demangled names; SKIP: launches of each skipped first, COUNT: launches profiled. The timeline
+# script runs with --replays-only (the torch profiler cannot share CUPTI with ncu: session 47's
+# first run died there).
 #   bash scripts/gpu_small_ncu.sh
 source "$(dirname "$0")/gpu_env.sh"
 make -s -C csrc libqwen_small.so libqwen_attn.so > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-for kv in ${KERNELS:-cp=cp_layers_kernel<false> draw=_sample_kernel}; do
+for kv in ${KERNELS:-cp=cp_layers_kernel draw=_sample_kernel}; do
   name=${kv%%=*} rep="$OUT/ncu-${kv%%=*}"
   timeout "${NCU_TIMEOUT:-280}" ncu --clock-control none --kernel-name-base demangled -k "regex:${kv#*=}" \
-    --launch-skip "${SKIP:-40}" --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --launch-skip "${SKIP:-40}" --launch-count "${COUNT:-1}" --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section SourceCounters --section LaunchStats \
-    -o "$rep" -f $PY scripts/gpu_small_timeline.py --modes on --sizes 1 --out "/tmp/ncu-tl-$name" \
+    -o "$rep" -f $PY scripts/gpu_small_timeline.py --modes on --sizes 1 --replays-only --out "/tmp/ncu-tl-$name" \
     > "$rep.log" 2>&1
   echo "ncu $name rc $?"; grep -E "==ERROR==|==WARNING==" "$rep.log" | head -3
   [ -f "$rep.ncu-rep" ] || continue

@@ -32,10 +32,14 @@ from tts_server.engines.batched.engine import BatchedEngine  # noqa: E402
 from tts_server.engines.batched.graphs import bucket_for  # noqa: E402
 
 
-def timeline(eng: BatchedEngine, slots: list[int], out: Path, label: str) -> dict:
+def timeline(eng: BatchedEngine, slots: list[int], out: Path, label: str, replays_only: bool = False) -> dict:
     n = len(slots)
     b = bucket_for(n, eng.sizes)
     ms = time_replays(eng, slots, 20)
+    if replays_only:  # (under Nsight Compute, whose CUPTI the torch profiler cannot share)
+        rec = dict(label=label, B=n, replay_ms=round(ms, 4))
+        print(json.dumps(rec), flush=True)
+        return rec
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--max-streams", type=int, default=8)
     ap.add_argument("--modes", nargs="*", default=["off", "on"], help="off: the graphs alone (TTS_SMALL_KERNEL=0)")
+    ap.add_argument("--replays-only", action="store_true", help="time the replays, no torch profiler (for ncu)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +98,7 @@ def main() -> None:
         print(f"{mode}: small kernel {eng.small_kernel}", flush=True)
         for b in a.sizes:
             slots = fake_admit(eng, checks.mixed_lengths(b), margin=128)
-            recs.append(timeline(eng, slots, out, f"{mode}-B{b}"))
+            recs.append(timeline(eng, slots, out, f"{mode}-B{b}", a.replays_only))
         del eng
         torch.cuda.empty_cache()
     (out / "small_timeline.json").write_text(json.dumps(recs, indent=1))
