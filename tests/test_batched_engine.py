@@ -214,7 +214,7 @@ def test_memory_bytes_counts_what_the_engine_allocates(weights):
     s, f = eng.state, eng.frame
     got = sum(t.numel() * t.element_size() for t in (
         eng.kv.k, eng.kv.v, eng.kv.table, s.ints, s.floats, s.seed, s.past_hidden, s.trailing, s.pad_embed,
-        s.seen, f.cp_k, f.cp_v, f.out, f.rope))
+        s.seen, f.cp_k, f.cp_v, f.out, f.rope, *([] if f.noise is None else [f.noise])))
     assert got + fused_bytes(weights, eng.gemm_dtype) == want
 
 

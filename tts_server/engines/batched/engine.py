@@ -251,7 +251,9 @@ class BatchedEngine:
         return (PagedKV.nbytes(t, num_blocks, block_size, kv_dtype) + table + rope
                 + SlotState.nbytes(max_streams, t.hidden_size, ids.vocab_size, max_trailing)
                 + FrameStep.scratch_bytes(c.num_layers, c.num_kv_heads, c.head_dim, ids.num_code_groups, rows,
-                                          max(ids.vocab_size, ids.predictor_vocab_size))
+                                          # the draws' noise rows: where they run as Triton kernels
+                                          max(ids.vocab_size, ids.predictor_vocab_size)
+                                          if ops.draws_in_triton(weights.codec_head) else 0)
                 + fused_bytes(weights, default_gemm_dtype(weights.codec_head.device, frame_kernel))
                 + (small_kernel.tiled_bytes(c) + small_kernel.talker_bytes(t, math.ceil(max_positions / block_size))
                    if frame_kernel == "triton" and weights.codec_head.is_cuda else 0)
