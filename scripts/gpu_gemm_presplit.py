@@ -8,7 +8,9 @@ replays with 8 weight copies in rotation (weights from HBM, as in a frame).
 
 Then `_gemm` itself with fp16 x (the frame's path since session 31) over its tiles per M bucket
 (X16_ONLY=1: that section only; X16_SHAPES=o_proj,...: those products only; `down` there takes
-swiglu's scaled fp16 row, as the frame does since session 33).
+swiglu's scaled fp16 row, as the frame does since session 33; X16_MS=4,64: those row counts;
+X16_BK=256: that BLOCK_K for every candidate). With TTS_GEMM_SUB=256 it sweeps the tiles of the
+opt-in sub-piece order (tk_gemm.SUB_COLS).
 
   PYTHONPATH=. python3 scripts/gpu_gemm_presplit.py   # writes $OUT/gemm_presplit.json
 """
@@ -83,7 +85,10 @@ def main() -> None:
 
 # `_gemm` itself with x in fp16 (the decode frame's path): per M bucket, today's tile and candidates
 # through tk_gemm.OVERRIDE, each bitwise against `_gemm` with fp32 x
-X16_MS = (1, 16, 32, 64, 128, 256)
+X16_MS = tuple(int(m) for m in os.environ.get("X16_MS", "1,16,32,64,128,256").split(","))
+# X16_BK: another BLOCK_K for every candidate (with TTS_GEMM_SUB=256, sub-pieces of one step at
+# 256: whether the fold then costs the tiles less); the reference stays the default config's
+X16_BK = int(os.environ.get("X16_BK", "0"))
 X16_TILES = [(16, 16, 2, 3), (16, 32, 4, 5), (16, 32, 4, 3), (16, 64, 2, 4), (16, 64, 4, 5), (16, 128, 4, 4),
              (32, 32, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4),
              (128, 64, 8, 3), (128, 128, 8, 3)]
@@ -112,7 +117,7 @@ def x16_tiles() -> dict:
                 if n % bn or bm > max(16, 2 * m):
                     continue
                 key = f"{bm}x{bn}x{warps}x{stages}"
-                tk_gemm.OVERRIDE[kind] = (bm, bn, cfg[2], warps, stages) + tuple(cfg[5:])
+                tk_gemm.OVERRIDE[kind] = (bm, bn, X16_BK or cfg[2], warps, stages) + tuple(cfg[5:])
                 try:
                     same = torch.equal(tk_gemm._gemm(x16, ws[0], w2s[0], reduce=reduce, shift=shift), ref)
                     row["tiles"][key] = round(bench_graph(lambda i: tk_gemm._gemm(
