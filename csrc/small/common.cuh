@@ -186,7 +186,7 @@ static_assert(QSK_SUB == 0 || QSK_SUB == 256, "QSK_SUB: 0 or 256 columns");
 // (A loop of two steps an iteration measured ~43 cycles a step in this kernel on the H200; a chain
 // fully unrolled with its operands from shared memory ~25, dot_bits.cu's chain_smem.)
 // QSK_SUB 256: columns 0-255 and 256-511 as two chains from zero, step by step interleaved, then
-// d = (d + s0) + s1 (e likewise): tk_gemm._fold's order.
+// d = (d + s0) + s1 (e likewise): tk_gemm._k_walk's order.
 template <bool TWO, bool DUAL>
 __device__ __forceinline__ void chain_unit(uint32_t w0, uint32_t w1, uint32_t xa, int xrs, float (*d)[4],
                                            float (*e)[4], int sw) {
