@@ -553,6 +553,7 @@ def check_gemm_sub(dev: str) -> None:
             os.environ["TTS_GEMM_SUB"] = "256"
             sub = tk_gemm.sub_cols(kind, n, k, True)
             got = tk_gemm.linear_parts(x, w) if kind == "linear" else tk_gemm.swiglu(x, w, w2)
+            os.environ.pop("TTS_GEMM_SUB")
             assert sub == 256 and got.shape == one.shape and not torch.equal(got, one), (kind, n, k)
             if kind == "swiglu":
                 continue
@@ -568,7 +569,6 @@ def check_gemm_sub(dev: str) -> None:
                     assert torch.equal(got[p], want), (kind, n, k, p)
             finally:
                 tk_gemm.OVERRIDE.pop("linear")
-            os.environ.pop("TTS_GEMM_SUB")
     finally:
         tk_gemm.SUB_SHAPES.clear()
         tk_gemm.SUB_SHAPES |= saved

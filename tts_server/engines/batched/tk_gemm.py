@@ -230,8 +230,6 @@ def _k_walk(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, strid
     # a K piece (columns k_lo..k_hi) from zero, in BLOCK_K steps; SUB > 0: as sub-pieces of SUB
     # columns, each from zero, added to the piece's sum in order (k_hi - k_lo a multiple of SUB),
     # one loop nest flattened for the pipeliner (as slow on an H200 as a fold inside one loop)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SUB > 0:
         tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         tot2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -246,6 +244,8 @@ def _k_walk(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k_lo, k_hi, stride_xm, strid
                 tot2 += acc2
         acc, acc2 = tot, tot2
     else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc, acc2 = _k_step(x_ptr, w_ptr, w2_ptr, rm, rn, rk, M, N, k0, k_hi, stride_xm, stride_wn,
                                 stride_w2n, acc, acc2, SWIGLU, TERMS, INTERPRET)
