@@ -131,12 +131,23 @@ def _dump(folder: Path, name: str, kernel, args, kwargs) -> None:
 
 def _gemms(tk_gemm) -> None:
     """Every tuned tile (tk_gemm.warm_up's row counts) for bf16 and fp16 matrices, and the many-row
-    path of the prefill."""
+    path of the prefill; the fp16 ones also in the opt-in sub-piece order (TTS_GEMM_SUB=256)."""
     tk_gemm.warm_up(torch.device("cpu"), (torch.bfloat16, torch.float16))
     for dtype, terms in ((torch.bfloat16, 2), (torch.float16, 0)):
         for (kind, n, k) in tk_gemm.big_m_tiles(terms):
             w = torch.zeros(n, k, dtype=dtype)
             tk_gemm._gemm(torch.zeros(tk_gemm.big_m_min_rows(terms), k), w, w if kind == "swiglu" else None)
+    before = os.environ.get("TTS_GEMM_SUB")
+    os.environ["TTS_GEMM_SUB"] = "256"
+    try:
+        tk_gemm.warm_up(torch.device("cpu"), (torch.float16,))
+        for (kind, n, k) in tk_gemm.big_m_tiles(0):
+            w = torch.zeros(n, k, dtype=torch.float16)
+            tk_gemm._gemm(torch.zeros(tk_gemm.big_m_min_rows(0), k), w, w if kind == "swiglu" else None)
+    finally:
+        os.environ.pop("TTS_GEMM_SUB")
+        if before is not None:
+            os.environ["TTS_GEMM_SUB"] = before
 
 
 def _prompt_rows(embed_rows) -> None:
@@ -158,7 +169,7 @@ def _engine(sizes, pdl) -> None:
     w = checks.random_weights("cpu")
     for dtype in (torch.float16, torch.bfloat16):  # the GEMM matrices: CUDA's default, and bf16
         # (the fp16 engine with the draws' noise made at the frame's start for frames of up to 4
-        # streams, frame.NOISE_ROWS's other setting, so that its kernels compile too)
+        # streams, the bf16 one with it off, so that both settings' kernels compile)
         before = os.environ.get("TTS_FRAME_NOISE_ROWS")
         os.environ["TTS_FRAME_NOISE_ROWS"] = "4" if dtype == torch.float16 else "0"
         eng = BatchedEngine(w, max_streams=max(sizes), max_positions=512, gemm_dtype=dtype)
